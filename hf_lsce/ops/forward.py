@@ -1,0 +1,142 @@
+"""Triton forward kernel: per-token log-sum-exp and friends, without the N x V logits.
+
+Each program owns ``BLOCK_N`` rows and one contiguous slice ("split") of the vocabulary. It walks
+its slice ``BLOCK_V`` columns at a time, computing the logit tile ``h @ W^T`` with an fp32
+accumulator (loop over D in ``BLOCK_D`` steps), and keeps per row an online softmax state:
+
+    m  running max             s  sum exp(z - m)           t  sum exp(z - m) * z
+    sz sum of logits           zy target logit              am argmax
+
+Splitting the vocabulary gives enough programs to fill the GPU when N is small; the few partial
+states per row are merged in torch (``merge_splits``), which costs O(N * splits).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _tanh(x):
+    # tanh through exp: portable (interpreter and every GPU backend), saturates correctly at +-inf.
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _logit_tile(
+    H, W, B, offs_n, offs_v, mask_n, mask_v, D, stride_hn, stride_hd, stride_wv, stride_wd,
+    softcap, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """fp32 logits of one (BLOCK_N, BLOCK_V) tile; also tanh(z/cap) when soft-capped (else 0)."""
+    acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        mask_d = offs_d < D
+        h = tl.load(H + offs_n[:, None] * stride_hn + offs_d[None, :] * stride_hd,
+                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        w = tl.load(W + offs_v[:, None] * stride_wv + offs_d[None, :] * stride_wd,
+                    mask=mask_v[:, None] & mask_d[None, :], other=0.0)
+        acc = tl.dot(h, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(B + offs_v, mask=mask_v, other=0.0).to(tl.float32)[None, :]
+    if SOFTCAP:
+        t = _tanh(acc / softcap)
+        acc = softcap * t
+    else:
+        t = acc * 0.0
+    return acc, t
+
+
+@triton.jit
+def _lce_forward_kernel(
+    H, W, B, Y,
+    M_OUT, S_OUT, T_OUT, SZ_OUT, ZY_OUT, AM_OUT,
+    N, V, D, v_per_split,
+    stride_hn, stride_hd, stride_wv, stride_wd,
+    softcap,
+    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    y = tl.load(Y + offs_n, mask=mask_n, other=-1)
+
+    m = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
+    s = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    t_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    sz = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    zy = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    am = tl.zeros((BLOCK_N,), dtype=tl.int32)
+
+    v_start = pid_s * v_per_split
+    v_end = tl.minimum(v_start + v_per_split, V)
+    for v0 in range(v_start, v_end, BLOCK_V):
+        offs_v = v0 + tl.arange(0, BLOCK_V)
+        mask_v = offs_v < v_end
+        z, _t = _logit_tile(H, W, B, offs_n, offs_v, mask_n, mask_v, D, stride_hn, stride_hd,
+                            stride_wv, stride_wd, softcap, HAS_BIAS, SOFTCAP, BLOCK_D,
+                            DOT_PRECISION, BLOCK_N, BLOCK_V)
+        z_valid = tl.where(mask_v[None, :], z, 0.0)
+        zy += tl.sum(tl.where(offs_v[None, :] == y[:, None], z_valid, 0.0), axis=1)
+        sz += tl.sum(z_valid, axis=1)
+        z_m = tl.where(mask_v[None, :], z, float("-inf"))
+        tile_max = tl.max(z_m, axis=1)
+        tile_arg = tl.argmax(z_m, axis=1).to(tl.int32) + v0
+        new_m = tl.maximum(m, tile_max)
+        am = tl.where(tile_max > m, tile_arg, am)
+        alpha = tl.exp(m - new_m)
+        e = tl.exp(z_m - new_m[:, None])
+        s = s * alpha + tl.sum(e, axis=1)
+        t_acc = t_acc * alpha + tl.sum(e * z_valid, axis=1)
+        m = new_m
+
+    out = pid_s * N + offs_n
+    tl.store(M_OUT + out, m, mask=mask_n)
+    tl.store(S_OUT + out, s, mask=mask_n)
+    tl.store(T_OUT + out, t_acc, mask=mask_n)
+    tl.store(SZ_OUT + out, sz, mask=mask_n)
+    tl.store(ZY_OUT + out, zy, mask=mask_n)
+    tl.store(AM_OUT + out, am, mask=mask_n)
+
+
+def merge_splits(m, s, t, sz, zy, am):
+    """Merge per-split online-softmax states (splits, N) into per-token statistics (N,)."""
+    m_max, best = m.max(dim=0)
+    scale = torch.exp(m - m_max[None, :])
+    s_tot = (s * scale).sum(0)
+    t_tot = (t * scale).sum(0)
+    lse = m_max + torch.log(s_tot)
+    entropy = lse - t_tot / s_tot
+    argmax = am.gather(0, best[None, :])[0].long()
+    return lse, zy.sum(0), sz.sum(0), argmax, entropy
+
+
+def triton_forward(hidden, weight, bias, targets, softcap, config):
+    """Launch the forward kernel on 2-D ``hidden`` (N, D); returns (lse, zy, sz, argmax, entropy)."""
+    n, d = hidden.shape
+    v = weight.shape[0]
+    block_n, block_v, block_d = config.block_n, config.block_v, config.block_d
+    n_blocks = triton.cdiv(n, block_n)
+    v_blocks = triton.cdiv(v, block_v)
+    splits = max(1, min(v_blocks, triton.cdiv(config.min_programs, n_blocks)))
+    v_per_split = triton.cdiv(v_blocks, splits) * block_v
+    splits = triton.cdiv(v, v_per_split)
+    f32 = dict(dtype=torch.float32, device=hidden.device)
+    m, s, t, sz, zy = (torch.empty(splits, n, **f32) for _ in range(5))
+    am = torch.empty(splits, n, dtype=torch.int32, device=hidden.device)
+    _lce_forward_kernel[(n_blocks, splits)](
+        hidden, weight, bias if bias is not None else weight, targets,
+        m, s, t, sz, zy, am,
+        n, v, d, v_per_split,
+        hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
+        float(softcap) if softcap is not None else 1.0,
+        HAS_BIAS=bias is not None, SOFTCAP=softcap is not None,
+        DOT_PRECISION=config.dot_precision,
+        BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_D=block_d,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return merge_splits(m, s, t, sz, zy, am)

@@ -1,0 +1,327 @@
+"""``linear_cross_entropy``: fused linear layer + label-smoothed cross-entropy.
+
+The one public entry point of ``hf_lsce.ops``: it validates every argument (the only place that
+does), normalises shapes, and dispatches to the Triton kernels (CUDA, or the Triton interpreter when
+asked) or to the chunked torch implementation (every other device). Both compute, per token,
+
+    loss_n = (1 - b_n) (lse_n - z_{n,y_n}) + b_n (lse_n - mean_v z_nv),   z = h W^T + bias
+
+(z soft-capped as ``cap * tanh(z / cap)`` when ``softcap`` is given) without ever holding the N x V
+logits: the kernels return per-token statistics, from which the loss is a few O(N) torch ops.
+"""
+from __future__ import annotations
+
+import numbers
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from . import reference
+
+_REDUCTIONS = ("mean", "sum", "none")
+_BACKENDS = ("auto", "triton", "torch")
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+class LCEStats(NamedTuple):
+    """Per-token statistics from the forward pass (shape of ``targets``; no gradient).
+
+    ``lse``: log-sum-exp of the logits; ``argmax``: the top-1 token; ``nll``: unsmoothed
+    cross-entropy ``lse - z_y`` (0 where ignored); ``entropy``: entropy of softmax(z), in nats;
+    ``valid``: True where the target is not ``ignore_index``.
+    """
+
+    lse: torch.Tensor
+    argmax: torch.Tensor
+    nll: torch.Tensor
+    entropy: torch.Tensor
+    valid: torch.Tensor
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:  # pragma: no cover - triton is a Linux dependency
+        return False
+    return True
+
+
+def _resolve_backend(backend: str, device: torch.device) -> str:
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and _triton_available() else "torch"
+    if backend == "triton":
+        from .config import interpreting
+
+        if not _triton_available():
+            raise RuntimeError("backend='triton' needs the `triton` package; install it or use backend='torch'.")
+        if device.type != "cuda" and not interpreting():
+            raise ValueError(
+                f"backend='triton' needs CUDA tensors (got device {device}); set TRITON_INTERPRET=1 "
+                "before importing hf_lsce to run the kernels in Triton's CPU interpreter, or use backend='torch'."
+            )
+    return backend
+
+
+def _validate(hidden, weight, targets, bias, label_smoothing, ignore_index, reduction, softcap,
+              num_items_in_batch, backend, filter_eps):
+    """Check every argument; raise ValueError / TypeError naming it. Returns the validated smoothing."""
+    if not isinstance(hidden, torch.Tensor):
+        raise TypeError(f"hidden must be a torch.Tensor, got {type(hidden).__name__}.")
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}.")
+    if not isinstance(targets, torch.Tensor):
+        raise TypeError(f"targets must be a torch.Tensor of token ids, got {type(targets).__name__}.")
+    if hidden.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"hidden must be float16, bfloat16, float32 or float64, got {hidden.dtype}.")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(
+            f"weight dtype {weight.dtype} differs from hidden dtype {hidden.dtype}; cast one of them "
+            "(e.g. weight.to(hidden.dtype)) or run under torch.autocast."
+        )
+    if hidden.dim() < 1:
+        raise ValueError("hidden must have shape (..., D); got a 0-d tensor.")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must have shape (V, D); got {tuple(weight.shape)}.")
+    if weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"hidden's last dimension ({hidden.shape[-1]}) must equal weight.shape[1] ({weight.shape[1]})."
+        )
+    if weight.shape[0] == 0:
+        raise ValueError("weight has no rows: the vocabulary size V must be at least 1.")
+    if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
+        raise TypeError(f"targets must hold integer token ids, got dtype {targets.dtype}.")
+    if tuple(targets.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(
+            f"targets shape {tuple(targets.shape)} must equal hidden.shape[:-1] = {tuple(hidden.shape[:-1])}."
+        )
+    for name, t in (("weight", weight), ("targets", targets)):
+        if t.device != hidden.device:
+            raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}; move them to one device.")
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor):
+            raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}.")
+        if tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(f"bias must have shape (V,) = ({weight.shape[0]},); got {tuple(bias.shape)}.")
+        if bias.dtype != hidden.dtype:
+            raise TypeError(f"bias dtype {bias.dtype} differs from hidden dtype {hidden.dtype}.")
+        if bias.device != hidden.device:
+            raise ValueError(f"bias is on {bias.device} but hidden is on {hidden.device}.")
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}.")
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}.")
+    if not isinstance(ignore_index, numbers.Integral) or isinstance(ignore_index, bool):
+        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}.")
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not softcap > 0:
+            raise ValueError(f"softcap must be None or a positive number, got {softcap!r}.")
+    if filter_eps != "auto":
+        if isinstance(filter_eps, bool) or not isinstance(filter_eps, numbers.Real) or not filter_eps >= 0:
+            raise ValueError(f"filter_eps must be 'auto' or a number >= 0, got {filter_eps!r}.")
+    if num_items_in_batch is not None:
+        if reduction == "none":
+            raise ValueError("num_items_in_batch divides the summed loss; it cannot be used with reduction='none'.")
+        if isinstance(num_items_in_batch, torch.Tensor):
+            if num_items_in_batch.numel() != 1:
+                raise ValueError("num_items_in_batch must be a number or a one-element tensor.")
+            if num_items_in_batch.item() < 0:
+                raise ValueError(f"num_items_in_batch must be >= 0, got {num_items_in_batch.item()}.")
+        elif isinstance(num_items_in_batch, bool) or not isinstance(num_items_in_batch, numbers.Real):
+            raise TypeError(f"num_items_in_batch must be a number or a tensor, got {num_items_in_batch!r}.")
+        elif num_items_in_batch < 0:
+            raise ValueError(f"num_items_in_batch must be >= 0, got {num_items_in_batch}.")
+
+    if isinstance(label_smoothing, torch.Tensor):
+        if not label_smoothing.dtype.is_floating_point:
+            raise TypeError(f"label_smoothing tensor must be floating point, got {label_smoothing.dtype}.")
+        if label_smoothing.dim() != 0 and tuple(label_smoothing.shape) != tuple(targets.shape):
+            raise ValueError(
+                f"per-token label_smoothing must have the shape of targets {tuple(targets.shape)}, "
+                f"got {tuple(label_smoothing.shape)}."
+            )
+        if label_smoothing.device != hidden.device:
+            raise ValueError(f"label_smoothing is on {label_smoothing.device} but hidden is on {hidden.device}.")
+        if label_smoothing.numel() and not bool(((label_smoothing >= 0) & (label_smoothing <= 1)).all()):
+            raise ValueError("label_smoothing values must lie in [0, 1] (and not be NaN).")
+    elif isinstance(label_smoothing, numbers.Real) and not isinstance(label_smoothing, bool):
+        if not 0.0 <= float(label_smoothing) <= 1.0:
+            raise ValueError(f"label_smoothing must lie in [0, 1], got {label_smoothing}.")
+    else:
+        raise TypeError(f"label_smoothing must be a float in [0, 1] or a tensor, got {label_smoothing!r}.")
+
+    v = weight.shape[0]
+    if targets.numel():
+        bad = ~(((targets >= 0) & (targets < v)) | (targets == ignore_index))
+        if bool(bad.any()):
+            first = targets[bad].flatten()[0].item()
+            raise ValueError(
+                f"targets must be in [0, {v}) or equal ignore_index={ignore_index}; found {first} "
+                f"({int(bad.sum())} bad entries). Check the tokenizer matches the model's vocabulary."
+            )
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Per-token smoothed losses of 2-D inputs; reduction happens outside (plain torch ops)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, smoothing, softcap, backend, filter_eps):
+        n, v = hidden.shape[0], weight.shape[0]
+        valid = targets >= 0
+        if n == 0:
+            e = torch.zeros(0, dtype=torch.float32, device=hidden.device)
+            stats = (e, e, e, torch.zeros(0, dtype=torch.long, device=hidden.device), e)
+        elif backend == "triton":
+            from .config import forward_config
+            from .forward import triton_forward
+
+            stats = triton_forward(hidden, weight, bias, targets, softcap,
+                                   forward_config(hidden.dtype, hidden.device))
+        else:
+            stats = reference.torch_forward(hidden, weight, bias, targets, softcap)
+        lse, zy, sz, argmax, entropy = stats
+        b = smoothing.to(lse.dtype)
+        loss = torch.where(valid, lse - (1.0 - b) * zy - b * sz / v, torch.zeros_like(lse))
+        nll = torch.where(valid, lse - zy, torch.zeros_like(lse))
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, smoothing)
+        ctx.softcap, ctx.backend, ctx.filter_eps = softcap, backend, filter_eps
+        ctx.mark_non_differentiable(lse, argmax, nll, entropy)
+        return loss, lse, argmax, nll, entropy
+
+    @staticmethod
+    def backward(ctx, grad_loss, *unused):
+        hidden, weight, bias, targets, lse, smoothing = ctx.saved_tensors
+        need_dh, need_dw, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        n, v = hidden.shape[0], weight.shape[0]
+        if n == 0 or grad_loss is None:
+            return (torch.zeros_like(hidden) if need_dh else None, torch.zeros_like(weight) if need_dw else None,
+                    torch.zeros_like(bias) if need_db and bias is not None else None, None, None, None, None, None)
+        grad = torch.where(targets >= 0, grad_loss.float(), torch.zeros_like(grad_loss, dtype=torch.float32))
+        b = smoothing.float()
+        if ctx.backend == "triton":
+            from .backward import triton_backward
+            from .config import backward_config
+
+            eps = ctx.filter_eps
+            if ctx.softcap is not None and bool((b > 0).any()):
+                eps = 0.0  # the soft-cap remainder b/V tanh^2 is dense: no tile may be skipped
+            dh, dw, db, _ = triton_backward(
+                hidden, weight, bias, targets, lse, grad.contiguous(), b.contiguous(), ctx.softcap,
+                backward_config(hidden.dtype, hidden.device), eps, need_dh=need_dh, need_dw=need_dw)
+            # The rank-one smoothing term -b_n/V, exact (see backward.py).
+            c = grad * b / v
+            if need_dh:
+                dh -= c[:, None] * weight.sum(0, dtype=torch.float32)[None, :]
+            if need_dw:
+                dw -= (c[None, :] @ hidden.float())
+            if db is not None:
+                db -= c.sum()
+        else:
+            dh, dw, db = reference.torch_backward(hidden, weight, bias, targets, lse, grad, b, ctx.softcap)
+        return (dh.to(hidden.dtype) if need_dh else None, dw.to(weight.dtype) if need_dw else None,
+                db.to(bias.dtype) if need_db and db is not None else None, None, None, None, None, None)
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    label_smoothing: float | torch.Tensor = 0.0,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    softcap: float | None = None,
+    shift: bool = False,
+    num_items_in_batch: int | torch.Tensor | None = None,
+    return_stats: bool = False,
+    backend: str = "auto",
+    filter_eps: float | str = "auto",
+):
+    """Label-smoothed cross-entropy of ``hidden @ weight.T (+ bias)`` without materialising logits.
+
+    Equals ``F.cross_entropy(z.float(), targets, label_smoothing=b, ignore_index=..., reduction=...)``
+    with ``z = hidden @ weight.T + bias`` (soft-capped as ``softcap * tanh(z / softcap)`` if given).
+
+    Args:
+        hidden: (..., D) float16 / bfloat16 / float32 / float64 hidden states.
+        weight: (V, D) output embedding (the LM head), same dtype and device.
+        targets: (...) integer token ids in [0, V), or ``ignore_index``.
+        bias: optional (V,) bias of the LM head.
+        label_smoothing: b in [0, 1], a float or a tensor of the shape of ``targets`` (per token;
+            treated as a constant, no gradient). With ``shift=True`` it is shifted like ``targets``.
+        ignore_index: target value whose tokens take no part (loss 0, gradient 0).
+        reduction: ``"mean"`` (over non-ignored tokens), ``"sum"`` or ``"none"`` (shape of targets).
+        softcap: Gemma-2 style logit soft-capping.
+        shift: shift like Hugging Face causal LMs: position t predicts ``targets[..., t + 1]``
+            (the last position is ignored). The sequence is the second-to-last dimension of hidden.
+        num_items_in_batch: if given, the loss is ``sum / num_items_in_batch`` (Hugging Face's
+            convention under gradient accumulation).
+        return_stats: also return :class:`LCEStats` (per-token lse, argmax, nll, entropy, valid).
+        backend: ``"auto"`` (Triton kernels on CUDA, chunked torch elsewhere), ``"triton"``
+            (also on CPU under ``TRITON_INTERPRET=1``) or ``"torch"``.
+        filter_eps: gradient filtering threshold of the Triton backward: a (BLOCK_N x BLOCK_V) tile
+            of the softmax gradient whose entries are all below it is skipped. ``"auto"``:
+            ``2**-10 / V`` for 16-bit inputs (the skipped probability mass of a row is then at most
+            ``2**-10``, under bf16 resolution), 0 (off, exact) for float32 / float64.
+
+    Returns:
+        The loss (float32; float64 for float64 inputs), and the stats if ``return_stats``. All-ignored or
+        empty inputs give a loss of 0 and zero gradients, never NaN.
+    """
+    if torch.is_tensor(hidden) and torch.is_autocast_enabled(hidden.device.type):
+        # What F.linear would do under autocast: compute in the autocast dtype.
+        dt = torch.get_autocast_dtype(hidden.device.type)
+        hidden = hidden.to(dt) if hidden.dtype != dt else hidden
+        if torch.is_tensor(weight) and weight.dtype != dt:
+            weight = weight.to(dt)
+        if torch.is_tensor(bias) and bias.dtype != dt:
+            bias = bias.to(dt)
+    _validate(hidden, weight, targets, bias, label_smoothing, ignore_index, reduction, softcap,
+              num_items_in_batch, backend, filter_eps)
+    backend = _resolve_backend(backend, hidden.device)
+    v, d = weight.shape
+    out_shape = targets.shape
+    smoothing = label_smoothing
+    if shift:
+        if hidden.dim() < 2:
+            raise ValueError("shift=True needs hidden of shape (..., T, D).")
+        targets = F.pad(targets, (0, 1), value=ignore_index)[..., 1:]
+        if torch.is_tensor(smoothing) and smoothing.dim():
+            smoothing = F.pad(smoothing, (0, 1), value=0.0)[..., 1:]
+
+    h2 = hidden.reshape(-1, d)
+    t1 = targets.reshape(-1).to(torch.int64)
+    t1 = torch.where(t1 == ignore_index, torch.full_like(t1, -1), t1).contiguous()
+    n = h2.shape[0]
+    if torch.is_tensor(smoothing):
+        b1 = smoothing.detach().to(torch.float32).expand(out_shape).reshape(-1).contiguous()
+    else:
+        b1 = torch.full((n,), float(smoothing), dtype=torch.float32, device=hidden.device)
+    if filter_eps == "auto":
+        filter_eps = 2.0 ** -10 / v if hidden.dtype in (torch.float16, torch.bfloat16) else 0.0
+
+    with torch.autocast(hidden.device.type, enabled=False):
+        loss_tok, lse, argmax, nll, entropy = _LinearCrossEntropy.apply(
+            h2, weight, bias, t1, b1, softcap, backend, float(filter_eps))
+        if reduction == "none":
+            loss = loss_tok.reshape(out_shape)
+        else:
+            total = loss_tok.sum()
+            if num_items_in_batch is not None:
+                denom = num_items_in_batch
+                if torch.is_tensor(denom):
+                    denom = denom.to(device=total.device, dtype=total.dtype).clamp_min(1)
+                else:
+                    denom = max(float(denom), 1.0)
+                loss = total / denom
+            elif reduction == "mean":
+                loss = total / (t1 >= 0).sum().clamp_min(1).to(total.dtype)
+            else:
+                loss = total
+    if not return_stats:
+        return loss
+    valid = (t1 >= 0).reshape(out_shape)
+    stats = LCEStats(lse.reshape(out_shape), argmax.reshape(out_shape), nll.reshape(out_shape),
+                     entropy.reshape(out_shape), valid)
+    return loss, stats
