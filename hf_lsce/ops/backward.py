@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .forward import _logit_tile
+from .forward import _dot, _logit_tile
 
 
 @triton.jit
@@ -33,7 +33,7 @@ def _lce_backward_kernel(
     softcap, inv_v, filter_eps,
     HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, FILTER: tl.constexpr,
     NEED_DH: tl.constexpr, NEED_DW: tl.constexpr,
-    COUNT_SKIPPED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    COUNT_SKIPPED: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -53,7 +53,7 @@ def _lce_backward_kernel(
 
     z, t = _logit_tile(H, W, B, offs_n, offs_v, mask_n, mask_v, D, stride_hn, stride_hd,
                        stride_wv, stride_wd, softcap, HAS_BIAS, SOFTCAP, BLOCK_D,
-                       DOT_PRECISION, BLOCK_N, BLOCK_V)
+                       DOT_PRECISION, UPCAST, BLOCK_N, BLOCK_V)
     lse = tl.load(LSE + offs_n, mask=mask_n, other=0.0)
     y = tl.load(Y + offs_n, mask=mask_n, other=-1)
     b = tl.load(SMOOTH + offs_n, mask=mask_n, other=0.0)
@@ -78,13 +78,13 @@ def _lce_backward_kernel(
             if NEED_DH:
                 w = tl.load(W + offs_v[:, None] * stride_wv + offs_d[None, :] * stride_wd,
                             mask=mask_v[:, None] & mask_d[None, :], other=0.0)
-                dh = tl.dot(gc, w, input_precision=DOT_PRECISION)
+                dh = _dot(gc, w, tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32), DOT_PRECISION, UPCAST)
                 tl.atomic_add(DH + offs_n[:, None] * D + offs_d[None, :], dh,
                               mask=mask_n[:, None] & mask_d[None, :])
             if NEED_DW:
                 h = tl.load(H + offs_n[:, None] * stride_hn + offs_d[None, :] * stride_hd,
                             mask=mask_n[:, None] & mask_d[None, :], other=0.0)
-                dw = tl.dot(tl.trans(gc), h, input_precision=DOT_PRECISION)
+                dw = _dot(tl.trans(gc), h, tl.zeros((BLOCK_V, BLOCK_D), dtype=tl.float32), DOT_PRECISION, UPCAST)
                 tl.atomic_add(DW + offs_v[:, None] * D + offs_d[None, :], dw,
                               mask=mask_v[:, None] & mask_d[None, :])
     elif COUNT_SKIPPED:
@@ -113,7 +113,7 @@ def triton_backward(hidden, weight, bias, targets, lse, grad, smoothing, softcap
         hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
         float(softcap) if softcap is not None else 1.0, 1.0 / v, float(filter_eps),
         HAS_BIAS=bias is not None, SOFTCAP=softcap is not None, FILTER=filter_eps > 0,
-        NEED_DH=need_dh, NEED_DW=need_dw, COUNT_SKIPPED=count_skipped, DOT_PRECISION=config.dot_precision,
+        NEED_DH=need_dh, NEED_DW=need_dw, COUNT_SKIPPED=count_skipped, DOT_PRECISION=config.dot_precision, UPCAST=config.upcast_dot,
         BLOCK_N=config.block_n, BLOCK_V=config.block_v, BLOCK_D=config.block_d,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

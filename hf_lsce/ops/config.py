@@ -17,6 +17,8 @@ class KernelConfig:
     dot_precision: str
     # Forward: split the vocabulary until the grid has at least this many programs.
     min_programs: int
+    # fp32 operands for tl.dot: only under the interpreter, whose bf16 dot is wrong.
+    upcast_dot: bool = False
 
 
 def interpreting() -> bool:
@@ -27,7 +29,7 @@ def interpreting() -> bool:
 def forward_config(dtype: torch.dtype, device: torch.device) -> KernelConfig:
     prec = "ieee" if dtype == torch.float32 else "tf32"
     if interpreting():
-        return KernelConfig(16, 32, 16, 1, 1, prec, 4)
+        return KernelConfig(16, 32, 16, 1, 1, prec, 4, upcast_dot=dtype == torch.bfloat16)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     if dtype == torch.float32:
         return KernelConfig(64, 64, 32, 4, 3, prec, 2 * sms)
@@ -37,7 +39,7 @@ def forward_config(dtype: torch.dtype, device: torch.device) -> KernelConfig:
 def backward_config(dtype: torch.dtype, device: torch.device) -> KernelConfig:
     prec = "ieee" if dtype == torch.float32 else "tf32"
     if interpreting():
-        return KernelConfig(16, 32, 16, 1, 1, prec, 1)
+        return KernelConfig(16, 32, 16, 1, 1, prec, 1, upcast_dot=dtype == torch.bfloat16)
     if dtype == torch.float32:
         return KernelConfig(64, 64, 32, 4, 3, prec, 1)
     return KernelConfig(128, 128, 64, 8, 3, prec, 1)

@@ -24,10 +24,18 @@ def _tanh(x):
 
 
 @triton.jit
+def _dot(a, b, acc, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """acc + a @ b. UPCAST: fp32 operands (Triton's CPU interpreter mishandles bf16 dots)."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
 def _logit_tile(
     H, W, B, offs_n, offs_v, mask_n, mask_v, D, stride_hn, stride_hd, stride_wv, stride_wd,
     softcap, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """fp32 logits of one (BLOCK_N, BLOCK_V) tile; also tanh(z/cap) when soft-capped (else 0)."""
     acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
@@ -38,7 +46,7 @@ def _logit_tile(
                     mask=mask_n[:, None] & mask_d[None, :], other=0.0)
         w = tl.load(W + offs_v[:, None] * stride_wv + offs_d[None, :] * stride_wd,
                     mask=mask_v[:, None] & mask_d[None, :], other=0.0)
-        acc = tl.dot(h, tl.trans(w), acc, input_precision=DOT_PRECISION)
+        acc = _dot(h, tl.trans(w), acc, DOT_PRECISION, UPCAST)
     if HAS_BIAS:
         acc += tl.load(B + offs_v, mask=mask_v, other=0.0).to(tl.float32)[None, :]
     if SOFTCAP:
@@ -56,7 +64,7 @@ def _lce_forward_kernel(
     N, V, D, v_per_split,
     stride_hn, stride_hd, stride_wv, stride_wd,
     softcap,
-    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -79,7 +87,7 @@ def _lce_forward_kernel(
         mask_v = offs_v < v_end
         z, _t = _logit_tile(H, W, B, offs_n, offs_v, mask_n, mask_v, D, stride_hn, stride_hd,
                             stride_wv, stride_wd, softcap, HAS_BIAS, SOFTCAP, BLOCK_D,
-                            DOT_PRECISION, BLOCK_N, BLOCK_V)
+                            DOT_PRECISION, UPCAST, BLOCK_N, BLOCK_V)
         z_valid = tl.where(mask_v[None, :], z, 0.0)
         zy += tl.sum(tl.where(offs_v[None, :] == y[:, None], z_valid, 0.0), axis=1)
         sz += tl.sum(z_valid, axis=1)
@@ -135,7 +143,7 @@ def triton_forward(hidden, weight, bias, targets, softcap, config):
         hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
         float(softcap) if softcap is not None else 1.0,
         HAS_BIAS=bias is not None, SOFTCAP=softcap is not None,
-        DOT_PRECISION=config.dot_precision,
+        DOT_PRECISION=config.dot_precision, UPCAST=config.upcast_dot,
         BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_D=block_d,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

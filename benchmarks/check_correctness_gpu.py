@@ -1,0 +1,155 @@
+"""Correctness of the Triton kernels on CUDA at real sizes, bf16 against an fp32 reference.
+
+For each shape and case: relative error (||x - ref|| / ||ref||) of the loss and of the gradients
+of hidden, weight (and bias), for hf_lsce's kernels and, for scale, for torch computing the same
+thing in bf16 the way Hugging Face does (bf16 logits, upcast, F.cross_entropy). The fp32 reference
+materialises fp32 logits a chunk of rows at a time and differentiates with autograd.
+
+    python benchmarks/check_correctness_gpu.py [--out results/correctness.json] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+
+from hf_lsce import linear_cross_entropy
+
+SHAPES = {"gemma2-2b": (8192, 2304, 256000), "llama3-8b": (8192, 4096, 128256)}
+
+
+def make_inputs(n, d, v, *, peaked, bias, ignore_frac, seed, dtype=torch.bfloat16, dev="cuda"):
+    """W ~ N(0,1)/sqrt(D), h ~ N(0, 9), Zipf targets; 'peaked' pushes h toward its target row."""
+    g = torch.Generator(device=dev).manual_seed(seed)
+    w = torch.randn(v, d, generator=g, device=dev) / math.sqrt(d)
+    ranks = torch.arange(1, v + 1, device=dev, dtype=torch.float64)
+    y = torch.multinomial((1.0 / ranks).float(), n, replacement=True, generator=g)
+    h = 3.0 * torch.randn(n, d, generator=g, device=dev)
+    if peaked:
+        wy = w[y]
+        h = h + (18.0 - (h * wy).sum(-1, keepdim=True)) * wy / (wy * wy).sum(-1, keepdim=True)
+    if ignore_frac:
+        y = y.masked_fill(torch.rand(n, generator=g, device=dev) < ignore_frac, -100)
+    b = 0.5 * torch.randn(v, generator=g, device=dev) if bias else None
+    return h.to(dtype), w.to(dtype), y, (b.to(dtype) if b is not None else None)
+
+
+def chunked_reference(h, w, y, b, smoothing, softcap, reduction, num_items, compute_dtype, chunk=1024):
+    """Loss and gradients through materialised logits in `compute_dtype` (chunks of rows)."""
+    n = h.shape[0]
+    hh = h.detach().to(compute_dtype)
+    ww = w.detach().to(compute_dtype).requires_grad_()
+    bb = b.detach().to(compute_dtype).requires_grad_() if b is not None else None
+    valid = y != -100
+    count = int(valid.sum()) if num_items is None else num_items
+    dh = torch.empty_like(hh, dtype=torch.float32)
+    tok = torch.zeros(n, dtype=torch.float32, device=h.device)
+    for s in range(0, n, chunk):
+        hc = hh[s:s + chunk].clone().requires_grad_()
+        z = hc @ ww.T
+        if bb is not None:
+            z = z + bb
+        z = z.float()
+        if softcap is not None:
+            z = softcap * torch.tanh(z / softcap)
+        yc = y[s:s + chunk]
+        if torch.is_tensor(smoothing):
+            logp = torch.log_softmax(z, -1)
+            nll = -logp.gather(1, yc.clamp(min=0)[:, None])[:, 0]
+            sm = smoothing[s:s + chunk]
+            lt = torch.where(yc != -100, (1 - sm) * nll - sm * logp.mean(-1), 0.0)
+        else:
+            lt = F.cross_entropy(z, yc, label_smoothing=smoothing, reduction="none")
+        tok[s:s + chunk] = lt.detach()
+        if reduction == "none":
+            part = lt.sum()
+        else:
+            part = lt.sum() / (count if reduction == "mean" or num_items is not None else 1)
+        part.backward()
+        dh[s:s + chunk] = hc.grad.float()
+    loss = tok if reduction == "none" else tok.sum() / (count if reduction == "mean" or num_items is not None else 1)
+    return loss, dh, ww.grad.float(), (bb.grad.float() if bb is not None else None)
+
+
+def rel(a, b):
+    if a is None or b is None:
+        return float("nan")
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+CASES = [
+    # name, kwargs for make_inputs, kwargs for the loss
+    ("b=0 peaked", dict(peaked=True), dict(smoothing=0.0)),
+    ("b=0.1 peaked", dict(peaked=True), dict(smoothing=0.1)),
+    ("b=0.1 flat", dict(peaked=False), dict(smoothing=0.1)),
+    ("b=1 flat", dict(peaked=False), dict(smoothing=1.0)),
+    ("per-token b peaked", dict(peaked=True), dict(smoothing="per-token")),
+    ("softcap30 b=0.1 peaked", dict(peaked=True), dict(smoothing=0.1, softcap=30.0)),
+    ("softcap30 b=0 flat", dict(peaked=False), dict(smoothing=0.0, softcap=30.0)),
+    ("bias b=0.1 peaked", dict(peaked=True, bias=True), dict(smoothing=0.1)),
+    ("sum b=0.1", dict(peaked=True), dict(smoothing=0.1, reduction="sum")),
+    ("none b=0.1", dict(peaked=True), dict(smoothing=0.1, reduction="none")),
+    ("num_items b=0.1", dict(peaked=True), dict(smoothing=0.1, num_items=5000)),
+]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="correctness_gpu.json")
+    ap.add_argument("--quick", action="store_true", help="first shape, first three cases")
+    args = ap.parse_args()
+    assert torch.cuda.is_available(), "this check needs a CUDA GPU"
+    results = []
+    shapes = list(SHAPES.items())[:1] if args.quick else list(SHAPES.items())
+    cases = CASES[:3] if args.quick else CASES
+    for sname, (n, d, v) in shapes:
+        for i, (cname, ik, lk) in enumerate(cases):
+            ik = dict(dict(bias=False, ignore_frac=0.2, seed=i), **ik)
+            h, w, y, b = make_inputs(n, d, v, **ik)
+            sm = lk.get("smoothing", 0.0)
+            if sm == "per-token":
+                sm = torch.rand(n, device="cuda")
+                sm[::3] = 0.0
+                sm[1::3] = 1.0
+            softcap, red, ni = lk.get("softcap"), lk.get("reduction", "mean"), lk.get("num_items")
+            ref = chunked_reference(h, w, y, b, sm, softcap, red, ni, torch.float32)
+            same = chunked_reference(h, w, y, b, sm, softcap, red, ni, torch.bfloat16)
+            hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+            bb = b.clone().requires_grad_() if b is not None else None
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            loss = linear_cross_entropy(hh, ww, y, bias=bb, label_smoothing=sm, softcap=softcap,
+                                        reduction=red, num_items_in_batch=ni)
+            (loss.sum() if loss.dim() else loss).backward()
+            torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            finite = bool(torch.isfinite(loss).all() and torch.isfinite(hh.grad).all() and torch.isfinite(ww.grad).all())
+            row = dict(shape=sname, N=n, D=d, V=v, case=cname, finite=finite, seconds=dt,
+                       loss_ref=float(ref[0].sum()),
+                       loss_err=rel(loss.detach().float(), ref[0]), loss_err_torch_bf16=rel(same[0], ref[0]),
+                       dh_err=rel(hh.grad, ref[1]), dh_err_torch_bf16=rel(same[1], ref[1]),
+                       dw_err=rel(ww.grad, ref[2]), dw_err_torch_bf16=rel(same[2], ref[2]),
+                       db_err=rel(bb.grad if bb is not None else None, ref[3]),
+                       db_err_torch_bf16=rel(same[3], ref[3]))
+            results.append(row)
+            print(json.dumps(row), flush=True)
+            del h, w, y, b, hh, ww, bb, ref, same, loss
+            torch.cuda.empty_cache()
+    with open(args.out, "w") as f:
+        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                       triton=__import__("triton").__version__, results=results), f, indent=1)
+    hdr = f"| shape | case | loss err (ours / torch bf16) | dh err | dW err | db err | finite |"
+    print("\n" + hdr + "\n|---|---|---|---|---|---|---|")
+    for r in results:
+        f2 = lambda a, b: f"{r[a]:.1e} / {r[b]:.1e}"  # noqa: E731
+        print(f"| {r['shape']} | {r['case']} | {f2('loss_err', 'loss_err_torch_bf16')} | "
+              f"{f2('dh_err', 'dh_err_torch_bf16')} | {f2('dw_err', 'dw_err_torch_bf16')} | "
+              f"{f2('db_err', 'db_err_torch_bf16')} | {r['finite']} |")
+
+
+if __name__ == "__main__":
+    main()
