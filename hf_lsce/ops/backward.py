@@ -1,5 +1,13 @@
-"""Triton backward kernel: gradient of the softmax part, tile by tile, with tile skipping.
+"""Triton backward kernels.
 
+Two strategies, chosen by ``filter_eps``:
+
+* dense (default): for a chunk of rows, ``_lce_grad_logits_kernel`` recomputes the logits tile by tile
+  in fp32 and writes the gradient of the loss with respect to them, G (chunk x V, input dtype), then
+  cuBLAS computes ``dh = G @ W`` and ``dW += G^T @ h``. Memory: one chunk of G (``GRAD_CHUNK_BYTES``).
+* tile skipping (``filter_eps > 0``): ``_lce_backward_kernel`` below, which never writes G.
+
+Tile skipping, in detail.
 For token n with smoothing b_n and upstream gradient g_n the gradient with respect to the logits is
 
     dL/dz_nv = g_n * (p_nv - (1 - b_n) [v == y_n] - b_n / V)        (no soft-cap)
@@ -89,6 +97,86 @@ def _lce_backward_kernel(
                               mask=mask_v[:, None] & mask_d[None, :])
     elif COUNT_SKIPPED:
         tl.atomic_add(SKIPPED, 1)
+
+
+@triton.jit
+def _lce_grad_logits_kernel(
+    H, W, B, Y, LSE, GRAD, SMOOTH, G,
+    N, V, D,
+    stride_hn, stride_hd, stride_wv, stride_wd, stride_gn,
+    softcap, inv_v,
+    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """G[n, v] = grad_n * dloss_n / dz_nv, the full gradient (smoothing term included), input dtype."""
+    pid_n = tl.program_id(0)
+    pid_v = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask_n = offs_n < N
+    mask_v = offs_v < V
+    z, t = _logit_tile(H, W, B, offs_n, offs_v, mask_n, mask_v, D, stride_hn, stride_hd,
+                       stride_wv, stride_wd, softcap, HAS_BIAS, SOFTCAP, BLOCK_D,
+                       DOT_PRECISION, UPCAST, BLOCK_N, BLOCK_V)
+    lse = tl.load(LSE + offs_n, mask=mask_n, other=0.0)
+    y = tl.load(Y + offs_n, mask=mask_n, other=-1)
+    b = tl.load(SMOOTH + offs_n, mask=mask_n, other=0.0)
+    grad = tl.load(GRAD + offs_n, mask=mask_n, other=0.0)
+    g = tl.exp(z - lse[:, None]) - (b * inv_v)[:, None]
+    g -= tl.where(offs_v[None, :] == y[:, None], 1.0 - b[:, None], 0.0)
+    if SOFTCAP:
+        g = g * (1.0 - t * t)
+    g = g * grad[:, None]
+    tl.store(G + offs_n[:, None] * stride_gn + offs_v[None, :], g.to(G.dtype.element_ty),
+             mask=mask_n[:, None] & mask_v[None, :])
+
+
+_GRAD_CONFIGS = [
+    triton.Config(dict(BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd), num_warps=w, num_stages=st)
+    for bn, bv, bd, w, st in [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 256, 64, 4, 4),
+                              (128, 128, 64, 4, 4), (256, 128, 64, 8, 3)]
+]
+_lce_grad_logits_autotuned = triton.autotune(configs=_GRAD_CONFIGS, key=["D", "V", "DOT_PRECISION"])(
+    _lce_grad_logits_kernel)
+
+
+def triton_backward_dense(hidden, weight, bias, targets, lse, grad, smoothing, softcap, config,
+                          need_dh: bool = True, need_dw: bool = True, chunk_bytes: int | None = None):
+    """Full gradients (dh in hidden's dtype, dW in weight's dtype, db fp32) through chunks of G."""
+    from .config import GRAD_CHUNK_BYTES
+
+    n, d = hidden.shape
+    v = weight.shape[0]
+    dev = hidden.device
+    rows = max(1, min(n, (chunk_bytes or GRAD_CHUNK_BYTES) // (v * hidden.element_size())))
+    g = torch.empty(rows, v, dtype=hidden.dtype, device=dev)
+    dh = torch.empty(n, d, dtype=hidden.dtype, device=dev) if need_dh else None
+    dw = torch.zeros(v, d, dtype=weight.dtype, device=dev) if need_dw else None
+    db = torch.zeros(v, dtype=torch.float32, device=dev) if bias is not None else None
+    flags = dict(HAS_BIAS=bias is not None, SOFTCAP=softcap is not None,
+                 DOT_PRECISION=config.dot_precision, UPCAST=config.upcast_dot)
+    for s in range(0, n, rows):
+        e = min(n, s + rows)
+        gc = g[: e - s]
+        args = (hidden[s:e], weight, bias if bias is not None else weight, targets[s:e], lse[s:e],
+                grad[s:e], smoothing[s:e], gc, e - s, v, d,
+                hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), gc.stride(0),
+                float(softcap) if softcap is not None else 1.0, 1.0 / v)
+        if config.autotune:
+            grid = lambda meta: (triton.cdiv(e - s, meta["BLOCK_N"]), triton.cdiv(v, meta["BLOCK_V"]))  # noqa: E731
+            _lce_grad_logits_autotuned[grid](*args, **flags)
+        else:
+            grid = (triton.cdiv(e - s, config.block_n), triton.cdiv(v, config.block_v))
+            _lce_grad_logits_kernel[grid](*args, **flags, BLOCK_N=config.block_n, BLOCK_V=config.block_v,
+                                          BLOCK_D=config.block_d, num_warps=config.num_warps,
+                                          num_stages=config.num_stages)
+        if need_dh:
+            torch.mm(gc, weight, out=dh[s:e])
+        if need_dw:
+            dw.addmm_(gc.T, hidden[s:e])
+        if db is not None:
+            db += gc.sum(0, dtype=torch.float32)
+    return dh, dw, db
 
 
 def triton_backward(hidden, weight, bias, targets, lse, grad, smoothing, softcap, config,

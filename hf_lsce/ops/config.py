@@ -19,6 +19,8 @@ class KernelConfig:
     min_programs: int
     # fp32 operands for tl.dot: only under the interpreter, whose bf16 dot is wrong.
     upcast_dot: bool = False
+    # Let triton.autotune pick the block sizes (CUDA; kernels without side effects only).
+    autotune: bool = False
 
 
 def interpreting() -> bool:
@@ -33,7 +35,7 @@ def forward_config(dtype: torch.dtype, device: torch.device) -> KernelConfig:
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     if dtype == torch.float32:
         return KernelConfig(64, 64, 32, 4, 3, prec, 2 * sms)
-    return KernelConfig(128, 128, 64, 8, 3, prec, 2 * sms)
+    return KernelConfig(128, 128, 64, 8, 3, prec, 2 * sms, autotune=True)
 
 
 def backward_config(dtype: torch.dtype, device: torch.device) -> KernelConfig:
@@ -42,4 +44,8 @@ def backward_config(dtype: torch.dtype, device: torch.device) -> KernelConfig:
         return KernelConfig(16, 32, 16, 1, 1, prec, 1, upcast_dot=dtype == torch.bfloat16)
     if dtype == torch.float32:
         return KernelConfig(64, 64, 32, 4, 3, prec, 1)
-    return KernelConfig(128, 128, 64, 8, 3, prec, 1)
+    return KernelConfig(128, 128, 64, 8, 3, prec, 1, autotune=True)
+
+
+# Memory for one chunk of the dense backward's gradient-of-logits buffer (chunk_rows x V).
+GRAD_CHUNK_BYTES = 1 << 30

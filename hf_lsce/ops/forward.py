@@ -61,7 +61,7 @@ def _logit_tile(
 def _lce_forward_kernel(
     H, W, B, Y,
     M_OUT, S_OUT, T_OUT, SZ_OUT, ZY_OUT, AM_OUT,
-    N, V, D, v_per_split,
+    N, V, D, NUM_SPLITS,
     stride_hn, stride_hd, stride_wv, stride_wd,
     softcap,
     HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
@@ -80,6 +80,7 @@ def _lce_forward_kernel(
     zy = tl.zeros((BLOCK_N,), dtype=tl.float32)
     am = tl.zeros((BLOCK_N,), dtype=tl.int32)
 
+    v_per_split = tl.cdiv(tl.cdiv(V, BLOCK_V), NUM_SPLITS) * BLOCK_V
     v_start = pid_s * v_per_split
     v_end = tl.minimum(v_start + v_per_split, V)
     for v0 in range(v_start, v_end, BLOCK_V):
@@ -111,6 +112,14 @@ def _lce_forward_kernel(
     tl.store(AM_OUT + out, am, mask=mask_n)
 
 
+_CUDA_CONFIGS = [
+    triton.Config(dict(BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd), num_warps=w, num_stages=st)
+    for bn, bv, bd, w, st in [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 256, 64, 4, 4),
+                              (128, 128, 64, 4, 4), (256, 128, 64, 8, 3), (128, 64, 128, 4, 3)]
+]
+_lce_forward_autotuned = triton.autotune(configs=_CUDA_CONFIGS, key=["D", "V", "DOT_PRECISION"])(_lce_forward_kernel)
+
+
 def merge_splits(m, s, t, sz, zy, am):
     """Merge per-split online-softmax states (splits, N) into per-token statistics (N,)."""
     m_max, best = m.max(dim=0)
@@ -127,24 +136,21 @@ def triton_forward(hidden, weight, bias, targets, softcap, config):
     """Launch the forward kernel on 2-D ``hidden`` (N, D); returns (lse, zy, sz, argmax, entropy)."""
     n, d = hidden.shape
     v = weight.shape[0]
-    block_n, block_v, block_d = config.block_n, config.block_v, config.block_d
-    n_blocks = triton.cdiv(n, block_n)
-    v_blocks = triton.cdiv(v, block_v)
-    splits = max(1, min(v_blocks, triton.cdiv(config.min_programs, n_blocks)))
-    v_per_split = triton.cdiv(v_blocks, splits) * block_v
-    splits = triton.cdiv(v, v_per_split)
+    # Split the vocabulary until the grid has about config.min_programs programs (for 128-row blocks).
+    splits = max(1, min(triton.cdiv(v, 256), triton.cdiv(config.min_programs, triton.cdiv(n, config.block_n))))
     f32 = dict(dtype=torch.float32, device=hidden.device)
     m, s, t, sz, zy = (torch.empty(splits, n, **f32) for _ in range(5))
     am = torch.empty(splits, n, dtype=torch.int32, device=hidden.device)
-    _lce_forward_kernel[(n_blocks, splits)](
-        hidden, weight, bias if bias is not None else weight, targets,
-        m, s, t, sz, zy, am,
-        n, v, d, v_per_split,
-        hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
-        float(softcap) if softcap is not None else 1.0,
-        HAS_BIAS=bias is not None, SOFTCAP=softcap is not None,
-        DOT_PRECISION=config.dot_precision, UPCAST=config.upcast_dot,
-        BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_D=block_d,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )
+    args = (hidden, weight, bias if bias is not None else weight, targets, m, s, t, sz, zy, am,
+            n, v, d, splits, hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
+            float(softcap) if softcap is not None else 1.0)
+    flags = dict(HAS_BIAS=bias is not None, SOFTCAP=softcap is not None,
+                 DOT_PRECISION=config.dot_precision, UPCAST=config.upcast_dot)
+    if config.autotune:
+        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), splits)  # noqa: E731
+        _lce_forward_autotuned[grid](*args, **flags)
+    else:
+        _lce_forward_kernel[(triton.cdiv(n, config.block_n), splits)](
+            *args, **flags, BLOCK_N=config.block_n, BLOCK_V=config.block_v, BLOCK_D=config.block_d,
+            num_warps=config.num_warps, num_stages=config.num_stages)
     return merge_splits(m, s, t, sz, zy, am)

@@ -198,16 +198,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     torch.zeros_like(bias) if need_db and bias is not None else None, None, None, None, None, None)
         grad = torch.where(targets >= 0, grad_loss.float(), torch.zeros_like(grad_loss, dtype=torch.float32))
         b = smoothing.float()
-        if ctx.backend == "triton":
+        if ctx.backend == "triton" and ctx.filter_eps > 0 and not (ctx.softcap is not None and bool((b > 0).any())):
+            # Tile-skipping backward (the soft-cap remainder b/V tanh^2 is dense: never with it).
             from .backward import triton_backward
             from .config import backward_config
 
-            eps = ctx.filter_eps
-            if ctx.softcap is not None and bool((b > 0).any()):
-                eps = 0.0  # the soft-cap remainder b/V tanh^2 is dense: no tile may be skipped
             dh, dw, db, _ = triton_backward(
                 hidden, weight, bias, targets, lse, grad.contiguous(), b.contiguous(), ctx.softcap,
-                backward_config(hidden.dtype, hidden.device), eps, need_dh=need_dh, need_dw=need_dw)
+                backward_config(hidden.dtype, hidden.device), ctx.filter_eps, need_dh=need_dh, need_dw=need_dw)
             # The rank-one smoothing term -b_n/V, exact (see backward.py).
             c = grad * b / v
             if need_dh:
@@ -216,6 +214,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 dw -= (c[None, :] @ hidden.float())
             if db is not None:
                 db -= c.sum()
+        elif ctx.backend == "triton":
+            from .backward import triton_backward_dense
+            from .config import backward_config
+
+            dh, dw, db = triton_backward_dense(
+                hidden, weight, bias, targets, lse, grad.contiguous(), b.contiguous(), ctx.softcap,
+                backward_config(hidden.dtype, hidden.device), need_dh=need_dh, need_dw=need_dw)
         else:
             dh, dw, db = reference.torch_backward(hidden, weight, bias, targets, lse, grad, b, ctx.softcap)
         return (dh.to(hidden.dtype) if need_dh else None, dw.to(weight.dtype) if need_dw else None,
@@ -260,10 +265,13 @@ def linear_cross_entropy(
         return_stats: also return :class:`LCEStats` (per-token lse, argmax, nll, entropy, valid).
         backend: ``"auto"`` (Triton kernels on CUDA, chunked torch elsewhere), ``"triton"``
             (also on CPU under ``TRITON_INTERPRET=1``) or ``"torch"``.
-        filter_eps: gradient filtering threshold of the Triton backward: a (BLOCK_N x BLOCK_V) tile
-            of the softmax gradient whose entries are all below it is skipped. ``"auto"``:
-            ``2**-10 / V`` for 16-bit inputs (the skipped probability mass of a row is then at most
-            ``2**-10``, under bf16 resolution), 0 (off, exact) for float32 / float64.
+        filter_eps: gradient filtering of the Triton backward. 0 (``"auto"``): the dense backward
+            (gradient of the logits written a chunk of rows at a time, cuBLAS for dh and dW).
+            > 0: the tile-skipping backward: a (BLOCK_N x BLOCK_V) tile of the softmax gradient
+            whose entries are all below ``filter_eps`` is skipped; the skipped probability mass of
+            a row is at most ``V * filter_eps`` (so ``2**-10 / V`` keeps it under bf16 resolution).
+            Pays off when most tiles are negligible (a sharply peaked softmax). Ignored under
+            soft-cap with smoothing (whose gradient is dense) and by the torch backend.
 
     Returns:
         The loss (float32; float64 for float64 inputs), and the stats if ``return_stats``. All-ignored or
@@ -299,7 +307,7 @@ def linear_cross_entropy(
     else:
         b1 = torch.full((n,), float(smoothing), dtype=torch.float32, device=hidden.device)
     if filter_eps == "auto":
-        filter_eps = 2.0 ** -10 / v if hidden.dtype in (torch.float16, torch.bfloat16) else 0.0
+        filter_eps = 0.0
 
     with torch.autocast(hidden.device.type, enabled=False):
         loss_tok, lse, argmax, nll, entropy = _LinearCrossEntropy.apply(
