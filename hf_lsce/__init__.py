@@ -1,6 +1,8 @@
 """hf_lsce: cheap label-smoothed fine-tuning of large-vocabulary LLMs, and calibration measurement."""
 from .ops import LCEStats, linear_cross_entropy
+from .patching import apply_lsce_patch, is_patched, revert_lsce_patch
 
 __version__ = "0.1.0"
 
-__all__ = ["LCEStats", "linear_cross_entropy", "__version__"]
+__all__ = ["LCEStats", "linear_cross_entropy", "apply_lsce_patch", "revert_lsce_patch", "is_patched",
+           "__version__"]

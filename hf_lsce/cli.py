@@ -52,6 +52,13 @@ def _cmd_check(args) -> int:
     return 0
 
 
+def _cmd_run(args) -> int:
+    from .run import run_script
+
+    run_script(args.script, args.script_args)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hf-lsce", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -63,6 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--label-smoothing", type=float, default=0.1)
     c.add_argument("--device", default=None)
     c.set_defaults(func=_cmd_check)
+    r = sub.add_parser("run", help="run an unmodified HF/TRL training script with the patch applied",
+                       description="Patch every supported model class, then run SCRIPT with ARGS; its "
+                                   "--label_smoothing_factor drives the fused op.")
+    r.add_argument("script")
+    r.add_argument("script_args", nargs=argparse.REMAINDER)
+    r.set_defaults(func=_cmd_run)
     return p
 
 

@@ -1,0 +1,146 @@
+"""The single patched causal-LM forward shared by every supported family.
+
+In training with labels it runs the backbone, then the fused op on the last hidden state and the
+lm_head weight: ``logits=None``, the loss identical to the model's own (plus label smoothing). In
+every other case (no labels, generation, ``logits_to_keep``, evaluation) it calls the original
+forward unchanged, so logits are bit-for-bit those of the unpatched model; with labels and
+smoothing in evaluation the loss is computed from those logits with the same smoothing.
+
+It also answers TRL's ``fused_lm_head=True`` protocol (``SFTTrainer`` calls the model that way):
+per-token ``log_probs``, ``entropy``, ``is_top1`` and ``label_mask`` from the op's statistics.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.utils import ModelOutput
+
+from ..ops import linear_cross_entropy
+from .models import output_head, softcap_of
+
+# Registry of original forwards of patched classes (class -> function).
+ORIGINAL_CLASS_FORWARDS: dict[type, Any] = {}
+
+
+@dataclass
+class FusedCausalLMOutput(ModelOutput):
+    """What TRL reads from ``model(..., fused_lm_head=True)``. Per-token fields are zero where the
+    label is ignored. ``log_probs`` is ``log p(label)`` when the smoothing is 0; with smoothing b it is
+    minus the smoothed per-token loss, so that TRL's ``-log_probs.sum() / num_items`` is the smoothed loss."""
+
+    loss: torch.Tensor | None = None
+    log_probs: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+    is_top1: torch.Tensor | None = None
+    label_mask: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
+    past_key_values: Any = None
+    hidden_states: Any = None
+    attentions: Any = None
+
+
+def original_forward(model):
+    """The unpatched forward of ``model``, bound to it."""
+    inst = model.__dict__.get("_lsce_original_forward")
+    if inst is not None:
+        return inst
+    for cls in type(model).__mro__:
+        if cls in ORIGINAL_CLASS_FORWARDS:
+            return ORIGINAL_CLASS_FORWARDS[cls].__get__(model, type(model))
+    return type(model).forward.__get__(model, type(model))
+
+
+def _as_kwargs(model, args, kwargs):
+    """Name positional arguments with the original forward's signature."""
+    if not args:
+        return kwargs
+    params = [p for p in inspect.signature(original_forward(model)).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(args) > len(params):
+        raise TypeError(f"{type(model).__name__}.forward got {len(args)} positional arguments, expected at most {len(params)}.")
+    named = {p.name: a for p, a in zip(params, args)}
+    dup = set(named) & set(kwargs)
+    if dup:
+        raise TypeError(f"{type(model).__name__}.forward got multiple values for {sorted(dup)}.")
+    return {**named, **kwargs}
+
+
+def smoothing_of(model, label_smoothing) -> float:
+    b = label_smoothing if label_smoothing is not None else getattr(model, "_lsce_label_smoothing", None)
+    return float(b) if b is not None else 0.0
+
+
+def lsce_forward(self, *args, **kwargs):
+    kwargs = _as_kwargs(self, args, kwargs)
+    labels = kwargs.pop("labels", None)
+    shift_labels = kwargs.pop("shift_labels", None)
+    num_items = kwargs.pop("num_items_in_batch", None)
+    b = smoothing_of(self, kwargs.pop("label_smoothing", None))
+    fused_lm_head = bool(kwargs.pop("fused_lm_head", False))
+    logits_to_keep = kwargs.get("logits_to_keep", 0)
+    return_dict = kwargs.pop("return_dict", None)
+    has_labels = labels is not None or shift_labels is not None
+    keep_all = isinstance(logits_to_keep, int) and logits_to_keep == 0
+    fused = has_labels and keep_all and (self.training or fused_lm_head or getattr(self, "_lsce_fused_eval_loss", False))
+
+    if not fused:
+        if fused_lm_head:
+            raise ValueError("fused_lm_head=True needs labels (or shift_labels) and logits_to_keep=0.")
+        orig = original_forward(self)
+        if not has_labels or b == 0.0:
+            if labels is not None:
+                kwargs["labels"] = labels
+            if shift_labels is not None:
+                kwargs["shift_labels"] = shift_labels
+            if num_items is not None:
+                kwargs["num_items_in_batch"] = num_items
+            if return_dict is not None:
+                kwargs["return_dict"] = return_dict
+            return orig(**kwargs)
+        # Evaluation with smoothing: the model's own logits, the smoothed loss from them.
+        out = orig(**kwargs, return_dict=True)
+        logits = out.logits.float()
+        if shift_labels is None:
+            shift_labels = F.pad(labels, (0, 1), value=-100)[..., 1:]
+        tok = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), shift_labels.reshape(-1).to(logits.device),
+                              ignore_index=-100, label_smoothing=b, reduction="sum")
+        denom = num_items if num_items is not None else (shift_labels != -100).sum().clamp_min(1)
+        if torch.is_tensor(denom):
+            denom = denom.to(tok.device)
+        out.loss = tok / denom
+        return out if return_dict is not False else out.to_tuple()
+
+    kwargs.pop("logits_to_keep", None)
+    if fused_lm_head:
+        kwargs["use_cache"] = False
+    backbone_out = self.model(**kwargs, return_dict=True)
+    hidden = backbone_out.last_hidden_state
+    head = output_head(self)
+    weight, bias = head.weight, head.bias
+    if hasattr(weight, "full_tensor"):  # FSDP2 DTensor: gather the head for the op
+        weight = weight.full_tensor()
+        bias = bias.full_tensor() if bias is not None else None
+    hidden = hidden.to(weight.device)
+    targets, shift = (shift_labels, False) if shift_labels is not None else (labels, True)
+    targets = targets.to(weight.device)
+    tok, stats = linear_cross_entropy(hidden, weight, targets, bias=bias, label_smoothing=b, softcap=softcap_of(self),
+                                      shift=shift, reduction="none", return_stats=True)
+    denom = num_items if num_items is not None else stats.valid.sum().clamp_min(1)
+    if torch.is_tensor(denom):
+        denom = denom.to(tok.device)
+    loss = tok.sum() / denom
+    if fused_lm_head:
+        cut = (slice(None), slice(None, -1)) if shift else (slice(None), slice(None))
+        mask = stats.valid[cut]
+        return FusedCausalLMOutput(
+            loss=loss, log_probs=-tok[cut], entropy=stats.entropy[cut] * mask, label_mask=mask,
+            is_top1=(stats.argmax[cut] == targets[cut]) & mask,
+            past_key_values=None, hidden_states=backbone_out.hidden_states, attentions=backbone_out.attentions)
+    out = CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=backbone_out.past_key_values,
+                                 hidden_states=backbone_out.hidden_states, attentions=backbone_out.attentions)
+    return out if return_dict is not False else out.to_tuple()

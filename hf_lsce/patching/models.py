@@ -1,0 +1,97 @@
+"""The one table of supported model families and their quirks.
+
+A family is supported when the fused op reproduces its causal-LM loss exactly: logits are
+``lm_head(last_hidden_state)`` (no scaling), optionally soft-capped by ``final_logit_softcapping``.
+Anything else fails closed with a message listing what is supported.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    module: str  # transformers module holding the classes
+    classes: tuple[str, ...]  # the *ForCausalLM (and text-path) classes we patch
+    backbone: str = "model"  # attribute of the causal LM that returns last_hidden_state
+
+
+MODEL_TABLE: dict[str, FamilySpec] = {
+    "llama": FamilySpec("transformers.models.llama.modeling_llama", ("LlamaForCausalLM",)),
+    "mistral": FamilySpec("transformers.models.mistral.modeling_mistral", ("MistralForCausalLM",)),
+    "gemma": FamilySpec("transformers.models.gemma.modeling_gemma", ("GemmaForCausalLM",)),
+    "gemma2": FamilySpec("transformers.models.gemma2.modeling_gemma2", ("Gemma2ForCausalLM",)),
+    "gemma3_text": FamilySpec("transformers.models.gemma3.modeling_gemma3", ("Gemma3ForCausalLM",)),
+    "gemma3": FamilySpec("transformers.models.gemma3.modeling_gemma3", ("Gemma3ForConditionalGeneration",)),
+    "qwen2": FamilySpec("transformers.models.qwen2.modeling_qwen2", ("Qwen2ForCausalLM",)),
+    "qwen3": FamilySpec("transformers.models.qwen3.modeling_qwen3", ("Qwen3ForCausalLM",)),
+}
+
+# Config attributes that scale logits in some families: the fused op does not reproduce them.
+_LOGIT_SCALING_ATTRS = ("logit_scale", "logits_scaling", "output_multiplier", "lm_head_multiplier")
+
+
+def supported_message() -> str:
+    names = ", ".join(f"{k} ({'/'.join(v.classes)})" for k, v in MODEL_TABLE.items())
+    return f"hf_lsce supports: {names}."
+
+
+def family_classes(model_type: str) -> list[type]:
+    """The classes of one family (import errors surface as a clear message)."""
+    if model_type not in MODEL_TABLE:
+        raise ValueError(f"model_type={model_type!r} is not supported. {supported_message()}")
+    spec = MODEL_TABLE[model_type]
+    try:
+        mod = importlib.import_module(spec.module)
+    except ImportError as e:  # pragma: no cover - depends on the installed transformers
+        raise ValueError(f"transformers has no module {spec.module} ({e}); upgrade transformers.") from e
+    return [getattr(mod, c) for c in spec.classes if hasattr(mod, c)]
+
+
+def text_config(model):
+    cfg = model.config
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+def softcap_of(model) -> float | None:
+    cap = getattr(text_config(model), "final_logit_softcapping", None)
+    return float(cap) if cap else None
+
+
+def output_head(model) -> torch.nn.Module:
+    head = model.get_output_embeddings()
+    if head is None:
+        raise ValueError(f"{type(model).__name__} has no output embeddings (lm_head); nothing to fuse.")
+    return head
+
+
+def check_supported(model) -> FamilySpec:
+    """Raise ValueError (fail closed) unless the fused op reproduces this model's loss exactly."""
+    model_type = getattr(model.config, "model_type", None)
+    if model_type not in MODEL_TABLE:
+        raise ValueError(f"{type(model).__name__} (model_type={model_type!r}) is not supported. {supported_message()}")
+    spec = MODEL_TABLE[model_type]
+    if type(model).__name__ not in spec.classes:
+        raise ValueError(
+            f"{type(model).__name__} is not a supported class for model_type={model_type!r}; "
+            f"expected one of {spec.classes}. {supported_message()}")
+    cfg = text_config(model)
+    tp = getattr(cfg, "pretraining_tp", 1) or 1
+    if tp > 1:
+        raise ValueError(
+            f"config.pretraining_tp={tp}: the model splits its lm_head into slices; hf_lsce does not reproduce "
+            "that. Set config.pretraining_tp = 1 (the same function, computed in one piece) and patch again.")
+    for attr in _LOGIT_SCALING_ATTRS:
+        val = getattr(cfg, attr, None)
+        if val is not None and val != 1:
+            raise ValueError(f"config.{attr}={val} scales the logits; hf_lsce does not reproduce logit scaling.")
+    head = output_head(model)
+    if type(head) is not torch.nn.Linear:
+        raise ValueError(
+            f"the lm_head is a {type(head).__module__}.{type(head).__name__}, not a plain nn.Linear (a LoRA or "
+            "quantised head?). hf_lsce cannot reproduce it exactly: keep the lm_head out of the adapter's "
+            "target_modules, or merge the adapter, then patch.")
+    return spec

@@ -1,0 +1,342 @@
+"""apply_lsce_patch against the unpatched model, HF's own loss and HF's LabelSmoother (CPU, fp32)."""
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.trainer_pt_utils import LabelSmoother
+
+from hf_lsce import apply_lsce_patch, is_patched, revert_lsce_patch
+from hf_lsce.ops import reference
+
+V = 101
+COMMON = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
+FAMILIES = {
+    "llama": {},
+    "mistral": {},
+    "gemma": {},
+    "gemma2": dict(final_logit_softcapping=1.5),  # small cap so it matters at tiny scale
+    "gemma3_text": dict(final_logit_softcapping=2.0),
+    "qwen2": {},
+    "qwen3": {},
+}
+
+
+def tiny(model_type, seed=0, **over):
+    cfg = AutoConfig.for_model(model_type, **{**COMMON, **FAMILIES.get(model_type, {}), **over})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg).float()
+    with torch.no_grad():  # tiny random heads give near-uniform softmax; sharpen so the test means something
+        model.get_output_embeddings().weight.mul_(8.0)
+    return model
+
+
+def batch(bsz=3, t=11, seed=0, ignore=True):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V, (bsz, t), generator=g)
+    labels = ids.clone()
+    if ignore:
+        labels[:, :3] = -100  # prompt tokens
+        labels[0, -2:] = -100
+    return ids, labels
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    yield
+    revert_lsce_patch()
+
+
+def grads(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def rel(a, b):
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def unpatched_loss(model, ids, labels, b, **kw):
+    out = model(input_ids=ids, **kw)
+    if b == 0:
+        return torch.nn.functional.cross_entropy(
+            out.logits[:, :-1].reshape(-1, V).float(), labels[:, 1:].reshape(-1), ignore_index=-100)
+    return LabelSmoother(epsilon=b)(out, labels, shift_labels=True)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("b", [0.0, 0.1])
+def test_patched_equals_unpatched_labelsmoother(family, b):
+    ref_model = tiny(family)
+    model = copy.deepcopy(ref_model)
+    apply_lsce_patch(model, label_smoothing=b)
+    ids, labels = batch()
+    ref_model.train(), model.train()
+    ref = unpatched_loss(ref_model, ids, labels, b)
+    ref.backward()
+    out = model(input_ids=ids, labels=labels)
+    assert out.logits is None
+    out.loss.backward()
+    assert rel(out.loss.detach(), ref.detach()) < 1e-5
+    rg, g = grads(ref_model), grads(model)
+    assert rg.keys() == g.keys()
+    for name in rg:
+        assert rel(g[name], rg[name]) < 1e-4, name
+    if b == 0:  # and HF's own loss
+        hf = ref_model(input_ids=ids, labels=labels).loss
+        assert rel(out.loss.detach(), hf.detach()) < 1e-5
+
+
+def test_packed_padding_free_batch_and_shift_labels():
+    """One packed row with position_ids restarting per document (padding-free), and pre-shifted labels."""
+    ref_model = tiny("llama")
+    model = copy.deepcopy(ref_model)
+    apply_lsce_patch(model, label_smoothing=0.1)
+    ids, labels = batch(bsz=1, t=20)
+    pos = torch.tensor([list(range(8)) + list(range(12))])
+    labels[0, 8] = -100  # first token of the second document predicts nothing across the boundary
+    ref = unpatched_loss(ref_model, ids, labels, 0.1, position_ids=pos)
+    got = model(input_ids=ids, labels=labels, position_ids=pos).loss
+    assert rel(got.detach(), ref.detach()) < 1e-5
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
+    got2 = model(input_ids=ids, shift_labels=shifted, position_ids=pos).loss
+    assert rel(got2.detach(), ref.detach()) < 1e-5
+
+
+def test_num_items_in_batch_and_return_dict_false():
+    model = apply_lsce_patch(tiny("qwen3"), label_smoothing=0.1)
+    ids, labels = batch()
+    n = (labels[:, 1:] != -100).sum()
+    a = model(input_ids=ids, labels=labels).loss
+    b = model(input_ids=ids, labels=labels, num_items_in_batch=2 * n).loss
+    assert torch.allclose(a / 2, b)
+    tup = model(input_ids=ids, labels=labels, return_dict=False)
+    assert isinstance(tup, tuple) and torch.allclose(tup[0], a)
+
+
+class _BiggestTensor(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.biggest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.biggest = max(self.biggest, t.numel())
+        return out
+
+
+def test_no_logits_built_in_patched_training(monkeypatch):
+    """The lm_head module is never called and no tensor of N x V elements exists."""
+    big_v = 1009  # large enough that N x V dwarfs every backbone activation
+    monkeypatch.setattr(reference.torch_forward, "__defaults__", (8 * big_v,))  # fallback: 8 rows at a time
+    monkeypatch.setattr(reference.torch_backward, "__defaults__", (8 * big_v,))
+    model = apply_lsce_patch(tiny("llama", vocab_size=big_v), label_smoothing=0.1)
+    calls = []
+    model.lm_head.register_forward_hook(lambda *a: calls.append(1))
+    ids, labels = batch(bsz=8, t=32)  # N / 4 > hidden size: N x V / 4 exceeds the V x D weight and its grad
+    n_tokens = ids.numel()
+    with _BiggestTensor() as mode:
+        model(input_ids=ids, labels=labels).loss.backward()
+    assert not calls
+    assert mode.biggest < n_tokens * big_v // 4, (mode.biggest, n_tokens * big_v)
+    assert model.lm_head.weight.grad is not None
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_generation_and_eval_logits_unchanged_bit_for_bit(family):
+    ref_model = tiny(family).eval()
+    model = apply_lsce_patch(copy.deepcopy(ref_model)).eval()
+    ids, labels = batch()
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, ref_model(input_ids=ids).logits)
+        out, ref = model(input_ids=ids, labels=labels), ref_model(input_ids=ids, labels=labels)
+        assert torch.equal(out.logits, ref.logits) and torch.equal(out.loss, ref.loss)
+        assert torch.equal(model(input_ids=ids, logits_to_keep=1).logits, ref_model(input_ids=ids, logits_to_keep=1).logits)
+        g1 = model.generate(ids[:1], max_new_tokens=5, do_sample=False)
+        g2 = ref_model.generate(ids[:1], max_new_tokens=5, do_sample=False)
+    assert torch.equal(g1, g2)
+
+
+def test_eval_loss_smoothed_from_logits_and_fused_eval_option():
+    ref_model = tiny("mistral").eval()
+    ids, labels = batch()
+    with torch.no_grad():
+        ref = unpatched_loss(ref_model, ids, labels, 0.1)
+        m = apply_lsce_patch(copy.deepcopy(ref_model), label_smoothing=0.1).eval()
+        out = m(input_ids=ids, labels=labels)
+        assert out.logits is not None and rel(out.loss, ref) < 1e-5
+        m2 = apply_lsce_patch(copy.deepcopy(ref_model), label_smoothing=0.1, fused_eval_loss=True).eval()
+        out2 = m2(input_ids=ids, labels=labels)
+        assert out2.logits is None and rel(out2.loss, ref) < 1e-5
+
+
+def test_revert_and_class_patch_and_twice(tmp_path):
+    from transformers import LlamaForCausalLM
+
+    orig = LlamaForCausalLM.forward
+    apply_lsce_patch()
+    apply_lsce_patch()  # harmless
+    assert LlamaForCausalLM.forward is not orig
+    model = tiny("llama")
+    assert is_patched(model)
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert is_patched(loaded)
+    for (n, p), (_, q) in zip(model.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(p, q), n
+    revert_lsce_patch()
+    assert LlamaForCausalLM.forward is orig and not is_patched(model)
+    inst = apply_lsce_patch(tiny("llama"))
+    apply_lsce_patch(inst)
+    assert is_patched(inst)
+    revert_lsce_patch(inst)
+    assert not is_patched(inst) and "forward" not in inst.__dict__
+
+
+def test_unsupported_models_fail_closed():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    with pytest.raises(ValueError, match="supports: llama"):
+        apply_lsce_patch(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50)))
+    with pytest.raises(ValueError, match="pretraining_tp"):
+        apply_lsce_patch(tiny("llama", pretraining_tp=2))
+    with pytest.raises(ValueError, match="not supported"):
+        apply_lsce_patch(model_type="gpt2")
+    with pytest.raises(ValueError, match="label_smoothing"):
+        apply_lsce_patch(tiny("llama"), label_smoothing=2.0)
+    m = tiny("llama")
+    m.lm_head = torch.nn.Sequential(m.lm_head)  # e.g. a wrapped head
+    m.config.tie_word_embeddings = False
+    with pytest.raises(ValueError, match="nn.Linear"):
+        apply_lsce_patch(m)
+    # class patch, then a config the op cannot reproduce: fails at the forward, not silently
+    apply_lsce_patch(model_type="llama")
+    bad = tiny("llama")
+    bad.config.pretraining_tp = 4
+    ids, labels = batch()
+    with pytest.raises(ValueError, match="pretraining_tp"):
+        bad(input_ids=ids, labels=labels)
+
+
+# ----------------------------------------------------------------- Trainer
+class _Data(torch.utils.data.Dataset):
+    """Rows of different lengths (right-padded with -100) so micro-batches hold different token counts."""
+
+    def __init__(self, n=8, t=12):
+        g = torch.Generator().manual_seed(1)
+        self.rows = []
+        for i in range(n):
+            ids = torch.randint(0, V, (t,), generator=g)
+            lab = ids.clone()
+            lab[2 + i:] = -100
+            self.rows.append({"input_ids": ids, "labels": lab})
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+
+def _train_one_step(model, tmp_path, bs, ga, b):
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=bs, gradient_accumulation_steps=ga,
+                             max_steps=1, learning_rate=1.0, optim="sgd", lr_scheduler_type="constant",
+                             label_smoothing_factor=b, report_to=[], save_strategy="no", logging_steps=1,
+                             use_cpu=True, seed=0, dataloader_drop_last=False, max_grad_norm=0.0)
+    trainer = Trainer(model=model, args=args, train_dataset=_Data())
+    trainer.train()
+    return trainer
+
+
+def test_trainer_label_smoothing_factor_with_gradient_accumulation(tmp_path):
+    base = tiny("llama")
+    before = {n: p.detach().clone() for n, p in base.named_parameters()}
+    m1 = apply_lsce_patch(copy.deepcopy(base))
+    m2 = apply_lsce_patch(copy.deepcopy(base))
+    calls = []
+    m1.lm_head.register_forward_hook(lambda *a: calls.append(1))
+    t1 = _train_one_step(m1, tmp_path / "a", bs=8, ga=1, b=0.1)
+    _train_one_step(m2, tmp_path / "b", bs=2, ga=4, b=0.1)
+    assert not calls and t1.label_smoother is None
+    assert m1._lsce_label_smoothing == 0.1
+    # SGD with lr 1: the update is the gradient. 4 x 2 accumulated equals 1 x 8.
+    for n, p in m1.named_parameters():
+        d1, d2 = before[n] - p.detach(), before[n] - dict(m2.named_parameters())[n].detach()
+        if d1.norm() > 0:
+            assert rel(d2, d1) < 1e-4, n
+    # and the 1 x 8 gradient is HF's LabelSmoother's on the unpatched model
+    ref = copy.deepcopy(base)
+    rows = _Data().rows
+    ids = torch.stack([r["input_ids"] for r in rows])
+    lab = torch.stack([r["labels"] for r in rows])
+    unpatched_loss(ref, ids, lab, 0.1).backward()
+    for n, p in ref.named_parameters():
+        if p.grad is not None and p.grad.norm() > 0:
+            assert rel(before[n] - dict(m1.named_parameters())[n].detach(), p.grad) < 1e-4, n
+
+
+def test_sft_trainer_smoothing_metrics_and_no_logits(tmp_path):
+    from datasets import Dataset
+    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from trl import SFTConfig, SFTTrainer
+
+    words = [f"w{i}" for i in range(V - 3)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["<pad>", "<eos>", "<unk>", *words])}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    g = torch.Generator().manual_seed(0)
+    rows = [{"prompt": " ".join(words[j] for j in torch.randint(0, 50, (5,), generator=g).tolist()),
+             "completion": " " + " ".join(words[j] for j in torch.randint(0, 50, (4,), generator=g).tolist())}
+            for _ in range(16)]
+    ds = Dataset.from_list(rows)
+
+    def make(model, b, out):
+        cfg = SFTConfig(output_dir=str(out), per_device_train_batch_size=4, max_steps=2, logging_steps=1,
+                        label_smoothing_factor=b, report_to=[], save_strategy="no", use_cpu=True, seed=0,
+                        completion_only_loss=True, learning_rate=1e-3)
+        return SFTTrainer(model=model, args=cfg, train_dataset=ds, processing_class=tokenizer)
+
+    base = tiny("llama", pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    ref_tr = make(copy.deepcopy(base), 0.1, tmp_path / "ref")
+    batch_ = next(iter(ref_tr.get_train_dataloader()))
+    ref_tr.model.train()
+    ref_loss = ref_tr.compute_loss(ref_tr.model, dict(batch_))
+    model = apply_lsce_patch(copy.deepcopy(base))
+    tr = make(model, 0.1, tmp_path / "ours")
+    calls = []
+    model.lm_head.register_forward_hook(lambda *a: calls.append(1))
+    model.train()
+    loss = tr.compute_loss(model, dict(batch_))
+    assert not calls, "lm_head called in compute_loss"
+    assert tr.label_smoother is None
+    assert rel(loss.detach(), ref_loss.detach()) < 1e-5
+    tr._metrics["train"].clear()
+    tr.train()
+    logs = [h for h in tr.state.log_history if "loss" in h]
+    assert logs and all(k in logs[0] for k in ("entropy", "mean_token_accuracy"))
+    assert all(torch.isfinite(torch.tensor(h["loss"])) for h in logs)
+    assert not calls, "lm_head called in train"
+
+
+def test_run_launcher_drives_stock_script(tmp_path):
+    script = Path(__file__).parent / "scripts" / "stock_train.py"
+    env = dict(os.environ, TRANSFORMERS_VERBOSITY="info", CUDA_VISIBLE_DEVICES="")
+    res = subprocess.run([sys.executable, "-m", "hf_lsce.run", str(script), "--output_dir", str(tmp_path),
+                          "--label_smoothing_factor", "0.1", "--max_steps", "2", "--per_device_train_batch_size", "4",
+                          "--report_to", "none", "--use_cpu", "--logging_steps", "1", "--save_strategy", "no"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "trains through the fused op, label_smoothing=0.1" in res.stderr + res.stdout
+    state = json.loads((tmp_path / "trainer_state.json").read_text()) if (tmp_path / "trainer_state.json").exists() else None
+    assert (tmp_path / "model.safetensors").exists() or state is not None
