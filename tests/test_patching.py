@@ -340,3 +340,33 @@ def test_run_launcher_drives_stock_script(tmp_path):
     assert "trains through the fused op, label_smoothing=0.1" in res.stderr + res.stdout
     state = json.loads((tmp_path / "trainer_state.json").read_text()) if (tmp_path / "trainer_state.json").exists() else None
     assert (tmp_path / "model.safetensors").exists() or state is not None
+
+
+def test_gemma3_conditional_generation_text_path():
+    """Gemma3ForConditionalGeneration, text-only batch, vs LabelSmoother; soft-capped: refused (unverified)."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    text = dict(COMMON, final_logit_softcapping=None)
+    text.pop("max_position_embeddings")
+    cfg = Gemma3Config(text_config=text, vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                                            num_attention_heads=2, image_size=28, patch_size=14),
+                       mm_tokens_per_image=4, image_token_index=V - 1, boi_token_index=V - 2, eoi_token_index=V - 3)
+    torch.manual_seed(0)
+    ref_model = Gemma3ForConditionalGeneration(cfg).float().train()
+    model = apply_lsce_patch(copy.deepcopy(ref_model), label_smoothing=0.1)
+    ids, labels = batch()
+    ids = ids.clamp(max=V - 4)
+    labels = torch.where(labels == -100, labels, ids)
+    ref = LabelSmoother(epsilon=0.1)(ref_model(input_ids=ids), labels, shift_labels=True)
+    ref.backward()
+    out = model(input_ids=ids, labels=labels)
+    out.loss.backward()
+    assert out.logits is None and rel(out.loss.detach(), ref.detach()) < 1e-5
+    rg, g = grads(ref_model), grads(model)
+    for name in rg:
+        if rg[name].norm() > 0:
+            assert rel(g[name], rg[name]) < 1e-4, name
+    capped = copy.deepcopy(ref_model)
+    capped.config.text_config.final_logit_softcapping = 2.0
+    with pytest.raises(ValueError, match="Gemma3ForCausalLM"):
+        apply_lsce_patch(capped)

@@ -88,6 +88,11 @@ def check_supported(model) -> FamilySpec:
         val = getattr(cfg, attr, None)
         if val is not None and val != 1:
             raise ValueError(f"config.{attr}={val} scales the logits; hf_lsce does not reproduce logit scaling.")
+    if type(model).__name__ == "Gemma3ForConditionalGeneration" and softcap_of(model) is not None:
+        raise ValueError(
+            "Gemma3ForConditionalGeneration with final_logit_softcapping: its gradients through the fused op are "
+            "not yet verified against Hugging Face's, so hf_lsce refuses it. Train the text model "
+            "(Gemma3ForCausalLM) or set text_config.final_logit_softcapping = None.")
     head = output_head(model)
     if type(head) is not torch.nn.Linear:
         raise ValueError(
