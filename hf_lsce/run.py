@@ -33,9 +33,11 @@ def run_script(script: str, args: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__)
-        raise SystemExit(0 if argv else 2)
+    if not argv:
+        raise SystemExit(__doc__)
+    if argv[0] in ("-h", "--help"):
+        sys.stdout.write(__doc__)
+        raise SystemExit(0)
     run_script(argv[0], argv[1:])
 
 
