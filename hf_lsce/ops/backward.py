@@ -29,7 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .forward import _dot, _logit_tile
+from .config import launch, tuning_configs
+from .forward import _dot, _logit_tile, _tile_offsets
 
 
 @triton.jit
@@ -44,12 +45,7 @@ def _lce_backward_kernel(
     COUNT_SKIPPED: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    pid_v = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    mask_n = offs_n < N
-    mask_v = offs_v < V
+    offs_n, offs_v, mask_n, mask_v = _tile_offsets(N, V, BLOCK_N, BLOCK_V)
 
     grad = tl.load(GRAD + offs_n, mask=mask_n, other=0.0)
     # Rows with no upstream gradient (ignored tokens, padding) contribute nothing.
@@ -109,12 +105,7 @@ def _lce_grad_logits_kernel(
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """G[n, v] = grad_n * dloss_n / dz_nv, the full gradient (smoothing term included), input dtype."""
-    pid_n = tl.program_id(0)
-    pid_v = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    mask_n = offs_n < N
-    mask_v = offs_v < V
+    offs_n, offs_v, mask_n, mask_v = _tile_offsets(N, V, BLOCK_N, BLOCK_V)
     z, t = _logit_tile(H, W, B, offs_n, offs_v, mask_n, mask_v, D, stride_hn, stride_hd,
                        stride_wv, stride_wd, softcap, HAS_BIAS, SOFTCAP, BLOCK_D,
                        DOT_PRECISION, UPCAST, BLOCK_N, BLOCK_V)
@@ -131,13 +122,10 @@ def _lce_grad_logits_kernel(
              mask=mask_n[:, None] & mask_v[None, :])
 
 
-_GRAD_CONFIGS = [
-    triton.Config(dict(BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd), num_warps=w, num_stages=st)
-    for bn, bv, bd, w, st in [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 256, 64, 4, 4),
-                              (128, 128, 64, 4, 4), (256, 128, 64, 8, 3)]
-]
-_lce_grad_logits_autotuned = triton.autotune(configs=_GRAD_CONFIGS, key=["D", "V", "DOT_PRECISION"])(
-    _lce_grad_logits_kernel)
+_lce_grad_logits_autotuned = triton.autotune(
+    configs=tuning_configs([(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 256, 64, 4, 4),
+                            (128, 128, 64, 4, 4), (256, 128, 64, 8, 3)]),
+    key=["D", "V", "DOT_PRECISION"])(_lce_grad_logits_kernel)
 
 
 def triton_backward_dense(hidden, weight, bias, targets, lse, grad, smoothing, softcap, config,
@@ -162,14 +150,9 @@ def triton_backward_dense(hidden, weight, bias, targets, lse, grad, smoothing, s
                 grad[s:e], smoothing[s:e], gc, e - s, v, d,
                 hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), gc.stride(0),
                 float(softcap) if softcap is not None else 1.0, 1.0 / v)
-        if config.autotune:
-            grid = lambda meta: (triton.cdiv(e - s, meta["BLOCK_N"]), triton.cdiv(v, meta["BLOCK_V"]))  # noqa: E731
-            _lce_grad_logits_autotuned[grid](*args, **flags)
-        else:
-            grid = (triton.cdiv(e - s, config.block_n), triton.cdiv(v, config.block_v))
-            _lce_grad_logits_kernel[grid](*args, **flags, BLOCK_N=config.block_n, BLOCK_V=config.block_v,
-                                          BLOCK_D=config.block_d, num_warps=config.num_warps,
-                                          num_stages=config.num_stages)
+        rows_c = e - s
+        launch(_lce_grad_logits_kernel, _lce_grad_logits_autotuned, config,
+               lambda meta: (triton.cdiv(rows_c, meta["BLOCK_N"]), triton.cdiv(v, meta["BLOCK_V"])), args, flags)
         if need_dh:
             torch.mm(gc, weight, out=dh[s:e])
         if need_dw:
@@ -193,16 +176,14 @@ def triton_backward(hidden, weight, bias, targets, lse, grad, smoothing, softcap
     dw = torch.zeros(v if need_dw else 1, d, dtype=torch.float32, device=dev)
     db = torch.zeros(v, dtype=torch.float32, device=dev) if bias is not None else None
     skipped = torch.zeros(1, dtype=torch.int32, device=dev)
-    grid = (triton.cdiv(n, config.block_n), triton.cdiv(v, config.block_v))
-    _lce_backward_kernel[grid](
-        hidden, weight, bias if bias is not None else weight, targets, lse, grad, smoothing,
-        dh, dw, db if db is not None else dw, skipped,
-        n, v, d,
-        hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
-        float(softcap) if softcap is not None else 1.0, 1.0 / v, float(filter_eps),
-        HAS_BIAS=bias is not None, SOFTCAP=softcap is not None, FILTER=filter_eps > 0,
-        NEED_DH=need_dh, NEED_DW=need_dw, COUNT_SKIPPED=count_skipped, DOT_PRECISION=config.dot_precision, UPCAST=config.upcast_dot,
-        BLOCK_N=config.block_n, BLOCK_V=config.block_v, BLOCK_D=config.block_d,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )
+    args = (hidden, weight, bias if bias is not None else weight, targets, lse, grad, smoothing,
+            dh, dw, db if db is not None else dw, skipped, n, v, d,
+            hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
+            float(softcap) if softcap is not None else 1.0, 1.0 / v, float(filter_eps))
+    flags = dict(HAS_BIAS=bias is not None, SOFTCAP=softcap is not None, FILTER=filter_eps > 0,
+                 NEED_DH=need_dh, NEED_DW=need_dw, COUNT_SKIPPED=count_skipped,
+                 DOT_PRECISION=config.dot_precision, UPCAST=config.upcast_dot)
+    # No autotuned twin: autotuning re-runs the kernel, and its atomics would accumulate each run.
+    launch(_lce_backward_kernel, None, config,
+           lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(v, meta["BLOCK_V"])), args, flags)
     return dh, dw, db, int(skipped.item()) if count_skipped else None

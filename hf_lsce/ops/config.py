@@ -5,6 +5,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+import triton
 
 
 @dataclass(frozen=True)
@@ -49,3 +50,20 @@ def backward_config(dtype: torch.dtype, device: torch.device) -> KernelConfig:
 
 # Memory for one chunk of the dense backward's gradient-of-logits buffer (chunk_rows x V).
 GRAD_CHUNK_BYTES = 1 << 30
+
+
+def tuning_configs(shapes) -> list:
+    """triton.autotune candidates from (BLOCK_N, BLOCK_V, BLOCK_D, num_warps, num_stages) tuples."""
+    return [triton.Config(dict(BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd), num_warps=w, num_stages=st)
+            for bn, bv, bd, w, st in shapes]
+
+
+def launch(kernel, tuned, config: KernelConfig, grid, args, flags) -> None:
+    """Run ``kernel`` with ``config``'s block sizes, or its autotuned twin ``tuned`` when the config asks
+    for autotuning and one exists (kernels with side effects, such as atomics, have none).
+    ``grid(meta)`` maps the block sizes to the launch grid."""
+    if config.autotune and tuned is not None:
+        tuned[grid](*args, **flags)
+        return
+    meta = dict(BLOCK_N=config.block_n, BLOCK_V=config.block_v, BLOCK_D=config.block_d)
+    kernel[grid(meta)](*args, **flags, **meta, num_warps=config.num_warps, num_stages=config.num_stages)

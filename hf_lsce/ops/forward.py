@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .config import launch, tuning_configs
+
 
 @triton.jit
 def _tanh(x):
@@ -29,6 +31,14 @@ def _dot(a, b, acc, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     if UPCAST:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _tile_offsets(N, V, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Row and vocabulary offsets (and bounds masks) of this program's (BLOCK_N, BLOCK_V) tile."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    return offs_n, offs_v, offs_n < N, offs_v < V
 
 
 @triton.jit
@@ -112,12 +122,10 @@ def _lce_forward_kernel(
     tl.store(AM_OUT + out, am, mask=mask_n)
 
 
-_CUDA_CONFIGS = [
-    triton.Config(dict(BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd), num_warps=w, num_stages=st)
-    for bn, bv, bd, w, st in [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 256, 64, 4, 4),
-                              (128, 128, 64, 4, 4), (256, 128, 64, 8, 3), (128, 64, 128, 4, 3)]
-]
-_lce_forward_autotuned = triton.autotune(configs=_CUDA_CONFIGS, key=["D", "V", "DOT_PRECISION"])(_lce_forward_kernel)
+_lce_forward_autotuned = triton.autotune(
+    configs=tuning_configs([(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 256, 64, 4, 4),
+                            (128, 128, 64, 4, 4), (256, 128, 64, 8, 3), (128, 64, 128, 4, 3)]),
+    key=["D", "V", "DOT_PRECISION"])(_lce_forward_kernel)
 
 
 def merge_splits(m, s, t, sz, zy, am):
@@ -146,11 +154,6 @@ def triton_forward(hidden, weight, bias, targets, softcap, config):
             float(softcap) if softcap is not None else 1.0)
     flags = dict(HAS_BIAS=bias is not None, SOFTCAP=softcap is not None,
                  DOT_PRECISION=config.dot_precision, UPCAST=config.upcast_dot)
-    if config.autotune:
-        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), splits)  # noqa: E731
-        _lce_forward_autotuned[grid](*args, **flags)
-    else:
-        _lce_forward_kernel[(triton.cdiv(n, config.block_n), splits)](
-            *args, **flags, BLOCK_N=config.block_n, BLOCK_V=config.block_v, BLOCK_D=config.block_d,
-            num_warps=config.num_warps, num_stages=config.num_stages)
+    launch(_lce_forward_kernel, _lce_forward_autotuned, config,
+           lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), splits), args, flags)
     return merge_splits(m, s, t, sz, zy, am)
