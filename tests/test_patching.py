@@ -221,6 +221,7 @@ def test_unsupported_models_fail_closed():
     apply_lsce_patch(model_type="llama")
     bad = tiny("llama")
     bad.config.pretraining_tp = 4
+    bad.train()  # the fused (training) path is the one that must refuse it
     ids, labels = batch()
     with pytest.raises(ValueError, match="pretraining_tp"):
         bad(input_ids=ids, labels=labels)

@@ -1,4 +1,4 @@
 """Pure torch + Triton: the fused linear + label-smoothed cross-entropy op (no transformers import)."""
-from .linear_cross_entropy import LCEStats, linear_cross_entropy
+from .linear_cross_entropy import LCEStats, divide_summed_loss, linear_cross_entropy
 
-__all__ = ["LCEStats", "linear_cross_entropy"]
+__all__ = ["LCEStats", "divide_summed_loss", "linear_cross_entropy"]

@@ -161,6 +161,15 @@ def _validate(hidden, weight, targets, bias, label_smoothing, ignore_index, redu
             )
 
 
+def divide_summed_loss(total: torch.Tensor, num_items_in_batch, valid_count: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's reduction of a summed token loss: by ``num_items_in_batch`` when given, else by the
+    number of valid tokens; either is clamped to >= 1 so an all-ignored batch gives 0, never NaN."""
+    denom = valid_count if num_items_in_batch is None else num_items_in_batch
+    if torch.is_tensor(denom):
+        return total / denom.to(device=total.device, dtype=total.dtype).clamp_min(1)
+    return total / max(float(denom), 1.0)
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """Per-token smoothed losses of 2-D inputs; reduction happens outside (plain torch ops)."""
 
@@ -314,19 +323,10 @@ def linear_cross_entropy(
             h2, weight, bias, t1, b1, softcap, backend, float(filter_eps))
         if reduction == "none":
             loss = loss_tok.reshape(out_shape)
+        elif reduction == "sum" and num_items_in_batch is None:
+            loss = loss_tok.sum()
         else:
-            total = loss_tok.sum()
-            if num_items_in_batch is not None:
-                denom = num_items_in_batch
-                if torch.is_tensor(denom):
-                    denom = denom.to(device=total.device, dtype=total.dtype).clamp_min(1)
-                else:
-                    denom = max(float(denom), 1.0)
-                loss = total / denom
-            elif reduction == "mean":
-                loss = total / (t1 >= 0).sum().clamp_min(1).to(total.dtype)
-            else:
-                loss = total
+            loss = divide_summed_loss(loss_tok.sum(), num_items_in_batch, (t1 >= 0).sum())
     if not return_stats:
         return loss
     valid = (t1 >= 0).reshape(out_shape)

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.utils import ModelOutput
 
-from ..ops import linear_cross_entropy
-from .models import output_head, softcap_of
+from ..ops import divide_summed_loss, linear_cross_entropy
+from .models import check_supported, output_head, softcap_of
 
 # Registry of original forwards of patched classes (class -> function).
 ORIGINAL_CLASS_FORWARDS: dict[type, Any] = {}
@@ -109,12 +109,10 @@ def lsce_forward(self, *args, **kwargs):
             shift_labels = F.pad(labels, (0, 1), value=-100)[..., 1:]
         tok = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), shift_labels.reshape(-1).to(logits.device),
                               ignore_index=-100, label_smoothing=b, reduction="sum")
-        denom = num_items if num_items is not None else (shift_labels != -100).sum().clamp_min(1)
-        if torch.is_tensor(denom):
-            denom = denom.to(tok.device)
-        out.loss = tok / denom
+        out.loss = divide_summed_loss(tok, num_items, (shift_labels != -100).sum())
         return out if return_dict is not False else out.to_tuple()
 
+    check_supported(self)  # fail closed on configs the op cannot reproduce (the class patch checks here)
     kwargs.pop("logits_to_keep", None)
     if fused_lm_head:
         kwargs["use_cache"] = False
@@ -130,10 +128,7 @@ def lsce_forward(self, *args, **kwargs):
     targets = targets.to(weight.device)
     tok, stats = linear_cross_entropy(hidden, weight, targets, bias=bias, label_smoothing=b, softcap=softcap_of(self),
                                       shift=shift, reduction="none", return_stats=True)
-    denom = num_items if num_items is not None else stats.valid.sum().clamp_min(1)
-    if torch.is_tensor(denom):
-        denom = denom.to(tok.device)
-    loss = tok.sum() / denom
+    loss = divide_summed_loss(tok.sum(), num_items, stats.valid.sum())
     if fused_lm_head:
         cut = (slice(None), slice(None, -1)) if shift else (slice(None), slice(None))
         mask = stats.valid[cut]

@@ -47,7 +47,7 @@ def route_smoothing(trainer, model) -> None:
     elif b_args and b_args != explicit and not getattr(trainer, "_lsce_warned", False):
         logger.warning(f"apply_lsce_patch(label_smoothing={explicit}) overrides label_smoothing_factor={b_args}.")
         trainer._lsce_warned = True
-    if trainer.label_smoother is not None or not getattr(trainer, "_lsce_routed", False):
+    if not getattr(trainer, "_lsce_routed", False):
         logger.info(f"hf_lsce: {type(target).__name__} trains through the fused op, "
                     f"label_smoothing={getattr(target, '_lsce_label_smoothing', 0.0)}")
         trainer._lsce_routed = True
