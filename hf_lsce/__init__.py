@@ -4,5 +4,14 @@ from .patching import apply_lsce_patch, is_patched, revert_lsce_patch
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name):  # heavier parts load on first use
+    if name == "CalibrationCallback":
+        from .calibration.callback import CalibrationCallback
+
+        return CalibrationCallback
+    raise AttributeError(f"module 'hf_lsce' has no attribute {name!r}")
+
+
 __all__ = ["LCEStats", "linear_cross_entropy", "apply_lsce_patch", "revert_lsce_patch", "is_patched",
-           "__version__"]
+           "CalibrationCallback", "__version__"]

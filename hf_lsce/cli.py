@@ -59,6 +59,66 @@ def _cmd_run(args) -> int:
     return 0
 
 
+def _load_causal_lm(name: str, dtype: str, device: str | None):
+    """A causal LM and its tokenizer from a local path or hub name, on ``device`` in ``dtype``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    torch_dtype = {"auto": "auto", "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    try:
+        tok = AutoTokenizer.from_pretrained(name)
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype)
+    except OSError as e:
+        raise SystemExit(f"hf-lsce: cannot load model {name!r}: {e}\nGive a local folder holding config.json, the "
+                         "weights and the tokenizer, or a hub name reachable from this machine.") from e
+    return model.to(dev).eval(), tok
+
+
+def _print_table(title: str, rows: list[tuple[str, dict]], cols: list[str]) -> None:
+    print(title)
+    print(f"{'':<18}" + "".join(f"{c:>10}" for c in cols))
+    for name, d in rows:
+        print(f"{name:<18}" + "".join(f"{d[c]:>10.4f}" if c in d else f"{'-':>10}" for c in cols))
+
+
+def _prepare_output_dir(path: str, files: list[str], overwrite: bool) -> None:
+    import os
+
+    os.makedirs(path, exist_ok=True)
+    clash = [f for f in files if os.path.exists(os.path.join(path, f))]
+    if clash and not overwrite:
+        raise SystemExit(f"hf-lsce: {path} already holds {', '.join(clash)}; pass --overwrite to replace them or "
+                         "choose another --output-dir")
+
+
+def _cmd_eval(args) -> int:
+    import os
+
+    from .calibration import load_task, parse_task_names, reliability_diagram, score_task
+
+    names = parse_task_names(args.tasks)
+    _prepare_output_dir(args.output_dir, ["calibration.json"] + [f"{n}_reliability.png" for n in names],
+                        args.overwrite)
+    tasks = [load_task(n, args.data_dir, shots=args.shots, limit=args.limit) for n in names]
+    model, tok = _load_causal_lm(args.model, args.dtype, args.device)
+    report, rows = {"model": args.model, "shots": args.shots, "limit": args.limit, "n_bins": args.n_bins,
+                    "tasks": {}}, []
+    for t in tasks:
+        s = score_task(model, tok, t, batch_size=args.batch_size, n_bins=args.n_bins, max_length=args.max_length)
+        png = os.path.join(args.output_dir, f"{t.name}_reliability.png")
+        reliability_diagram(s.metrics, png, title=f"{args.model}: {t.name}")
+        report["tasks"][t.name] = {**s.summary(), "reliability": s.metrics.to_dict()["reliability"], "diagram": png}
+        rows.append((t.name, s.summary()))
+    out = os.path.join(args.output_dir, "calibration.json")
+    with open(out, "w") as f:
+        json.dump(report, f, indent=1)
+    _print_table(f"calibration of {args.model} ({args.n_bins} equal-width bins; confidence = softmax over choices)",
+                 rows, ["n", "acc", "acc_norm", "ece", "rms", "mce", "nll", "brier"])
+    print(f"wrote {out} and {len(rows)} reliability diagrams in {args.output_dir}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hf-lsce", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -70,6 +130,23 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--label-smoothing", type=float, default=0.1)
     c.add_argument("--device", default=None)
     c.set_defaults(func=_cmd_check)
+    e = sub.add_parser("eval", help="accuracy and calibration (ECE, RMS, ...) on MMLU, HellaSwag, ARC",
+                       description="Score multiple-choice tasks with a causal LM; print Acc/ECE/RMS per task, "
+                                   "write calibration.json and reliability diagrams.")
+    e.add_argument("--model", required=True, help="local folder or hub name of a causal LM (with its tokenizer)")
+    e.add_argument("--tasks", default="mmlu,hellaswag,arc_easy,arc_challenge",
+                   help="comma-separated: mmlu, hellaswag, arc_easy, arc_challenge (arc = both ARC sets)")
+    e.add_argument("--data-dir", default=None, help="local data folder (e.g. ../shared/data); default: the hub")
+    e.add_argument("--shots", type=int, default=5, help="MMLU shots from the dev split (others are zero-shot)")
+    e.add_argument("--limit", type=int, default=None, help="items per task (MMLU: round-robin over subjects)")
+    e.add_argument("--batch-size", type=int, default=8)
+    e.add_argument("--n-bins", type=int, default=15)
+    e.add_argument("--max-length", type=int, default=None, help="context limit; default: the model's")
+    e.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto")
+    e.add_argument("--device", default=None)
+    e.add_argument("--output-dir", default="calibration_eval")
+    e.add_argument("--overwrite", action="store_true", help="replace results already in --output-dir")
+    e.set_defaults(func=_cmd_eval)
     r = sub.add_parser("run", help="run an unmodified HF/TRL training script with the patch applied",
                        description="Patch every supported model class, then run SCRIPT with ARGS; its "
                                    "--label_smoothing_factor drives the fused op.")

@@ -8,6 +8,7 @@ from pathlib import Path
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_EVALUATE_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_DISABLED", "true")
 
@@ -21,4 +22,12 @@ def shared_data():
     """The real evaluation data beside the checkout (../shared/data); skip if absent."""
     if not SHARED_DATA.is_dir():
         pytest.skip(f"shared data folder not found at {SHARED_DATA} (expected beside the checkout)")
-    return SHARED_DATA
+    return str(SHARED_DATA)
+
+
+@pytest.fixture(scope="module")
+def shared_data_module():
+    """``shared_data`` for module-scoped fixtures."""
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"shared data folder not found at {SHARED_DATA} (expected beside the checkout)")
+    return str(SHARED_DATA)

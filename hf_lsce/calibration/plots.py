@@ -1,0 +1,68 @@
+"""Reliability diagrams: accuracy against confidence per bin, the gap, the diagonal, the counts."""
+from __future__ import annotations
+
+import math
+import os
+
+from .metrics import CalibrationResult, ReliabilityData
+
+
+def reliability_diagram(result: CalibrationResult | ReliabilityData, path: str | None = None, *,
+                        title: str | None = None, ax=None):
+    """Draw a reliability diagram; save it to ``path`` (PNG) when given. Returns the figure.
+
+    Top panel: bars of per-bin accuracy, the gap to the bin's mean confidence (red), and the
+    diagonal of perfect calibration; the ECE and RMS in the corner. Bottom panel: how many
+    predictions fall in each bin (log scale), so a big gap over three samples reads as such.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    rel = result.reliability if isinstance(result, CalibrationResult) else result
+    if rel is None:
+        raise ValueError("this CalibrationResult has no reliability data")
+    m = rel.n_bins
+    width = 1.0 / m
+    centers = [rel.edges[i] + width / 2 for i in range(m)]
+    acc = [0.0 if math.isnan(a) else a for a in rel.accuracy]
+    conf = [c if not math.isnan(c) else centers[i] for i, c in enumerate(rel.confidence)]
+    filled = [c > 0 for c in rel.count]
+
+    if ax is None:
+        fig, (top, bottom) = plt.subplots(2, 1, figsize=(4.8, 5.6), sharex=True,
+                                          gridspec_kw={"height_ratios": [3, 1]})
+    else:
+        top, bottom = ax if isinstance(ax, (tuple, list)) else (ax, None)
+        fig = top.figure
+    top.bar(centers, acc, width=width, edgecolor="black", color="#4c72b0", label="accuracy")
+    gap_base = [min(a, c) if f else 0 for a, c, f in zip(acc, conf, filled)]
+    gap_h = [abs(c - a) if f else 0 for a, c, f in zip(acc, conf, filled)]
+    top.bar(centers, gap_h, bottom=gap_base, width=width, edgecolor="#c44e52", color="#c44e52", alpha=0.35,
+            hatch="//", label="gap to confidence")
+    top.plot([0, 1], [0, 1], "k--", lw=1, label="perfect calibration")
+    top.set_xlim(0, 1)
+    top.set_ylim(0, 1)
+    top.set_ylabel("accuracy")
+    top.legend(loc="upper left", fontsize=8)
+    if isinstance(result, CalibrationResult):
+        top.text(0.97, 0.05, f"ECE {result.ece:.3f}\nRMS {result.rms:.3f}\nacc {result.accuracy:.3f}  n={result.n}",
+                 ha="right", va="bottom", transform=top.transAxes, fontsize=8,
+                 bbox=dict(boxstyle="round", fc="white", alpha=0.8))
+    if title:
+        top.set_title(title, fontsize=10)
+    if bottom is not None:
+        bottom.bar(centers, rel.count, width=width, edgecolor="black", color="#8c8c8c")
+        if any(c > 0 for c in rel.count):
+            bottom.set_yscale("log")
+        bottom.set_ylabel("count")
+        bottom.set_xlabel("confidence")
+    else:
+        top.set_xlabel("confidence")
+    fig.tight_layout()
+    if path is not None:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+    return fig

@@ -1,0 +1,239 @@
+"""Score multiple-choice tasks with any causal LM and measure its calibration.
+
+Requests are tokenised once, sorted by length and run in left-padded batches, so every sequence
+ends at the same position and only the last few positions' logits are asked for (``logits_to_keep``
+where the model's forward takes it): a 5-shot MMLU batch never holds a full sequence x vocabulary
+tensor. Position ids are passed from the attention mask, so models with absolute positions read
+padded rows correctly.
+
+Confidence, and so calibration, is the softmax over the choices of the model's scores:
+* letters tasks (MMLU): the next-token logits restricted to the answer letters;
+* continuation tasks (HellaSwag, ARC): the summed log-likelihood of each continuation, i.e. the
+  model's joint probability of the choices renormalised over them. The prediction measured is
+  ``acc`` (argmax of that same score); ``acc_norm`` (length-normalised, per character of the
+  continuation, as lm-evaluation-harness) is reported beside it but does not enter the calibration.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from .metrics import CalibrationResult, calibration_metrics
+from .tasks import LETTERS, Task
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TaskScores:
+    """A task's per-item choice probabilities, labels and metrics."""
+
+    task: str
+    probs: torch.Tensor          # (items, choices): softmax over the choices (padded with 0)
+    labels: torch.Tensor         # (items,)
+    loglik: torch.Tensor         # (items, choices): raw scores (-inf padding)
+    acc_norm: float | None
+    metrics: CalibrationResult
+    shots_used: list[int] = field(default_factory=list, repr=False)
+
+    def summary(self) -> dict[str, float]:
+        d = {"acc": self.metrics.accuracy, **{k: v for k, v in self.metrics.scalars().items() if k != "accuracy"}}
+        if self.acc_norm is not None:
+            d["acc_norm"] = self.acc_norm
+        return d
+
+
+def _model_max_length(model, tokenizer, max_length: int | None) -> int:
+    if max_length:
+        return max_length
+    cfg = getattr(model, "config", None)
+    cfg = getattr(cfg, "get_text_config", lambda: cfg)() if cfg is not None else None
+    m = getattr(cfg, "max_position_embeddings", None)
+    t = getattr(tokenizer, "model_max_length", None)
+    cands = [x for x in (m, t) if isinstance(x, int) and 0 < x < 10**7]
+    return min(cands) if cands else 2048
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+
+
+def _letter_ids(tokenizer, prompt: str, n: int) -> list[int]:
+    """Token id of `` A``, `` B``, ... as they follow ``Answer:`` (the original MMLU protocol)."""
+    base = _encode(tokenizer, prompt)
+    ids = []
+    for letter in LETTERS[:n]:
+        whole = _encode(tokenizer, prompt + " " + letter)
+        if whole[: len(base)] != base or len(whole) != len(base) + 1:
+            raise ValueError(f"the tokenizer does not encode ' {letter}' after 'Answer:' as one token; the MMLU "
+                             "letter protocol needs single-token answer letters")
+        ids.append(whole[-1])
+    if len(set(ids)) != len(ids):
+        raise ValueError("the tokenizer maps different answer letters to the same token")
+    return ids
+
+
+def _forward_kwargs(model) -> set[str]:
+    fwd = getattr(model, "forward", model)
+    try:
+        return set(inspect.signature(fwd).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+@torch.no_grad()
+def _last_logits(model, batch_ids: list[list[int]], keep: int, pad_id: int, device, accepted: set[str]) -> torch.Tensor:
+    """Logits of the last ``keep`` positions of left-padded sequences: (B, keep, V) in fp32."""
+    L = max(len(x) for x in batch_ids)
+    ids = torch.full((len(batch_ids), L), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(batch_ids), L), dtype=torch.long)
+    for i, x in enumerate(batch_ids):
+        ids[i, L - len(x):] = torch.tensor(x)
+        mask[i, L - len(x):] = 1
+    kw = dict(input_ids=ids.to(device), attention_mask=mask.to(device))
+    if "position_ids" in accepted:
+        kw["position_ids"] = (mask.cumsum(-1) - 1).clamp_min(0).to(device)
+    if "logits_to_keep" in accepted:
+        kw["logits_to_keep"] = keep
+    if "use_cache" in accepted:
+        kw["use_cache"] = False
+    out = model(**kw)
+    logits = out.logits if hasattr(out, "logits") else out[0]
+    return logits[:, -keep:].float()
+
+
+def _device_of(model) -> torch.device:
+    try:
+        return next(model.parameters()).device
+    except (StopIteration, AttributeError):
+        return torch.device("cpu")
+
+
+def _shard(n: int, distributed: bool) -> tuple[list[int], int, int]:
+    import torch.distributed as dist
+
+    if distributed and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        r, w = dist.get_rank(), dist.get_world_size()
+        return list(range(r, n, w)), r, w
+    return list(range(n)), 0, 1
+
+
+def score_task(model, tokenizer, task: Task, *, batch_size: int = 8, max_length: int | None = None,
+               n_bins: int = 15, progress: bool = True, distributed: bool = True) -> TaskScores:
+    """Score every item of ``task`` with ``model`` and measure calibration.
+
+    Works with any causal LM returning ``.logits`` (patched or not; an ``ATSCalibrator`` returns
+    calibrated logits). Few-shot prompts longer than the model's context drop shots from the end
+    until they fit. Under ``torch.distributed`` each rank scores a shard and the results are
+    gathered, so every rank returns the same ``TaskScores``.
+    """
+    if not isinstance(task, Task):
+        raise TypeError(f"`task` must be a hf_lsce.calibration.Task (see load_task); got {type(task).__name__}")
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"`batch_size` must be a positive integer; got {batch_size!r}")
+    device = _device_of(model)
+    accepted = _forward_kwargs(model)
+    max_len = _model_max_length(model, tokenizer, max_length)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    mine, rank, world = _shard(len(task.items), distributed)
+
+    # --- tokenise into requests: (item, choice, ids, n_continuation_tokens)
+    requests, shots_used = [], {}
+    letter_ids = None
+    for i in mine:
+        it = task.items[i]
+        k = len(it.shots)
+        while True:
+            prompt = it.render(k)
+            ctx = _encode(tokenizer, prompt)
+            if task.kind == "letters":
+                full, conts = [ctx], [0]
+            else:
+                full, conts = [], []
+                for c in it.choices:
+                    whole = _encode(tokenizer, prompt + c)
+                    n_cont = max(1, len(whole) - len(ctx))  # the harness's split: whole[len(ctx):]
+                    full.append(whole)
+                    conts.append(n_cont)
+            if max(len(x) for x in full) <= max_len or k == 0:
+                break
+            k -= 1
+        if max(len(x) for x in full) > max_len:
+            raise ValueError(f"task {task.name!r} item {i} is {max(len(x) for x in full)} tokens even without "
+                             f"shots; the model takes {max_len}. Raise `max_length` or drop the item")
+        shots_used[i] = k
+        if task.kind == "letters" and letter_ids is None:
+            letter_ids = _letter_ids(tokenizer, prompt, len(it.choices))
+        for j, (ids, n_cont) in enumerate(zip(full, conts)):
+            requests.append((i, j, ids, n_cont))
+
+    n_choices = max(len(it.choices) for it in task.items)
+    scores = {i: torch.full((n_choices,), float("-inf"), dtype=torch.float64) for i in mine}
+    order = sorted(range(len(requests)), key=lambda r: -len(requests[r][2]))
+    was_training = getattr(model, "training", False)
+    if hasattr(model, "eval"):
+        model.eval()
+    try:
+        bar = tqdm(range(0, len(order), batch_size), desc=f"scoring {task.name}", disable=not progress or rank != 0,
+                   leave=False)
+        for s in bar:
+            batch = [requests[r] for r in order[s: s + batch_size]]
+            keep = 1 if task.kind == "letters" else max(b[3] for b in batch) + 1
+            logits = _last_logits(model, [b[2] for b in batch], keep, pad_id, device, accepted)
+            logp = torch.log_softmax(logits, -1)
+            for row, (i, j, ids, n_cont) in enumerate(batch):
+                if task.kind == "letters":
+                    sel = logits[row, -1, letter_ids[: len(task.items[i].choices)]]
+                    scores[i][: sel.numel()] = sel.double().cpu()
+                else:
+                    tgt = torch.tensor(ids[-n_cont:], device=logp.device)
+                    pos = torch.arange(keep - n_cont - 1, keep - 1, device=logp.device)
+                    scores[i][j] = float(logp[row, pos, tgt].double().sum())
+    finally:
+        if was_training and hasattr(model, "train"):
+            model.train()
+
+    # --- gather the shards
+    mine_rows = [(i, scores[i], shots_used[i]) for i in mine]
+    if world > 1:
+        import torch.distributed as dist
+
+        parts = [None] * world
+        dist.all_gather_object(parts, mine_rows)
+        mine_rows = [r for p in parts for r in p]
+    mine_rows.sort(key=lambda r: r[0])
+    loglik = torch.stack([r[1] for r in mine_rows])
+    labels = torch.tensor([task.items[r[0]].gold for r in mine_rows])
+    probs = torch.softmax(loglik, -1)  # -inf padding -> probability 0
+    acc_norm = None
+    if task.kind == "continuation":
+        lens = torch.full_like(loglik, float("inf"))
+        for row, r in enumerate(mine_rows):
+            ch = task.items[r[0]].choices
+            lens[row, : len(ch)] = torch.tensor([float(max(1, len(c))) for c in ch], dtype=torch.float64)
+        acc_norm = float(((loglik / lens).argmax(-1) == labels).double().mean())
+    metrics = calibration_metrics(probs, labels, n_bins=n_bins)
+    return TaskScores(task=task.name, probs=probs.float(), labels=labels, loglik=loglik, acc_norm=acc_norm,
+                      metrics=metrics, shots_used=[r[2] for r in mine_rows])
+
+
+def evaluate_calibration(model, tokenizer, tasks, *, data_dir: str | None = None, shots: int = 5,
+                         limit: int | None = None, batch_size: int = 8, n_bins: int = 15,
+                         progress: bool = True, max_length: int | None = None) -> dict[str, TaskScores]:
+    """Load (names) or take (``Task`` objects) each task, score it, and return ``{name: TaskScores}``."""
+    from .tasks import load_task, parse_task_names
+
+    if isinstance(tasks, (str, Task)):
+        tasks = [tasks]
+    loaded = []
+    for t in tasks:
+        if isinstance(t, Task):
+            loaded.append(t)
+        else:
+            loaded.extend(load_task(n, data_dir, shots=shots, limit=limit) for n in parse_task_names(t))
+    return {t.name: score_task(model, tokenizer, t, batch_size=batch_size, n_bins=n_bins, progress=progress,
+                               max_length=max_length) for t in loaded}
