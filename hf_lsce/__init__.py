@@ -10,8 +10,12 @@ def __getattr__(name):  # heavier parts load on first use
         from .calibration.callback import CalibrationCallback
 
         return CalibrationCallback
+    if name in ("ATSConfig", "ATSCalibrator"):
+        from . import ats
+
+        return getattr(ats, name)
     raise AttributeError(f"module 'hf_lsce' has no attribute {name!r}")
 
 
 __all__ = ["LCEStats", "linear_cross_entropy", "apply_lsce_patch", "revert_lsce_patch", "is_patched",
-           "CalibrationCallback", "__version__"]
+           "CalibrationCallback", "ATSConfig", "ATSCalibrator", "__version__"]

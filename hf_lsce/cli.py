@@ -66,6 +66,15 @@ def _load_causal_lm(name: str, dtype: str, device: str | None):
 
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
     torch_dtype = {"auto": "auto", "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    ats = _ats_config(name)
+    if ats is not None:  # an ATS head: its base (and the base's tokenizer) from the config
+        from .ats import ATSCalibrator
+
+        base = ats.base_model_name_or_path
+        if not base:
+            raise SystemExit(f"hf-lsce: the ATS head in {name} does not name its base model")
+        tok = AutoTokenizer.from_pretrained(base)
+        return ATSCalibrator.from_pretrained(name, dtype=torch_dtype).to(dev).eval(), tok
     try:
         tok = AutoTokenizer.from_pretrained(name)
         model = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype)
@@ -73,6 +82,19 @@ def _load_causal_lm(name: str, dtype: str, device: str | None):
         raise SystemExit(f"hf-lsce: cannot load model {name!r}: {e}\nGive a local folder holding config.json, the "
                          "weights and the tokenizer, or a hub name reachable from this machine.") from e
     return model.to(dev).eval(), tok
+
+
+def _ats_config(name: str):
+    import os
+
+    path = os.path.join(name, "config.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            if json.load(f).get("model_type") == "ats_calibrator":
+                from .ats import ATSConfig
+
+                return ATSConfig.from_pretrained(name)
+    return None
 
 
 def _print_table(title: str, rows: list[tuple[str, dict]], cols: list[str]) -> None:
@@ -119,6 +141,28 @@ def _cmd_eval(args) -> int:
     return 0
 
 
+def _cmd_train_ats(args) -> int:
+    import os
+
+    from .ats.training import train_ats
+
+    if os.path.exists(os.path.join(args.output_dir, "model.safetensors")) and not args.overwrite \
+            and not args.resume:
+        raise SystemExit(f"hf-lsce: {args.output_dir} already holds a trained head; pass --overwrite to replace it, "
+                         "--resume to continue from its last checkpoint, or choose another --output-dir")
+    model, tok = _load_causal_lm(args.model, args.dtype, args.device)
+    cal = train_ats(model, tok, args.data, output_dir=args.output_dir, head_type=args.head, max_steps=args.max_steps,
+                    num_train_epochs=args.epochs, learning_rate=args.lr, per_device_train_batch_size=args.batch_size,
+                    gradient_accumulation_steps=args.grad_accum, max_length=args.max_length, limit=args.limit,
+                    resume_from_checkpoint=True if args.resume else None, save_steps=args.save_steps,
+                    loss_type=args.loss, report_to=args.report_to)
+    n = sum(p.numel() for p in cal.parameters())
+    print(f"trained an ATS head ({args.head}, {n:,} parameters) on {args.model}; saved to {args.output_dir}")
+    print(f"use it: ATSCalibrator.from_pretrained({args.output_dir!r}, base_model=...) or "
+          f"hf-lsce eval --model {args.output_dir}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hf-lsce", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -147,6 +191,29 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--output-dir", default="calibration_eval")
     e.add_argument("--overwrite", action="store_true", help="replace results already in --output-dir")
     e.set_defaults(func=_cmd_eval)
+    a = sub.add_parser("train-ats", help="fit an adaptive-temperature-scaling head on a frozen causal LM",
+                       description="Train an ATSCalibrator head with the selective smoothing loss on instruction "
+                                   "data (JSON/JSONL with instruction/input/output, or a hub dataset name).")
+    a.add_argument("--model", required=True, help="the frozen base: local folder or hub name")
+    a.add_argument("--data", required=True, help="e.g. ../shared/data/alpaca/alpaca_en_demo.json")
+    a.add_argument("--head", choices=["transformer", "mlp", "linear", "scalar"], default="transformer")
+    a.add_argument("--loss", choices=["selective", "nll"], default="selective",
+                   help="selective smoothing (ATS) or plain NLL (temperature scaling, with --head scalar)")
+    a.add_argument("--output-dir", default="ats_head")
+    a.add_argument("--max-steps", type=int, default=-1)
+    a.add_argument("--epochs", type=float, default=1.0)
+    a.add_argument("--lr", type=float, default=5e-4)
+    a.add_argument("--batch-size", type=int, default=4)
+    a.add_argument("--grad-accum", type=int, default=1)
+    a.add_argument("--max-length", type=int, default=512)
+    a.add_argument("--limit", type=int, default=None, help="use the first N records")
+    a.add_argument("--save-steps", type=int, default=500)
+    a.add_argument("--report-to", default="none", help="Trainer integrations: none, tensorboard, wandb, ...")
+    a.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto")
+    a.add_argument("--device", default=None)
+    a.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --output-dir")
+    a.add_argument("--overwrite", action="store_true")
+    a.set_defaults(func=_cmd_train_ats)
     r = sub.add_parser("run", help="run an unmodified HF/TRL training script with the patch applied",
                        description="Patch every supported model class, then run SCRIPT with ARGS; its "
                                    "--label_smoothing_factor drives the fused op.")
