@@ -163,6 +163,22 @@ def _cmd_train_ats(args) -> int:
     return 0
 
 
+def _cmd_demo(args) -> int:
+    import logging
+
+    from .demo import format_report, run_demo
+
+    _prepare_output_dir(args.output_dir, ["report.json"], args.overwrite)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    for noisy in ("httpx", "urllib3", "datasets", "filelock"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    report = run_demo(args.output_dir, label_smoothing=args.label_smoothing, model=args.model, dataset=args.dataset,
+                      eval_tasks=args.eval_tasks, data_dir=args.data_dir, steps=args.steps, ats_steps=args.ats_steps,
+                      seed=args.seed, tiny=args.tiny)
+    print(format_report(report))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hf-lsce", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -174,6 +190,22 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--label-smoothing", type=float, default=0.1)
     c.add_argument("--device", default=None)
     c.set_defaults(func=_cmd_check)
+    d = sub.add_parser("demo", help="the end-to-end story: SFT with and without smoothing, ATS, calibration table",
+                       description="Fine-tune a small model on a synthetic task with label smoothing 0 and b "
+                                   "(TRL SFTTrainer + apply_lsce_patch), fit ATS and temperature scaling, and "
+                                   "report accuracy / ECE / RMS / NLL with reliability diagrams.")
+    d.add_argument("--model", default=None, help="hub name or local path (default: a small Llama from a config)")
+    d.add_argument("--dataset", default=None, help="Alpaca-style JSON/JSONL to fine-tune on (default: synthetic)")
+    d.add_argument("--eval-tasks", default=None, help="e.g. mmlu,arc_easy (default: the synthetic held-out split)")
+    d.add_argument("--data-dir", default=None, help="local data for --eval-tasks (e.g. ../shared/data)")
+    d.add_argument("--label-smoothing", type=float, default=0.1)
+    d.add_argument("--steps", type=int, default=600)
+    d.add_argument("--ats-steps", type=int, default=300)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--tiny", action="store_true", help="a minute-long run (CI)")
+    d.add_argument("--output-dir", default="hf_lsce_demo")
+    d.add_argument("--overwrite", action="store_true")
+    d.set_defaults(func=_cmd_demo)
     e = sub.add_parser("eval", help="accuracy and calibration (ECE, RMS, ...) on MMLU, HellaSwag, ARC",
                        description="Score multiple-choice tasks with a causal LM; print Acc/ECE/RMS per task, "
                                    "write calibration.json and reliability diagrams.")
