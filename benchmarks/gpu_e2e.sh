@@ -3,12 +3,7 @@
 # then full training steps on real model shapes.
 #   bash benchmarks/gpu_e2e.sh [MODELS]     (data copied to .gpu/data; results under $OUT or ./gpu_out)
 set -uo pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-fi
-export PYTHONPATH=$PWD:${PYTHONPATH:-}
+source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 if [ "${SKIP_CURVES:-0}" != 1 ]; then
   python3 benchmarks/train_curves_gpu.py --data .gpu/data/alpaca_en_demo.json --steps "${STEPS:-300}" --out-dir "$OUT" 2>&1 | grep -v "it/s\]" | tail -20

@@ -2,12 +2,7 @@
 # One device call: install carried peer wheels (if any), GPU correctness check, benchmark suite.
 #   bash benchmarks/gpu_run.sh [SUITE]      (SUITE: quick | main | full; results under $OUT or ./gpu_out)
 set -uo pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-fi
-export PYTHONPATH=$PWD:${PYTHONPATH:-}
+source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 if [ "${SKIP_CHECK:-0}" != 1 ]; then
