@@ -117,12 +117,13 @@ def _prepare_output_dir(path: str, files: list[str], overwrite: bool) -> None:
 def _cmd_eval(args) -> int:
     import os
 
-    from .calibration import load_task, parse_task_names, reliability_diagram, score_task
+    from .calibration import parse_task_names, reliability_diagram, score_task
+    from .calibration.tasks import resolve_tasks
 
     names = parse_task_names(args.tasks)
     _prepare_output_dir(args.output_dir, ["calibration.json"] + [f"{n}_reliability.png" for n in names],
                         args.overwrite)
-    tasks = [load_task(n, args.data_dir, shots=args.shots, limit=args.limit) for n in names]
+    tasks = resolve_tasks(names, args.data_dir, shots=args.shots, limit=args.limit)
     model, tok = _load_causal_lm(args.model, args.dtype, args.device)
     report, rows = {"model": args.model, "shots": args.shots, "limit": args.limit, "n_bins": args.n_bins,
                     "tasks": {}}, []

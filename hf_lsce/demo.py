@@ -132,7 +132,7 @@ def run_demo(output_dir: str = "hf_lsce_demo", *, label_smoothing: float = 0.1, 
     """Run the demo; returns the report (also written to ``output_dir/report.json``)."""
     from .ats import ATSCalibrator
     from .ats.training import load_instruction_records, train_ats
-    from .calibration import load_task, parse_task_names
+    from .calibration.tasks import resolve_tasks
     from .tokenizer import train_bpe_tokenizer
 
     if not 0 < label_smoothing <= 1:
@@ -152,7 +152,7 @@ def run_demo(output_dir: str = "hf_lsce_demo", *, label_smoothing: float = 0.1, 
         train, calib_records = records[:-cut], records[-cut:]
     test_tasks = [facts.test_task]
     if eval_tasks:
-        test_tasks = [load_task(n, data_dir, limit=200) for n in parse_task_names(eval_tasks)]
+        test_tasks = resolve_tasks(eval_tasks, data_dir, limit=200)
 
     if model is None:
         texts = [r["prompt"] + r["completion"] for r in train + calib_records]

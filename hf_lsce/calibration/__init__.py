@@ -7,7 +7,7 @@ from .metrics import (CalibrationResult, ReliabilityData, adaptive_calibration_e
                       top_label, top_label_brier_score)
 from .plots import reliability_diagram
 from .scoring import TaskScores, evaluate_calibration, score_task
-from .tasks import TASKS, MultipleChoiceItem, Task, load_task, parse_task_names
+from .tasks import TASKS, MultipleChoiceItem, Task, load_task, parse_task_names, resolve_tasks
 
 
 def evaluate_metric_path() -> str:
@@ -27,4 +27,4 @@ __all__ = ["CalibrationResult", "ReliabilityData", "adaptive_calibration_error",
            "expected_calibration_error", "maximum_calibration_error", "negative_log_likelihood", "reliability_data",
            "rms_calibration_error", "static_calibration_error", "top_label", "top_label_brier_score",
            "reliability_diagram", "TaskScores", "evaluate_calibration", "score_task", "TASKS", "MultipleChoiceItem",
-           "Task", "load_task", "parse_task_names", "evaluate_metric_path", "CalibrationCallback"]
+           "Task", "load_task", "parse_task_names", "resolve_tasks", "evaluate_metric_path", "CalibrationCallback"]

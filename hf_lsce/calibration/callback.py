@@ -9,7 +9,7 @@ from transformers import TrainerCallback
 
 from .plots import reliability_diagram
 from .scoring import TaskScores, score_task
-from .tasks import Task, load_task, parse_task_names
+from .tasks import Task, resolve_tasks
 
 logger = logging.getLogger(__name__)
 
@@ -39,18 +39,7 @@ class CalibrationCallback(TrainerCallback):
     def __init__(self, tasks, *, data_dir: str | None = None, tokenizer=None, shots: int = 5,
                  limit: int | None = 200, n_bins: int = 15, batch_size: int = 8, prefix: str = "eval_calib",
                  save_diagrams: bool = True, trainer=None, at_train_begin: bool = False):
-        if isinstance(tasks, (str, Task)):
-            tasks = [tasks]
-        self.tasks: list[Task] = []
-        for t in tasks:
-            if isinstance(t, Task):
-                self.tasks.append(t)
-            elif isinstance(t, str):
-                self.tasks.extend(load_task(n, data_dir, shots=shots, limit=limit) for n in parse_task_names(t))
-            else:
-                raise TypeError(f"`tasks` entries must be task names or Task objects; got {type(t).__name__}")
-        if not self.tasks:
-            raise ValueError("`tasks` is empty: name at least one task (e.g. 'mmlu') or pass a Task")
+        self.tasks: list[Task] = resolve_tasks(tasks, data_dir, shots=shots, limit=limit)
         self.tokenizer, self.n_bins, self.batch_size = tokenizer, n_bins, batch_size
         self.prefix, self.save_diagrams, self.at_train_begin = prefix, save_diagrams, at_train_begin
         self.trainer = trainer

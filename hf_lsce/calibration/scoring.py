@@ -23,7 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .metrics import CalibrationResult, calibration_metrics
-from .tasks import LETTERS, Task
+from .tasks import LETTERS, Task, resolve_tasks
 
 logger = logging.getLogger(__name__)
 
@@ -225,15 +225,6 @@ def evaluate_calibration(model, tokenizer, tasks, *, data_dir: str | None = None
                          limit: int | None = None, batch_size: int = 8, n_bins: int = 15,
                          progress: bool = True, max_length: int | None = None) -> dict[str, TaskScores]:
     """Load (names) or take (``Task`` objects) each task, score it, and return ``{name: TaskScores}``."""
-    from .tasks import load_task, parse_task_names
-
-    if isinstance(tasks, (str, Task)):
-        tasks = [tasks]
-    loaded = []
-    for t in tasks:
-        if isinstance(t, Task):
-            loaded.append(t)
-        else:
-            loaded.extend(load_task(n, data_dir, shots=shots, limit=limit) for n in parse_task_names(t))
+    loaded = resolve_tasks(tasks, data_dir, shots=shots, limit=limit)
     return {t.name: score_task(model, tokenizer, t, batch_size=batch_size, n_bins=n_bins, progress=progress,
                                max_length=max_length) for t in loaded}

@@ -296,3 +296,20 @@ def parse_task_names(spec: str | Iterable[str]) -> list[str]:
     if not out:
         raise ValueError("no task names given")
     return out
+
+
+def resolve_tasks(tasks, data_dir: str | None = None, *, shots: int = 5, limit: int | None = None) -> list[Task]:
+    """Task names (``"mmlu,arc"`` or a list) and/or ``Task`` objects -> loaded ``Task`` objects."""
+    if isinstance(tasks, (str, Task)):
+        tasks = [tasks]
+    out: list[Task] = []
+    for t in tasks:
+        if isinstance(t, Task):
+            out.append(t)
+        elif isinstance(t, str):
+            out.extend(load_task(n, data_dir, shots=shots, limit=limit) for n in parse_task_names(t))
+        else:
+            raise TypeError(f"`tasks` entries must be task names or Task objects; got {type(t).__name__}")
+    if not out:
+        raise ValueError("`tasks` is empty: name at least one task (e.g. 'mmlu') or pass a Task")
+    return out
