@@ -76,7 +76,6 @@ def _check_probs(probs, labels) -> tuple[torch.Tensor, torch.Tensor]:
     if y.is_floating_point():
         if not torch.equal(y, y.round()):
             raise TypeError("`labels` must be integer class indices")
-        y = y.long()
     y = y.long()
     if p.shape[0] != y.numel():
         raise ValueError(f"`probs` has {p.shape[0]} rows but `labels` has {y.numel()} entries")
@@ -106,7 +105,10 @@ def _check_bins(n_bins: int) -> None:
 
 def top_label(probs, labels) -> tuple[torch.Tensor, torch.Tensor]:
     """(confidence, correct) of the top label of each row of ``probs``; ties go to the lowest index."""
-    p, y = _check_probs(probs, labels)
+    return _top_label(*_check_probs(probs, labels))
+
+
+def _top_label(p: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     conf, pred = p.max(1)
     return conf, (pred == y).double()
 
@@ -138,17 +140,20 @@ def _bin_stats(conf: torch.Tensor, corr: torch.Tensor, n_bins: int, ones_in_last
     return edges, count, s_acc / count.clamp_min(1), s_conf / count.clamp_min(1), nz
 
 
-def reliability_data(confidences, correct, n_bins: int = 15, *, ones_in_last_bin: bool = True) -> ReliabilityData:
-    """Per-bin count, accuracy and mean confidence (equal-width bins, conventions in the module doc)."""
-    _check_bins(n_bins)
-    conf, corr = _check_confidences(confidences, correct)
-    edges, count, acc, cf, nz = _bin_stats(conf, corr, n_bins, ones_in_last_bin)
+def _reliability(edges, count, acc, cf, nz, ones_in_last_bin: bool) -> ReliabilityData:
     if not ones_in_last_bin:  # fold torchmetrics' separate 1.0 slot back for drawing
         count, acc, cf, nz = _merge_ones_slot(count, acc, cf)
     nan = float("nan")
     return ReliabilityData(edges=edges.tolist(), count=[int(c) for c in count.tolist()],
                            accuracy=[a if m else nan for a, m in zip(acc.tolist(), nz.tolist())],
                            confidence=[c if m else nan for c, m in zip(cf.tolist(), nz.tolist())])
+
+
+def reliability_data(confidences, correct, n_bins: int = 15, *, ones_in_last_bin: bool = True) -> ReliabilityData:
+    """Per-bin count, accuracy and mean confidence (equal-width bins, conventions in the module doc)."""
+    _check_bins(n_bins)
+    conf, corr = _check_confidences(confidences, correct)
+    return _reliability(*_bin_stats(conf, corr, n_bins, ones_in_last_bin), ones_in_last_bin)
 
 
 def _merge_ones_slot(count, acc, cf):
@@ -160,34 +165,51 @@ def _merge_ones_slot(count, acc, cf):
     return c, a / c.clamp_min(1), f / c.clamp_min(1), c > 0
 
 
+def _gaps_of(count, acc, cf, nz, n):
+    """|acc - conf| and sample share of every non-empty bin."""
+    return (acc - cf)[nz].abs(), count[nz] / n
+
+
+def _ece(gap, w) -> float:
+    return float((gap * w).sum())
+
+
+def _mce(gap, w) -> float:
+    return float(gap.max())
+
+
+def _rms(gap, w) -> float:
+    return float((gap.square() * w).sum().sqrt())
+
+
 def _gaps(confidences, correct, n_bins, ones_in_last_bin):
     _check_bins(n_bins)
     conf, corr = _check_confidences(confidences, correct)
     _, count, acc, cf, nz = _bin_stats(conf, corr, n_bins, ones_in_last_bin)
-    return (acc - cf)[nz].abs(), count[nz] / conf.numel()
+    return _gaps_of(count, acc, cf, nz, conf.numel())
 
 
 def expected_calibration_error(confidences, correct, n_bins: int = 15, *, ones_in_last_bin: bool = True) -> float:
     """ECE: the sample-weighted mean over equal-width bins of |accuracy - confidence|."""
-    gap, w = _gaps(confidences, correct, n_bins, ones_in_last_bin)
-    return float((gap * w).sum())
+    return _ece(*_gaps(confidences, correct, n_bins, ones_in_last_bin))
 
 
 def maximum_calibration_error(confidences, correct, n_bins: int = 15, *, ones_in_last_bin: bool = True) -> float:
     """MCE: the largest |accuracy - confidence| over non-empty equal-width bins."""
-    gap, _ = _gaps(confidences, correct, n_bins, ones_in_last_bin)
-    return float(gap.max())
+    return _mce(*_gaps(confidences, correct, n_bins, ones_in_last_bin))
 
 
 def rms_calibration_error(confidences, correct, n_bins: int = 15, *, ones_in_last_bin: bool = True) -> float:
     """RMS calibration error: sqrt of the sample-weighted mean of squared bin gaps (torchmetrics' l2)."""
-    gap, w = _gaps(confidences, correct, n_bins, ones_in_last_bin)
-    return float((gap.square() * w).sum().sqrt())
+    return _rms(*_gaps(confidences, correct, n_bins, ones_in_last_bin))
 
 
 def top_label_brier_score(confidences, correct) -> float:
     """Mean of (confidence - correct)^2 over predictions: the Brier score of the top label only."""
-    conf, corr = _check_confidences(confidences, correct)
+    return _brier_top(*_check_confidences(confidences, correct))
+
+
+def _brier_top(conf, corr) -> float:
     return float((conf - corr).square().mean())
 
 
@@ -195,7 +217,10 @@ def top_label_brier_score(confidences, correct) -> float:
 def static_calibration_error(probs, labels, n_bins: int = 15) -> float:
     """SCE (Nixon et al. 2019): classwise ECE with equal-width bins, averaged over the classes."""
     _check_bins(n_bins)
-    p, y = _check_probs(probs, labels)
+    return _sce(*_check_probs(probs, labels), n_bins)
+
+
+def _sce(p, y, n_bins) -> float:
     n, k = p.shape
     onehot = torch.nn.functional.one_hot(y, k).double()
     total = 0.0
@@ -216,7 +241,10 @@ def adaptive_calibration_error(probs, labels, n_bins: int = 15, *, threshold: fl
     _check_bins(n_bins)
     if not 0.0 <= threshold < 1.0:
         raise ValueError(f"`threshold` must lie in [0, 1); got {threshold}")
-    p, y = _check_probs(probs, labels)
+    return _ace(*_check_probs(probs, labels), n_bins, threshold)
+
+
+def _ace(p, y, n_bins, threshold=0.0) -> float:
     k = p.shape[1]
     gaps = []
     for c in range(k):
@@ -234,14 +262,20 @@ def adaptive_calibration_error(probs, labels, n_bins: int = 15, *, threshold: fl
 
 def brier_score(probs, labels) -> float:
     """Multiclass Brier score: mean over samples of sum_k (p_k - 1[y = k])^2 (range [0, 2])."""
-    p, y = _check_probs(probs, labels)
+    return _brier(*_check_probs(probs, labels))
+
+
+def _brier(p, y) -> float:
     onehot = torch.nn.functional.one_hot(y, p.shape[1]).double()
     return float((p - onehot).square().sum(1).mean())
 
 
 def negative_log_likelihood(probs, labels, eps: float = 1e-12) -> float:
     """Mean of -log p_y (a probability of 0 is clamped to ``eps`` so the result stays finite)."""
-    p, y = _check_probs(probs, labels)
+    return _nll(*_check_probs(probs, labels), eps)
+
+
+def _nll(p, y, eps=1e-12) -> float:
     return float(-p.gather(1, y[:, None]).clamp_min(eps).log().mean())
 
 
@@ -280,20 +314,21 @@ def calibration_metrics(probs=None, labels=None, *, confidences=None, correct=No
     (top-label metrics only, e.g. next-token calibration over a 256K vocabulary)."""
     if (probs is None) == (confidences is None):
         raise ValueError("pass either `probs` and `labels`, or `confidences` and `correct`")
+    _check_bins(n_bins)
     extra = {}
-    if probs is not None:
+    if probs is not None:  # validated once; every metric below reads the checked tensors
         if labels is None:
             raise ValueError("`labels` is required with `probs`")
         p, y = _check_probs(probs, labels)
-        confidences, correct = top_label(p, y)
-        extra = dict(sce=static_calibration_error(p, y, n_bins), ace=adaptive_calibration_error(p, y, n_bins),
-                     brier=brier_score(p, y), nll=negative_log_likelihood(p, y))
+        conf, corr = _top_label(p, y)
+        extra = dict(sce=_sce(p, y, n_bins), ace=_ace(p, y, n_bins), brier=_brier(p, y), nll=_nll(p, y))
     elif correct is None:
         raise ValueError("`correct` is required with `confidences`")
-    conf, corr = _check_confidences(confidences, correct)
-    kw = dict(n_bins=n_bins, ones_in_last_bin=ones_in_last_bin)
+    else:
+        conf, corr = _check_confidences(confidences, correct)
+    bins = _bin_stats(conf, corr, n_bins, ones_in_last_bin)  # binned once for ECE, MCE, RMS and the diagram
+    gap, w = _gaps_of(*bins[1:], conf.numel())
     return CalibrationResult(
-        n=conf.numel(), accuracy=float(corr.mean()), ece=expected_calibration_error(conf, corr, **kw),
-        mce=maximum_calibration_error(conf, corr, **kw), rms=rms_calibration_error(conf, corr, **kw),
-        brier_top=top_label_brier_score(conf, corr), mean_confidence=float(conf.mean()), n_bins=n_bins,
-        reliability=reliability_data(conf, corr, **kw), **extra)
+        n=conf.numel(), accuracy=float(corr.mean()), ece=_ece(gap, w), mce=_mce(gap, w), rms=_rms(gap, w),
+        brier_top=_brier_top(conf, corr), mean_confidence=float(conf.mean()), n_bins=n_bins,
+        reliability=_reliability(*bins, ones_in_last_bin), **extra)
