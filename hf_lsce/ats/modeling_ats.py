@@ -41,7 +41,7 @@ def _backbone(model) -> nn.Module:
 class _TransformerHead(nn.Module):
     """One decoder layer of the base's own architecture and size, then a linear map to one value."""
 
-    def __init__(self, base_cfg, backbone: nn.Module | None):
+    def __init__(self, base_cfg, backbone: nn.Module):
         super().__init__()
         cfg = copy.deepcopy(base_cfg)
         cfg.num_hidden_layers = 1
@@ -57,15 +57,10 @@ class _TransformerHead(nn.Module):
 
     @staticmethod
     def _classes(cfg, backbone):
-        if backbone is not None and hasattr(backbone, "layers") and hasattr(backbone, "rotary_emb"):
-            return type(backbone.layers[0]), type(backbone.rotary_emb)
-        from transformers import AutoModel
-
-        probe = AutoModel.from_config(copy.deepcopy(cfg), dtype=torch.float32) if backbone is None else backbone
-        if not (hasattr(probe, "layers") and hasattr(probe, "rotary_emb")):
+        if not (hasattr(backbone, "layers") and hasattr(backbone, "rotary_emb")):
             raise ValueError(f"head_type='transformer' needs a rotary decoder (Llama, Mistral, Gemma, Qwen); "
-                             f"{type(probe).__name__} is not one. Use head_type='mlp'")
-        return type(probe.layers[0]), type(probe.rotary_emb)
+                             f"{type(backbone).__name__} is not one. Use head_type='mlp'")
+        return type(backbone.layers[0]), type(backbone.rotary_emb)
 
     def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None,
                 position_ids: torch.Tensor) -> torch.Tensor:
@@ -142,8 +137,7 @@ class ATSCalibrator(PreTrainedModel):
         self._set_base(base_model)
         d = self.base_text_config.hidden_size
         if config.head_type == "transformer":
-            base_cfg = self.base_text_config
-            self.head = _TransformerHead(base_cfg, _backbone(base_model))
+            self.head = _TransformerHead(self.base_text_config, _backbone(base_model))
         elif config.head_type == "mlp":
             self.head = _MLPHead(d, config.mlp_hidden_size or d)
         elif config.head_type == "linear":
@@ -189,7 +183,6 @@ class ATSCalibrator(PreTrainedModel):
         if missing or unexpected:
             raise ValueError(f"the checkpoint in {pretrained_model_name_or_path} does not fit this ATS head: missing "
                              f"{missing[:5]}, unexpected {unexpected[:5]}")
-        model.head.to(dtype=_DTYPES[config.head_dtype])
         return model.eval()
 
     def _set_base(self, base_model):
