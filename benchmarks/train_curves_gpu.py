@@ -30,10 +30,10 @@ def alpaca_dataset(path, vocab, max_length=512):
     return [{"input_ids": torch.tensor(r["input_ids"]), "labels": torch.tensor(r["labels"])} for r in rows], tok
 
 
-def train(patched, steps, out_dir, data, vocab):
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
+def train(patched, steps, out_dir, data, tok):
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
                       num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512,
-                      bos_token_id=1, eos_token_id=2, pad_token_id=3)
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
     if patched:
@@ -44,7 +44,7 @@ def train(patched, steps, out_dir, data, vocab):
                              data_seed=0, dataloader_num_workers=0, remove_unused_columns=False)
     from hf_lsce.ats.training import PadCollator
 
-    tr = Trainer(model=model, args=args, train_dataset=data, data_collator=PadCollator(3))
+    tr = Trainer(model=model, args=args, train_dataset=data, data_collator=PadCollator(tok.pad_token_id))
     tr.train()
     if patched:
         revert_lsce_patch(model)
@@ -85,10 +85,10 @@ def main():
     data, tok = alpaca_dataset(a.data, a.vocab)
     vocab = len(tok)
     torch.cuda.reset_peak_memory_stats()
-    ref_loss, ref_gn, ref_mem = train(False, a.steps, "/tmp/ref", data, vocab)
+    ref_loss, ref_gn, ref_mem = train(False, a.steps, "/tmp/ref", data, tok)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    our_loss, our_gn, our_mem = train(True, a.steps, "/tmp/ours", data, vocab)
+    our_loss, our_gn, our_mem = train(True, a.steps, "/tmp/ours", data, tok)
     rl = max(abs(x - y) / abs(y) for x, y in zip(our_loss, ref_loss))
     rg = max(abs(x - y) / abs(y) for x, y in zip(our_gn, ref_gn) if x is not None and y)
     res = dict(device=torch.cuda.get_device_name(), steps=a.steps, vocab=vocab, records=len(data),

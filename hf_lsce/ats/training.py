@@ -85,8 +85,8 @@ class PadCollator:
         mask = torch.zeros((len(rows), L), dtype=torch.long)
         for i, r in enumerate(rows):
             n = len(r["input_ids"])
-            ids[i, :n] = torch.tensor(r["input_ids"])
-            lab[i, :n] = torch.tensor(r["labels"])
+            ids[i, :n] = torch.as_tensor(r["input_ids"])
+            lab[i, :n] = torch.as_tensor(r["labels"])
             mask[i, :n] = 1
         return {"input_ids": ids, "attention_mask": mask, "labels": lab}
 

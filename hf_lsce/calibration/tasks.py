@@ -128,9 +128,13 @@ def load_mmlu(data_dir: str | None = None, *, shots: int = 5, split: str = "test
             by_subject[subj] = (_read_mmlu_csv(os.path.join(split_dir, fn)), dev)
     else:
         ds = _hub("cais/mmlu", "all")
-        for subj in sorted(set(ds[split]["subject"])):
-            pick = lambda s: [(r["question"], r["choices"], int(r["answer"])) for r in ds[s] if r["subject"] == subj]  # noqa: E731
-            by_subject[subj] = (pick(split), pick("dev") if shots else [])
+        grouped: dict[str, dict[str, list]] = {}
+        for part in (split, "dev") if shots else (split,):  # one pass over each split
+            for r in ds[part]:
+                grouped.setdefault(part, {}).setdefault(r["subject"], []).append(
+                    (r["question"], r["choices"], int(r["answer"])))
+        for subj in sorted(grouped[split]):
+            by_subject[subj] = (grouped[split][subj], grouped.get("dev", {}).get(subj, []))
     if subjects is not None:
         wanted = set(subjects)
         missing = wanted - set(by_subject)
