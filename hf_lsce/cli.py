@@ -180,6 +180,60 @@ def _cmd_demo(args) -> int:
     return 0
 
 
+def _cmd_diagnose(args) -> int:
+    import os
+
+    import torch
+    from transformers import AutoConfig
+
+    from . import theory
+
+    target = args.model
+    cfg = AutoConfig.from_pretrained(target)
+    text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    d, v = int(text_cfg.hidden_size), int(text_cfg.vocab_size)
+    softcap = getattr(text_cfg, "final_logit_softcapping", None) or None
+    weights = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+    is_config_only = target.endswith(".json") or (os.path.isdir(target) and not any(
+        os.path.exists(os.path.join(target, f)) for f in weights))
+    observed: dict = {}
+    if args.rho is not None:
+        rho, source = args.rho, "given with --rho"
+    elif is_config_only or args.config_only:
+        rho, source = theory.rho_at_init(text_cfg), "at initialisation: std (sqrt V + sqrt D), RMS(h) = 1; no weights given"
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        dtype = {"auto": "auto", "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+        model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).to(args.device or (
+            "cuda" if torch.cuda.is_available() else "cpu")).eval()
+        tok = AutoTokenizer.from_pretrained(target)
+        texts = None
+        if args.text_file:
+            with open(args.text_file, encoding="utf-8") as f:
+                texts = [t for t in f.read().split("\n\n") if t.strip()]
+            if not texts:
+                raise ValueError(f"--text-file {args.text_file} holds no text.")
+        m = theory.measure_rho(model, tok, texts)
+        rho, source = m.pop("rho"), "||W||_2 x max RMS(h) on the sample text"
+        observed = m
+    diag = theory.diagnose(d, v, rho, args.label_smoothing, rho_source=source, softcap=softcap, observed=observed)
+    print(f"hf-lsce diagnose {target}")
+    print(diag.format())
+    if source.startswith("at initialisation"):
+        print("(rho grows as training scales the head and the final norm: diagnose a trained checkpoint's weights "
+              "for the bound that holds after fine-tuning.)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(diag.to_dict(), f, indent=2)
+        print(f"wrote {args.json}")
+    if args.plot:
+        name = os.path.basename(os.path.normpath(target)) or target
+        theory.plot_entropy_gap(args.plot, rho=rho, models={name: (d, v)}, vocab_sizes=sorted({32_000, 128_256, 256_000, v}))
+        print(f"wrote {args.plot}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hf-lsce", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -247,6 +301,20 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --output-dir")
     a.add_argument("--overwrite", action="store_true")
     a.set_defaults(func=_cmd_train_ats)
+    g = sub.add_parser("diagnose", help="can label smoothing help this model? the LM head's entropy lower bound",
+                       description="D, V, rho (logit scale per unit of hidden size, from the weights and sample "
+                                   "text, or at initialisation from a config), the entropy lower bound, the "
+                                   "normalised entropy gap, and whether smoothing at b can be expected to act.")
+    g.add_argument("model", metavar="MODEL_OR_CONFIG", help="model folder, hub name, or config.json")
+    g.add_argument("--label-smoothing", type=float, default=0.1)
+    g.add_argument("--rho", type=float, default=None, help="use this rho instead of estimating it")
+    g.add_argument("--config-only", action="store_true", help="do not load weights even when they exist")
+    g.add_argument("--text-file", default=None, help="sample text (paragraphs separated by blank lines)")
+    g.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="fp32")
+    g.add_argument("--device", default=None)
+    g.add_argument("--json", default=None, help="also write the diagnosis here")
+    g.add_argument("--plot", default=None, help="write the entropy-gap figure (PNG) with this model marked")
+    g.set_defaults(func=_cmd_diagnose)
     r = sub.add_parser("run", help="run an unmodified HF/TRL training script with the patch applied",
                        description="Patch every supported model class, then run SCRIPT with ARGS; its "
                                    "--label_smoothing_factor drives the fused op.")
