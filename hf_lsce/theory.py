@@ -236,16 +236,14 @@ def plot_entropy_gap(path: str | None = None, rho: float = 0.25, vocab_sizes=(32
 
     ``models`` maps a label to (D, V) and marks real model shapes on their curve.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: never switches the user's backend
 
     hidden_sizes = hidden_sizes or [2 ** (k / 16) for k in range(128, 225)]  # 256 .. 16384
     models = models if models is not None else {
         "Mistral-7B": (4096, 32_000), "Llama-3.2-1B": (2048, 128_256), "Llama-3-8B": (4096, 128_256),
         "Gemma-2B": (2048, 256_000), "Gemma2-2B": (2304, 256_000), "Gemma-7B": (3072, 256_000)}
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    fig = Figure(figsize=(6.4, 4.2))
+    ax = fig.subplots()
     colours = {}
     for v in vocab_sizes:
         gaps = [normalized_entropy_gap(max(1, round(d)), v, rho) for d in hidden_sizes]
@@ -266,5 +264,4 @@ def plot_entropy_gap(path: str | None = None, rho: float = 0.25, vocab_sizes=(32
     fig.tight_layout()
     if path:
         fig.savefig(path, dpi=130)
-        plt.close(fig)
     return fig

@@ -15,10 +15,7 @@ def reliability_diagram(result: CalibrationResult | ReliabilityData, path: str |
     diagonal of perfect calibration; the ECE and RMS in the corner. Bottom panel: how many
     predictions fall in each bin (log scale), so a big gap over three samples reads as such.
     """
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: never switches the user's backend or leaks figures
 
     rel = result.reliability if isinstance(result, CalibrationResult) else result
     if rel is None:
@@ -31,8 +28,8 @@ def reliability_diagram(result: CalibrationResult | ReliabilityData, path: str |
     filled = [c > 0 for c in rel.count]
 
     if ax is None:
-        fig, (top, bottom) = plt.subplots(2, 1, figsize=(4.8, 5.6), sharex=True,
-                                          gridspec_kw={"height_ratios": [3, 1]})
+        fig = Figure(figsize=(4.8, 5.6))
+        top, bottom = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [3, 1]})
     else:
         top, bottom = ax if isinstance(ax, (tuple, list)) else (ax, None)
         fig = top.figure
@@ -64,5 +61,4 @@ def reliability_diagram(result: CalibrationResult | ReliabilityData, path: str |
     if path is not None:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         fig.savefig(path, dpi=120)
-        plt.close(fig)
     return fig
