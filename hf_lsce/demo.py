@@ -90,12 +90,13 @@ def _device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _small_llama(tokenizer, hidden: int, layers: int):
+def small_llama(tokenizer, hidden: int = 128, layers: int = 2, max_positions: int = 512):
+    """A small, randomly initialised Llama-architecture model sized to ``tokenizer`` (demo, examples, tests)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=512, bos_token_id=tokenizer.bos_token_id,
+                      max_position_embeddings=max_positions, bos_token_id=tokenizer.bos_token_id,
                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
     return LlamaForCausalLM(cfg)
 
@@ -158,7 +159,7 @@ def run_demo(output_dir: str = "hf_lsce_demo", *, label_smoothing: float = 0.1, 
         texts = [r["prompt"] + r["completion"] for r in train + calib_records]
         texts += [it.context + c for t in test_tasks + [facts.calibration_task] for it in t.items for c in it.choices]
         tokenizer = train_bpe_tokenizer(texts, vocab_size=1024, model_max_length=512)
-        factory = lambda: _small_llama(tokenizer, hidden, layers)  # noqa: E731
+        factory = lambda: small_llama(tokenizer, hidden, layers)  # noqa: E731
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -137,3 +137,37 @@ def train_ats(base_model, tokenizer, data, *, output_dir: str, head_type: str = 
     trainer.save_model(output_dir)
     logger.info("ATS head (%s) saved to %s", cal.config.head_type, output_dir)
     return cal.eval()
+
+
+@torch.no_grad()
+def token_calibration(model, tokenizer, data, *, max_length: int = 512, batch_size: int = 4, limit: int | None = None,
+                      n_bins: int = 15, progress: bool = False):
+    """Next-token calibration on the response tokens of instruction ``data``: top-1 confidence against
+    correctness, as ``calibration_metrics`` reports it (ECE, RMS, MCE, accuracy, mean confidence...).
+
+    ``model`` is a causal LM or an :class:`ATSCalibrator` (whose logits are calibrated), so one call
+    measures a base model before and after ATS on the same tokens.
+    """
+    from tqdm.auto import tqdm
+
+    from ..calibration import calibration_metrics
+
+    rows = tokenize_records(load_instruction_records(data, limit), tokenizer, max_length)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    collate = PadCollator(pad)
+    dev = next(model.parameters()).device if any(True for _ in model.parameters()) else torch.device("cpu")
+    conf, corr = [], []
+    was_training = model.training
+    model.eval()
+    for i in tqdm(range(0, len(rows), batch_size), desc="token calibration", disable=not progress):
+        batch = {k: v.to(dev) for k, v in collate(rows[i:i + batch_size]).items()}
+        labels = batch.pop("labels")
+        logits = model(**batch).logits[:, :-1]
+        target = labels[:, 1:]
+        keep = target != -100
+        probs = torch.softmax(logits[keep].float(), -1)  # only the response positions
+        c, pred = probs.max(-1)
+        conf.append(c.cpu())
+        corr.append((pred == target[keep]).double().cpu())
+    model.train(was_training)
+    return calibration_metrics(confidences=torch.cat(conf), correct=torch.cat(corr), n_bins=n_bins)
