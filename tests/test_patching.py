@@ -331,7 +331,7 @@ def test_sft_trainer_smoothing_metrics_and_no_logits(tmp_path):
 
 
 def test_run_launcher_drives_stock_script(tmp_path):
-    script = Path(__file__).parent / "scripts" / "stock_train.py"
+    script = Path(__file__).parent.parent / "examples" / "stock_trainer_script.py"
     env = dict(os.environ, TRANSFORMERS_VERBOSITY="info", CUDA_VISIBLE_DEVICES="")
     res = subprocess.run([sys.executable, "-m", "hf_lsce.run", str(script), "--output_dir", str(tmp_path),
                           "--label_smoothing_factor", "0.1", "--max_steps", "2", "--per_device_train_batch_size", "4",
