@@ -64,8 +64,9 @@ def _resolve_backend(backend: str, device: torch.device) -> str:
 
 
 def _validate(hidden, weight, targets, bias, label_smoothing, ignore_index, reduction, softcap,
-              num_items_in_batch, backend, filter_eps):
-    """Check every argument; raise ValueError / TypeError naming it. Returns the validated smoothing."""
+              num_items_in_batch, backend, filter_eps, vocab_size=None):
+    """Check every argument; raise ValueError / TypeError naming it. ``vocab_size``: the full
+    vocabulary when ``weight`` is one shard of it (targets are checked against it)."""
     if not isinstance(hidden, torch.Tensor):
         raise TypeError(f"hidden must be a torch.Tensor, got {type(hidden).__name__}.")
     if not isinstance(weight, torch.Tensor):
@@ -150,7 +151,7 @@ def _validate(hidden, weight, targets, bias, label_smoothing, ignore_index, redu
     else:
         raise TypeError(f"label_smoothing must be a float in [0, 1] or a tensor, got {label_smoothing!r}.")
 
-    v = weight.shape[0]
+    v = weight.shape[0] if vocab_size is None else vocab_size
     if targets.numel():
         bad = ~(((targets >= 0) & (targets < v)) | (targets == ignore_index))
         if bool(bad.any()):
@@ -251,6 +252,7 @@ def linear_cross_entropy(
     return_stats: bool = False,
     backend: str = "auto",
     filter_eps: float | str = "auto",
+    process_group=None,
 ):
     """Label-smoothed cross-entropy of ``hidden @ weight.T (+ bias)`` without materialising logits.
 
@@ -281,6 +283,13 @@ def linear_cross_entropy(
             a row is at most ``V * filter_eps`` (so ``2**-10 / V`` keeps it under bf16 resolution).
             Pays off when most tiles are negligible (a sharply peaked softmax). Ignored under
             soft-cap with smoothing (whose gradient is dense) and by the torch backend.
+        process_group: vocabulary-parallel (tensor-parallel) LM head. ``weight`` (and ``bias``) is
+            this rank's contiguous shard of the vocabulary, shards in rank order (what
+            ``ColwiseParallel`` / ``torch.chunk(dim=0)`` gives); ``hidden`` and ``targets`` (full
+            vocabulary ids) are the same on every rank. The log-sum-exp, target logit and sum of
+            logits are reduced across the group (max and sum all-reduces); every rank returns the
+            full loss, ``dW`` is its shard's, and ``dhidden`` is all-reduced. ``return_stats`` and
+            ``filter_eps > 0`` are not available with it.
 
     Returns:
         The loss (float32; float64 for float64 inputs), and the stats if ``return_stats``. All-ignored or
@@ -294,8 +303,13 @@ def linear_cross_entropy(
             weight = weight.to(dt)
         if torch.is_tensor(bias) and bias.dtype != dt:
             bias = bias.to(dt)
+    shard = None
+    if process_group is not None:
+        from .vocab_parallel import vocab_shard
+
+        shard = vocab_shard(weight, process_group, return_stats, filter_eps)
     _validate(hidden, weight, targets, bias, label_smoothing, ignore_index, reduction, softcap,
-              num_items_in_batch, backend, filter_eps)
+              num_items_in_batch, backend, filter_eps, vocab_size=shard.vocab_size if shard else None)
     backend = _resolve_backend(backend, hidden.device)
     v, d = weight.shape
     out_shape = targets.shape
@@ -319,8 +333,13 @@ def linear_cross_entropy(
         filter_eps = 0.0
 
     with torch.autocast(hidden.device.type, enabled=False):
-        loss_tok, lse, argmax, nll, entropy = _LinearCrossEntropy.apply(
-            h2, weight, bias, t1, b1, softcap, backend, float(filter_eps))
+        if shard is not None:
+            from .vocab_parallel import vocab_parallel_token_losses
+
+            loss_tok = vocab_parallel_token_losses(h2, weight, bias, t1, b1, softcap, backend, shard)
+        else:
+            loss_tok, lse, argmax, nll, entropy = _LinearCrossEntropy.apply(
+                h2, weight, bias, t1, b1, softcap, backend, float(filter_eps))
         if reduction == "none":
             loss = loss_tok.reshape(out_shape)
         elif reduction == "sum" and num_items_in_batch is None:

@@ -1,0 +1,76 @@
+"""Run by torch.distributed.run with 2 gloo processes: the vocabulary-parallel op vs an fp64 oracle.
+
+Each rank holds its (uneven) shard of the LM head; the loss and gradients must equal those of
+F.cross_entropy on the full materialised fp64 logits. Writes one JSON line of errors per case.
+"""
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from hf_lsce import linear_cross_entropy
+
+out_path, backend = sys.argv[1], sys.argv[2]
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+N, D, V = 23, 16, 37
+bounds = [0, 19, 37]  # uneven shards: 19 + 18 rows
+
+
+def oracle(h, w, bias, y, b, softcap, reduction, num_items):
+    h, w = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    bb = bias.detach().double().requires_grad_() if bias is not None else None
+    z = h @ w.T + (bb if bb is not None else 0)
+    if softcap:
+        z = softcap * torch.tanh(z / softcap)
+    if torch.is_tensor(b):  # per-token smoothing: (1 - b) nll + b * uniform
+        lp = torch.log_softmax(z, -1)
+        valid = y != -100
+        nll = -lp.gather(1, y.clamp(min=0)[:, None])[:, 0]
+        per = torch.where(valid, (1 - b.double()) * nll - b.double() * lp.mean(-1), torch.zeros_like(nll))
+        loss = per.sum() / valid.sum() if reduction == "mean" else per.sum()
+    else:
+        loss = F.cross_entropy(z, y, label_smoothing=b, reduction="sum" if num_items else reduction)
+        if num_items:
+            loss = loss / num_items
+    if loss.dim():
+        loss.backward(torch.arange(1, loss.numel() + 1, dtype=loss.dtype))
+    else:
+        loss.backward()
+    return loss.detach(), h.grad, w.grad, bb.grad if bb is not None else None
+
+
+results = []
+cases = [dict(b=0.0), dict(b=0.1), dict(b=0.1, softcap=2.0), dict(b=0.3, bias=True), dict(b="per_token"),
+         dict(b=0.1, reduction="sum"), dict(b=0.1, reduction="none"), dict(b=0.2, num_items=31),
+         dict(b=0.1, softcap=3.0, bias=True, reduction="none")]
+for i, case in enumerate(cases):
+    g = torch.Generator().manual_seed(i)
+    h = torch.randn(N, D, generator=g) * 2
+    w = torch.randn(V, D, generator=g) * 0.5
+    bias = torch.randn(V, generator=g) if case.get("bias") else None
+    y = torch.randint(0, V, (N,), generator=g)
+    y[::5] = -100
+    b = torch.rand(N, generator=g) * 0.5 if case["b"] == "per_token" else case["b"]
+    reduction, softcap, num_items = case.get("reduction", "mean"), case.get("softcap"), case.get("num_items")
+    lo, hi = bounds[rank], bounds[rank + 1]
+    hs = h.clone().requires_grad_()
+    ws = w[lo:hi].clone().requires_grad_()
+    bs = bias[lo:hi].clone().requires_grad_() if bias is not None else None
+    loss = linear_cross_entropy(hs, ws, y, bias=bs, label_smoothing=b, softcap=softcap, reduction=reduction,
+                                num_items_in_batch=num_items, backend=backend, process_group=dist.group.WORLD)
+    if loss.dim():
+        loss.backward(torch.arange(1, loss.numel() + 1, dtype=loss.dtype))
+    else:
+        loss.backward()
+    ref_loss, ref_dh, ref_dw, ref_db = oracle(h, w, bias, y, b, softcap, reduction, num_items)
+    rel = lambda a, r: float((a.double() - r).norm() / r.norm().clamp_min(1e-30))  # noqa: E731
+    results.append(dict(case=str(case), loss=rel(loss.detach(), ref_loss), dh=rel(hs.grad, ref_dh),
+                        dw=rel(ws.grad, ref_dw[lo:hi]),
+                        db=rel(bs.grad, ref_db[lo:hi]) if bias is not None else 0.0))
+with open(f"{out_path}.{rank}", "w") as f:
+    json.dump(results, f)
+dist.barrier()
+dist.destroy_process_group()
