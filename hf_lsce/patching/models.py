@@ -68,15 +68,25 @@ def output_head(model) -> torch.nn.Module:
     return head
 
 
+def model_class_name(model) -> str:
+    """The model's own class name, looking through wrappers that subclass it dynamically (FSDP2's
+    ``fully_shard`` turns a ``LlamaForCausalLM`` into an ``FSDPLlamaForCausalLM``)."""
+    for cls in type(model).__mro__:
+        if not cls.__module__.startswith("torch.distributed"):
+            return cls.__name__
+    return type(model).__name__
+
+
 def check_supported(model) -> FamilySpec:
     """Raise ValueError (fail closed) unless the fused op reproduces this model's loss exactly."""
     model_type = getattr(model.config, "model_type", None)
     if model_type not in MODEL_TABLE:
         raise ValueError(f"{type(model).__name__} (model_type={model_type!r}) is not supported. {supported_message()}")
     spec = MODEL_TABLE[model_type]
-    if type(model).__name__ not in spec.classes:
+    name = model_class_name(model)
+    if name not in spec.classes:
         raise ValueError(
-            f"{type(model).__name__} is not a supported class for model_type={model_type!r}; "
+            f"{name} is not a supported class for model_type={model_type!r}; "
             f"expected one of {spec.classes}. {supported_message()}")
     cfg = text_config(model)
     tp = getattr(cfg, "pretraining_tp", 1) or 1
@@ -88,12 +98,18 @@ def check_supported(model) -> FamilySpec:
         val = getattr(cfg, attr, None)
         if val is not None and val != 1:
             raise ValueError(f"config.{attr}={val} scales the logits; hf_lsce does not reproduce logit scaling.")
-    if type(model).__name__ == "Gemma3ForConditionalGeneration" and softcap_of(model) is not None:
+    if name == "Gemma3ForConditionalGeneration" and softcap_of(model) is not None:
         raise ValueError(
             "Gemma3ForConditionalGeneration with final_logit_softcapping: its gradients through the fused op are "
             "not yet verified against Hugging Face's, so hf_lsce refuses it. Train the text model "
             "(Gemma3ForCausalLM) or set text_config.final_logit_softcapping = None.")
     head = output_head(model)
+    if type(head).__module__.startswith("torch.distributed.fsdp") and isinstance(head, torch.nn.Linear):
+        raise ValueError(
+            "the lm_head is its own FSDP2 unit (FSDPLinear): its weight is sharded outside its own forward, which the "
+            "fused op bypasses. Keep the lm_head in the root FSDP unit: wrap only the decoder layers "
+            "(fsdp_config transformer_layer_cls_to_wrap=[<DecoderLayer>] without wrapping the head separately), "
+            "or apply fully_shard to the layers and then to the whole model, as docs/distributed.md shows.")
     if type(head) is not torch.nn.Linear:
         raise ValueError(
             f"the lm_head is a {type(head).__module__}.{type(head).__name__}, not a plain nn.Linear (a LoRA or "

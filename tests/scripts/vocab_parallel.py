@@ -13,8 +13,11 @@ import torch.nn.functional as F
 from hf_lsce import linear_cross_entropy
 
 out_path, backend = sys.argv[1], sys.argv[2]
-dist.init_process_group("gloo")
+dev = sys.argv[3] if len(sys.argv) > 3 else "cpu"  # "cuda": NCCL, compiled Triton kernels
+dist.init_process_group("nccl" if dev == "cuda" else "gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
+if dev == "cuda":
+    torch.cuda.set_device(rank)
 N, D, V = 23, 16, 37
 bounds = [0, 19, 37]  # uneven shards: 19 + 18 rows
 
@@ -36,7 +39,7 @@ def oracle(h, w, bias, y, b, softcap, reduction, num_items):
         if num_items:
             loss = loss / num_items
     if loss.dim():
-        loss.backward(torch.arange(1, loss.numel() + 1, dtype=loss.dtype))
+        loss.backward(torch.arange(1, loss.numel() + 1, dtype=loss.dtype, device=loss.device))
     else:
         loss.backward()
     return loss.detach(), h.grad, w.grad, bb.grad if bb is not None else None
@@ -59,14 +62,19 @@ for i, case in enumerate(cases):
     hs = h.clone().requires_grad_()
     ws = w[lo:hi].clone().requires_grad_()
     bs = bias[lo:hi].clone().requires_grad_() if bias is not None else None
+    if dev == "cuda":
+        hs, ws, y = hs.detach().cuda().requires_grad_(), ws.detach().cuda().requires_grad_(), y.cuda()
+        bs = bs.detach().cuda().requires_grad_() if bs is not None else None
+        b = b.cuda() if torch.is_tensor(b) else b
     loss = linear_cross_entropy(hs, ws, y, bias=bs, label_smoothing=b, softcap=softcap, reduction=reduction,
                                 num_items_in_batch=num_items, backend=backend, process_group=dist.group.WORLD)
     if loss.dim():
-        loss.backward(torch.arange(1, loss.numel() + 1, dtype=loss.dtype))
+        loss.backward(torch.arange(1, loss.numel() + 1, dtype=loss.dtype, device=loss.device))
     else:
         loss.backward()
+    y, b = y.cpu(), b.cpu() if torch.is_tensor(b) else b
     ref_loss, ref_dh, ref_dw, ref_db = oracle(h, w, bias, y, b, softcap, reduction, num_items)
-    rel = lambda a, r: float((a.double() - r).norm() / r.norm().clamp_min(1e-30))  # noqa: E731
+    rel = lambda a, r: float((a.detach().cpu().double() - r).norm() / r.norm().clamp_min(1e-30))  # noqa: E731
     results.append(dict(case=str(case), loss=rel(loss.detach(), ref_loss), dh=rel(hs.grad, ref_dh),
                         dw=rel(ws.grad, ref_dw[lo:hi]),
                         db=rel(bs.grad, ref_db[lo:hi]) if bias is not None else 0.0))
