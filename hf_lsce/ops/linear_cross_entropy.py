@@ -171,6 +171,27 @@ def divide_summed_loss(total: torch.Tensor, num_items_in_batch, valid_count: tor
     return total / max(float(denom), 1.0)
 
 
+def forward_stats(hidden, weight, bias, targets, softcap, backend):
+    """Per-token (lse, target logit, sum of logits, argmax, entropy) from the chosen backend."""
+    if backend == "triton":
+        from .config import forward_config
+        from .forward import triton_forward
+
+        return triton_forward(hidden, weight, bias, targets, softcap, forward_config(hidden.dtype, hidden.device))
+    return reference.torch_forward(hidden, weight, bias, targets, softcap)
+
+
+def dense_backward(hidden, weight, bias, targets, lse, grad, smoothing, softcap, backend, need_dh=True, need_dw=True):
+    """(dh, dw, db) of ``sum_n grad_n loss_n`` without tile skipping, from the chosen backend."""
+    if backend == "triton":
+        from .backward import triton_backward_dense
+        from .config import backward_config
+
+        return triton_backward_dense(hidden, weight, bias, targets, lse, grad, smoothing, softcap,
+                                     backward_config(hidden.dtype, hidden.device), need_dh=need_dh, need_dw=need_dw)
+    return reference.torch_backward(hidden, weight, bias, targets, lse, grad, smoothing, softcap)
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """Per-token smoothed losses of 2-D inputs; reduction happens outside (plain torch ops)."""
 
@@ -181,14 +202,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if n == 0:
             e = torch.zeros(0, dtype=torch.float32, device=hidden.device)
             stats = (e, e, e, torch.zeros(0, dtype=torch.long, device=hidden.device), e)
-        elif backend == "triton":
-            from .config import forward_config
-            from .forward import triton_forward
-
-            stats = triton_forward(hidden, weight, bias, targets, softcap,
-                                   forward_config(hidden.dtype, hidden.device))
         else:
-            stats = reference.torch_forward(hidden, weight, bias, targets, softcap)
+            stats = forward_stats(hidden, weight, bias, targets, softcap, backend)
         lse, zy, sz, argmax, entropy = stats
         b = smoothing.to(lse.dtype)
         loss = torch.where(valid, lse - (1.0 - b) * zy - b * sz / v, torch.zeros_like(lse))
@@ -224,15 +239,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 dw -= (c[None, :] @ hidden.float())
             if db is not None:
                 db -= c.sum()
-        elif ctx.backend == "triton":
-            from .backward import triton_backward_dense
-            from .config import backward_config
-
-            dh, dw, db = triton_backward_dense(
-                hidden, weight, bias, targets, lse, grad.contiguous(), b.contiguous(), ctx.softcap,
-                backward_config(hidden.dtype, hidden.device), need_dh=need_dh, need_dw=need_dw)
         else:
-            dh, dw, db = reference.torch_backward(hidden, weight, bias, targets, lse, grad, b, ctx.softcap)
+            dh, dw, db = dense_backward(hidden, weight, bias, targets, lse, grad.contiguous(), b.contiguous(),
+                                        ctx.softcap, ctx.backend, need_dh=need_dh, need_dw=need_dw)
         return (dh.to(hidden.dtype) if need_dh else None, dw.to(weight.dtype) if need_dw else None,
                 db.to(bias.dtype) if need_db and db is not None else None, None, None, None, None, None)
 

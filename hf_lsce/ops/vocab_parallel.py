@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import reference
+from .linear_cross_entropy import dense_backward, forward_stats
 
 
 @dataclass(frozen=True)
@@ -53,27 +53,6 @@ def vocab_shard(weight: torch.Tensor, group, return_stats: bool, filter_eps) -> 
     return VocabShard(group, sum(sizes[:rank]), sum(sizes))
 
 
-def _forward_stats(h, w, bias, targets, softcap, backend):
-    if backend == "triton":
-        from .config import forward_config
-        from .forward import triton_forward
-
-        lse, zy, sz, _, _ = triton_forward(h, w, bias, targets, softcap, forward_config(h.dtype, h.device))
-    else:
-        lse, zy, sz, _, _ = reference.torch_forward(h, w, bias, targets, softcap)
-    return lse, zy, sz
-
-
-def _backward(h, w, bias, targets, lse, grad, smoothing, softcap, backend):
-    if backend == "triton":
-        from .backward import triton_backward_dense
-        from .config import backward_config
-
-        return triton_backward_dense(h, w, bias, targets, lse, grad, smoothing, softcap,
-                                     backward_config(h.dtype, h.device), need_dh=True, need_dw=True)
-    return reference.torch_backward(h, w, bias, targets, lse, grad, smoothing, softcap)
-
-
 class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, smoothing, softcap, backend, shard):
@@ -83,7 +62,7 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
         local = targets - shard.start
         here = valid & (local >= 0) & (local < v_r)
         local_t = torch.where(here, local, torch.where(valid, torch.full_like(local, v_r), local)).contiguous()
-        lse_r, zy, sz = _forward_stats(hidden, weight, bias, local_t, softcap, backend)
+        lse_r, zy, sz, _, _ = forward_stats(hidden, weight, bias, local_t, softcap, backend)
         m = lse_r.clone()
         dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
         s = torch.exp(lse_r - m)
@@ -104,8 +83,8 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
         grad = torch.where(local_t >= 0, grad_loss.float(), torch.zeros_like(grad_loss, dtype=torch.float32))
         b = smoothing.float()
         b_local = b * (v_r / v)  # the backend's uniform term b'/V_r is then exactly b/V
-        dh, dw, db = _backward(hidden, weight, bias, local_t, lse, grad.contiguous(), b_local.contiguous(),
-                               ctx.softcap, ctx.backend)
+        dh, dw, db = dense_backward(hidden, weight, bias, local_t, lse, grad.contiguous(), b_local.contiguous(),
+                                    ctx.softcap, ctx.backend)
         rows = torch.nonzero(here)[:, 0]
         if rows.numel():  # the one-hot coefficient: (1 - b) where the backend used (1 - b')
             c = grad[rows] * (b[rows] - b_local[rows])
