@@ -46,18 +46,22 @@ def _check_rho(rho) -> float:
     return float(rho)
 
 
+def _one_vs_rest_entropy(v: int, a: float) -> float:
+    """Entropy of softmax over V logits: one standing ``a`` above V - 1 equal ones (V >= 2)."""
+    log_q = math.log(v - 1) - a
+    if log_q > 700:  # a ~ 0: q overflows; the distribution is uniform to machine precision
+        return math.log(v)
+    q = math.exp(log_q)
+    return math.log1p(q) + a * q / (1.0 + q)
+
+
 def min_entropy(vocab_size: int, logit_norm: float) -> float:
     """Lowest entropy (nats) of softmax(z) over logits whose centred 2-norm is at most ``logit_norm``."""
     v = _check_positive_int("vocab_size", vocab_size)
     r = _check_rho(logit_norm)
     if v == 1:
         return 0.0
-    a = r * math.sqrt(v / (v - 1))  # gap between the top logit and the V - 1 others
-    log_q = math.log(v - 1) - a
-    if log_q > 700:  # a ~ 0: q overflows; the distribution is uniform to machine precision
-        return math.log(v)
-    q = math.exp(log_q)
-    return math.log1p(q) + a * q / (1.0 + q)
+    return _one_vs_rest_entropy(v, r * math.sqrt(v / (v - 1)))  # the gap whose centred norm is r
 
 
 def min_entropy_capped(vocab_size: int, softcap: float) -> float:
@@ -66,9 +70,7 @@ def min_entropy_capped(vocab_size: int, softcap: float) -> float:
     cap = _check_rho(softcap)
     if v == 1:
         return 0.0
-    a = 2.0 * cap
-    q = math.exp(math.log(v - 1) - a)
-    return math.log1p(q) + a * q / (1.0 + q)
+    return _one_vs_rest_entropy(v, 2.0 * cap)  # top logit at +cap, the others at -cap
 
 
 def entropy_lower_bound(hidden_size: int, vocab_size: int, rho: float) -> float:

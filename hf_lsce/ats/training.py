@@ -151,11 +151,12 @@ def token_calibration(model, tokenizer, data, *, max_length: int = 512, batch_si
     from tqdm.auto import tqdm
 
     from ..calibration import calibration_metrics
+    from ..calibration.scoring import _device_of
 
     rows = tokenize_records(load_instruction_records(data, limit), tokenizer, max_length)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     collate = PadCollator(pad)
-    dev = next(model.parameters()).device if any(True for _ in model.parameters()) else torch.device("cpu")
+    dev = _device_of(model)
     conf, corr = [], []
     was_training = model.training
     model.eval()
