@@ -56,6 +56,13 @@ def method_fns():
     global _compiled
     fns = {}
     fns["hf_lsce"] = lambda h, w, y, b, cap: linear_cross_entropy(h, w, y, label_smoothing=b, softcap=cap)
+
+    def recompute(h, w, y, b, cap):
+        # The same mean loss through reduction="none", which takes the recomputing backward
+        # (Triton logits again, G chunks, two cuBLAS matmuls): the previous version, for comparison.
+        tok = linear_cross_entropy(h, w, y, label_smoothing=b, softcap=cap, reduction="none")
+        return tok.sum() / (y != -100).sum()
+    fns["hf_lsce (recompute bwd)"] = recompute
     fns["torch eager"] = torch_loss
     _compiled = _compiled or torch.compile(torch_loss, dynamic=False)
     fns["torch.compile"] = _compiled
@@ -159,13 +166,52 @@ def run_config(rows, fns, shape, n, d, v, b, cap, regime, methods, do_bench):
 
 ALL = ["hf_lsce", "torch eager", "torch.compile", "liger", "cce", "floor (3 matmuls)"]
 
+# Issue 3's targets: (description, numerator row, denominator row, value key, bound, "<=" or ">=").
+# A row is named by (shape, b, softcap, regime, method, N or None for the shape's own N).
+_G = ("gemma2-2b", 0.1, None, "peaked")
+TARGETS = [
+    ("fwd+bwd time vs torch.compile", _G + ("hf_lsce", None), _G + ("torch.compile", None), "fwdbwd_ms", 0.80, "<="),
+    ("fwd+bwd extra memory vs torch.compile", _G + ("hf_lsce", None), _G + ("torch.compile", None), "fwdbwd_mb", 0.01, "<="),
+    ("Liger fwd+bwd time / ours", _G + ("liger", None), _G + ("hf_lsce", None), "fwdbwd_ms", 3.0, ">="),
+    ("b=0 fwd+bwd time vs Cut Cross-Entropy", ("gemma2-2b", 0.0, None, "peaked", "hf_lsce", None),
+     ("gemma2-2b", 0.0, None, "peaked", "cce", None), "fwdbwd_ms", 0.5, "<="),
+    ("forward (no grad) vs one bf16 logits matmul", _G + ("hf_lsce", None), _G + ("floor (3 matmuls)", None), "fwd_ms", 1.1, "<="),
+    ("label smoothing cost: b=0.1 vs b=0 (ours)", _G + ("hf_lsce", None), ("gemma2-2b", 0.0, None, "peaked", "hf_lsce", None),
+     "fwdbwd_ms", 1.03, "<="),
+    ("soft-cap 30 cost vs none (ours)", ("gemma2-2b", 0.1, 30.0, "peaked", "hf_lsce", None), _G + ("hf_lsce", None),
+     "fwdbwd_ms", 1.15, "<="),
+    ("extra memory at N=32768 vs N=8192 (ours)", _G + ("hf_lsce", 32768), _G + ("hf_lsce", None), "fwdbwd_mb", 1.05, "<="),
+    ("flat inputs: fwd+bwd vs torch.compile", ("gemma2-2b", 0.1, None, "flat", "hf_lsce", None),
+     ("gemma2-2b", 0.1, None, "flat", "torch.compile", None), "fwdbwd_ms", 1.0, "<="),
+]
+
+
+def _find(rows, key):
+    shape, b, cap, regime, method, n = key
+    n = n or SHAPES[shape][0]
+    for r in rows:
+        if (r["shape"], r["b"], r["softcap"], r["regime"], r["method"], r["N"]) == (shape, b, cap, regime, method, n):
+            return r if "error" not in r else None
+    return None
+
+
+def target_rows(rows):
+    """Issue 3's ratios, each from rows of this one run (None where a row is missing)."""
+    out = []
+    for desc, num, den, key, bound, op in TARGETS:
+        a, c = _find(rows, num), _find(rows, den)
+        ratio = a[key] / c[key] if a and c and c[key] else None
+        met = None if ratio is None else (ratio <= bound if op == "<=" else ratio >= bound)
+        out.append(dict(target=desc, key=key, ratio=ratio, bound=f"{op} {bound}", met=met))
+    return out
+
 
 def suite(name):
     """(shape, b, softcap, regime, methods, N override) tuples."""
     if name == "quick":
         return [("gemma2-2b", 0.1, None, "peaked", ["hf_lsce", "torch.compile", "floor (3 matmuls)"], None)]
     out = [
-        ("gemma2-2b", 0.1, None, "peaked", ALL, None),
+        ("gemma2-2b", 0.1, None, "peaked", ALL + ["hf_lsce (recompute bwd)"], None),
         ("gemma2-2b", 0.0, None, "peaked", ALL, None),
         ("gemma2-2b", 0.1, None, "flat", ["hf_lsce", "torch.compile"], None),
         ("gemma2-2b", 0.1, 30.0, "peaked", ["hf_lsce", "torch.compile"], None),
@@ -183,7 +229,7 @@ def suite(name):
 def write_outputs(rows, out_dir, meta):
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "bench_linear_cross_entropy.json"), "w") as f:
-        json.dump(dict(meta, rows=rows), f, indent=1)
+        json.dump(dict(meta, rows=rows, targets=target_rows(rows)), f, indent=1)
     lines = [f"Device: {meta['device']}; torch {meta['torch']}, triton {meta['triton']}; "
              f"peers: {meta['peers']}.", "",
              "| shape (N, D, V) | b | softcap | inputs | method | fwd ms | fwd extra MB | fwd+bwd ms | fwd+bwd extra MB | TFLOP/s |",
@@ -195,6 +241,11 @@ def write_outputs(rows, out_dir, meta):
             continue
         lines.append(f"| {shp} | {r['b']} | {r['softcap']} | {r['regime']} | {r['method']} | {r['fwd_ms']:.1f} | "
                      f"{r['fwd_mb']:,.0f} | {r['fwdbwd_ms']:.1f} | {r['fwdbwd_mb']:,.0f} | {r['tflops']:.0f} |")
+    tgt = target_rows(rows)
+    lines += ["", "Targets (issue 3), ratios of rows above:", "", "| target | ratio | bound | met |", "|---|---|---|---|"]
+    for t in tgt:
+        r = "-" if t["ratio"] is None else f"{t['ratio']:.3f}"
+        lines.append(f"| {t['target']} ({t['key']}) | {r} | {t['bound']} | {'-' if t['met'] is None else t['met']} |")
     table = "\n".join(lines)
     with open(os.path.join(out_dir, "bench_linear_cross_entropy.md"), "w") as f:
         f.write(table + "\n")

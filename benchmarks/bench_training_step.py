@@ -15,6 +15,7 @@ Methods (b = label smoothing):
                   so only the loss differs); b=0 because Liger loses the Trainer's smoothing
 
     python benchmarks/bench_training_step.py --models llama3.2-1b,qwen3-1.7b --out-dir results
+    python benchmarks/bench_training_step.py --feasible --out-dir results   (see FEASIBLE_BATCHES)
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ MODELS = {
 METHODS = [("hf", 0.1), ("hf_lsce", 0.1), ("hf", 0.0), ("hf_lsce", 0.0), ("liger", 0.0)]
 
 
-def build(name):
+def build(name, checkpointing=True):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     spec = dict(MODELS[name])
@@ -51,7 +52,8 @@ def build(name):
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     return model.train()
 
@@ -179,6 +181,72 @@ def run_model(name, args, results):
             json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=results), f, indent=1)
 
 
+# The fastest setting that fits: each method at the same batch, first without gradient checkpointing,
+# then (if that runs out of memory) with it. Memory the loss no longer takes can buy back the
+# recomputation of the decoder layers; these batches are where that happens for the HF default.
+FEASIBLE_BATCHES = {"llama3.2-1b": (16, 32), "qwen3-1.7b": (16, 32), "gemma2-2b": (8, 16)}
+FEASIBLE_METHODS = [("hf", 0.1), ("hf_lsce", 0.1), ("liger", 0.0)]
+
+
+def _patched(name, method, checkpointing):
+    from hf_lsce import apply_lsce_patch
+
+    model = build(name, checkpointing=checkpointing)
+    if method == "hf_lsce":
+        apply_lsce_patch(model, label_smoothing=0.1)
+    elif method == "liger":
+        liger_patch(model.config.model_type, model)
+    return model
+
+
+def run_feasible(name, args, results):
+    for batch in FEASIBLE_BATCHES[name]:
+        for method, b in FEASIBLE_METHODS:
+            if method == "liger" and args.no_liger:
+                continue
+            row = dict(model=name, method=method, label_smoothing=b, seq=args.seq, batch=batch,
+                       layers=MODELS[name]["num_hidden_layers"])
+            for ckpt in (False, True):
+                model = None
+                try:
+                    model = _patched(name, method, ckpt)
+                    row.update(measure(model, method, b, batch, args.seq, args.steps), checkpointing=ckpt)
+                    row.pop("error", None)
+                    break
+                except torch.OutOfMemoryError:
+                    row["error"] = "out of memory with and without gradient checkpointing"
+                except ImportError as e:
+                    row["error"] = f"missing: {e}"
+                    break
+                except Exception as e:  # report, never drop silently
+                    row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                    break
+                finally:
+                    del model
+                    gc.collect()
+                    torch.cuda.empty_cache()
+            print(json.dumps(row), flush=True)
+            results.append(row)
+            with open(os.path.join(args.out_dir, "bench_training_feasible.json"), "w") as f:
+                json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=results), f, indent=1)
+
+
+def feasible_table(rows):
+    lines = ["| model | batch (tokens) | method | b | gradient checkpointing | tokens/s | peak GiB | vs HF |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        tokens = f"{r['batch'] * r['seq']:,}"
+        if "error" in r:
+            lines.append(f"| {r['model']} | {tokens} | {r['method']} | {r['label_smoothing']} | {r['error']} | | | |")
+            continue
+        ref = next((x for x in rows if x["model"] == r["model"] and x["batch"] == r["batch"]
+                    and x["method"] == "hf" and "error" not in x), None)
+        sp = f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}x" if ref else "-"
+        lines.append(f"| {r['model']} | {tokens} | {r['method']} | {r['label_smoothing']} | "
+                     f"{'on' if r['checkpointing'] else 'off'} | {r['tokens_per_s']:,.0f} | {r['peak_gib']:.1f} | {sp} |")
+    return "\n".join(lines)
+
+
 def table(rows):
     lines = ["| model | method | b | tokens/s | peak GiB | vs HF (same b) | largest batch (tokens) | vs HF |",
              "|---|---|---|---|---|---|---|---|"]
@@ -232,8 +300,20 @@ def main():
     ap.add_argument("--no-search", dest="search", action="store_false")
     ap.add_argument("--no-liger", action="store_true")
     ap.add_argument("--out-dir", default="bench_out")
+    ap.add_argument("--feasible", action="store_true",
+                    help="instead: the fastest setting that fits (checkpointing off, else on) at FEASIBLE_BATCHES")
     args = ap.parse_args()
     os.makedirs(args.out_dir, exist_ok=True)
+    if args.feasible:
+        path = os.path.join(args.out_dir, "bench_training_feasible.json")
+        results = json.load(open(path))["rows"] if os.path.exists(path) else []
+        for name in args.models.split(","):
+            run_feasible(name, args, results)
+        md = feasible_table(results)
+        print(md)
+        with open(os.path.join(args.out_dir, "bench_training_feasible.md"), "w") as f:
+            f.write(md + "\n")
+        return
     path = os.path.join(args.out_dir, "bench_training_step.json")
     results = json.load(open(path))["rows"] if os.path.exists(path) else []
     for name in args.models.split(","):

@@ -310,3 +310,52 @@ def test_dense_backward_in_several_chunks(softcap):
     dh, dw, db = triton_backward_dense(h32, w32, b32, t, lse, grad, torch.full((N,), 0.1), softcap,
                                        backward_config(torch.float32, h32.device), chunk_bytes=5 * V * 4)
     assert rel(dh, ref[1]) < 1e-5 and rel(dw, ref[2]) < 1e-5 and rel(db, ref[3]) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("softcap", [None, 4.0])
+def test_train_pass_in_several_chunks(dtype, softcap):
+    """The one-pass training path (loss and gradients from fp32 logits of chunks of 5 rows, G stored in
+    place over them) equals the fp64 reference, per-token smoothing and bias included."""
+    from hf_lsce.ops.train_pass import triton_train_pass
+
+    h, w, y, b = make_inputs(seed=21, bias=True, peaked=True)
+    h, w, b = h.to(dtype).double(), w.to(dtype).double(), b.to(dtype).double()  # same rounded inputs
+    sm = torch.rand(N, generator=torch.Generator().manual_seed(3))
+    ref = reference(h, w, y, b, smoothing=sm, softcap=softcap, reduction="sum")
+    t = y.masked_fill(y < 0, -1)
+    stats, dh, dw, db = triton_train_pass(h.to(dtype), w.to(dtype), b.to(dtype), t, sm, (t >= 0).float(), softcap,
+                                          chunk_bytes=5 * V * 4)
+    lse, zy, sz, argmax, ent = stats
+    loss = torch.where(t >= 0, lse - (1 - sm) * zy - sm * sz / V, 0.0).sum()
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: G is stored in bf16
+    assert rel(loss, ref[0]) < 1e-5
+    assert rel(dh, ref[1]) < tol and rel(dw, ref[2]) < tol and rel(db, ref[3]) < tol
+    z = h @ w.T + b
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    assert torch.equal(argmax, z.argmax(-1))
+    p = torch.softmax(z, -1)
+    assert rel(ent, -(p * torch.log_softmax(z, -1)).sum(-1)) < 1e-4  # lse - E[z]: fp32 cancellation
+
+
+def test_training_takes_the_one_pass_path_and_scales_by_the_upstream_gradient(monkeypatch):
+    """With gradients on, the Triton backend computes them in the forward (train_pass); the backward
+    multiplies them by the upstream gradient. Evaluation and reduction='none' keep the other path."""
+    import hf_lsce.ops.train_pass as tp
+
+    calls = []
+    real = tp.triton_train_pass
+    monkeypatch.setattr(tp, "triton_train_pass", lambda *a, **k: calls.append(1) or real(*a, **k))
+    h, w, y, _ = make_inputs(seed=22)
+    ref = reference(h, w, y, smoothing=0.1)
+    hh, ww = h.float().requires_grad_(), w.float().requires_grad_()
+    loss = linear_cross_entropy(hh, ww, y, label_smoothing=0.1, backend="triton")
+    (2.5 * loss).backward()
+    assert calls == [1]
+    assert rel(loss, ref[0]) < 1e-5
+    assert rel(hh.grad, 2.5 * ref[1]) < 1e-5 and rel(ww.grad, 2.5 * ref[2]) < 1e-5
+    with torch.no_grad():
+        linear_cross_entropy(hh, ww, y, label_smoothing=0.1, backend="triton")
+    linear_cross_entropy(hh, ww, y, label_smoothing=0.1, backend="triton", reduction="none").sum().backward()
+    assert calls == [1]

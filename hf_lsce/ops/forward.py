@@ -9,6 +9,10 @@ accumulator (loop over D in ``BLOCK_D`` steps), and keeps per row an online soft
 
 Splitting the vocabulary gives enough programs to fill the GPU when N is small; the few partial
 states per row are merged in torch (``merge_splits``), which costs O(N * splits).
+
+Launch order: the split is the fast grid axis, so the programs resident at one time cover a few row
+blocks times every split. Their working set (those rows of h, plus one W tile per split) stays in L2,
+and each W tile is read from memory once per wave, not once per row block.
 """
 from __future__ import annotations
 
@@ -77,8 +81,8 @@ def _lce_forward_kernel(
     HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1)
+    pid_s = tl.program_id(0)
+    pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     y = tl.load(Y + offs_n, mask=mask_n, other=-1)
@@ -124,7 +128,9 @@ def _lce_forward_kernel(
 
 _lce_forward_autotuned = triton.autotune(
     configs=tuning_configs([(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 256, 64, 4, 4),
-                            (128, 128, 64, 4, 4), (256, 128, 64, 8, 3), (128, 64, 128, 4, 3)]),
+                            (128, 128, 64, 4, 4), (256, 128, 64, 8, 3), (128, 64, 128, 4, 3),
+                            (128, 256, 64, 8, 4), (256, 128, 64, 8, 4), (128, 128, 64, 8, 4),
+                            (128, 128, 128, 8, 2)]),
     key=["D", "V", "DOT_PRECISION"])(_lce_forward_kernel)
 
 
@@ -144,8 +150,10 @@ def triton_forward(hidden, weight, bias, targets, softcap, config):
     """Launch the forward kernel on 2-D ``hidden`` (N, D); returns (lse, zy, sz, argmax, entropy)."""
     n, d = hidden.shape
     v = weight.shape[0]
-    # Split the vocabulary until the grid has about config.min_programs programs (for 128-row blocks).
-    splits = max(1, min(triton.cdiv(v, 256), triton.cdiv(config.min_programs, triton.cdiv(n, config.block_n))))
+    # Split the vocabulary until the grid has about config.min_programs programs (for 128-row blocks),
+    # and into at least config.min_splits parts (see the launch order above).
+    want = max(config.min_splits, triton.cdiv(config.min_programs, triton.cdiv(n, config.block_n)))
+    splits = max(1, min(triton.cdiv(v, 256), want))
     f32 = dict(dtype=torch.float32, device=hidden.device)
     m, s, t, sz, zy = (torch.empty(splits, n, **f32) for _ in range(5))
     am = torch.empty(splits, n, dtype=torch.int32, device=hidden.device)
@@ -155,5 +163,5 @@ def triton_forward(hidden, weight, bias, targets, softcap, config):
     flags = dict(HAS_BIAS=bias is not None, SOFTCAP=softcap is not None,
                  DOT_PRECISION=config.dot_precision, UPCAST=config.upcast_dot)
     launch(_lce_forward_kernel, _lce_forward_autotuned, config,
-           lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), splits), args, flags)
+           lambda meta: (splits, triton.cdiv(n, meta["BLOCK_N"])), args, flags)
     return merge_splits(m, s, t, sz, zy, am)

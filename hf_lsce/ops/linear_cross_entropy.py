@@ -162,13 +162,18 @@ def _validate(hidden, weight, targets, bias, label_smoothing, ignore_index, redu
             )
 
 
-def divide_summed_loss(total: torch.Tensor, num_items_in_batch, valid_count: torch.Tensor) -> torch.Tensor:
-    """Hugging Face's reduction of a summed token loss: by ``num_items_in_batch`` when given, else by the
-    number of valid tokens; either is clamped to >= 1 so an all-ignored batch gives 0, never NaN."""
+def loss_denominator(num_items_in_batch, valid_count: torch.Tensor, dtype=torch.float32):
+    """Hugging Face's divisor of a summed token loss: ``num_items_in_batch`` when given, else the number
+    of valid tokens; clamped to >= 1 so an all-ignored batch gives 0, never NaN (a tensor or a float)."""
     denom = valid_count if num_items_in_batch is None else num_items_in_batch
     if torch.is_tensor(denom):
-        return total / denom.to(device=total.device, dtype=total.dtype).clamp_min(1)
-    return total / max(float(denom), 1.0)
+        return denom.to(device=valid_count.device, dtype=dtype).clamp_min(1)
+    return max(float(denom), 1.0)
+
+
+def divide_summed_loss(total: torch.Tensor, num_items_in_batch, valid_count: torch.Tensor) -> torch.Tensor:
+    """``total`` divided by :func:`loss_denominator`."""
+    return total / loss_denominator(num_items_in_batch, valid_count, total.dtype)
 
 
 def forward_stats(hidden, weight, bias, targets, softcap, backend):
@@ -244,6 +249,50 @@ class _LinearCrossEntropy(torch.autograd.Function):
                                         ctx.softcap, ctx.backend, need_dh=need_dh, need_dw=need_dw)
         return (dh.to(hidden.dtype) if need_dh else None, dw.to(weight.dtype) if need_dw else None,
                 db.to(bias.dtype) if need_db and db is not None else None, None, None, None, None, None)
+
+
+class _LinearCrossEntropyTrain(torch.autograd.Function):
+    """The reduced loss with its gradients computed in the forward (``train_pass``: three matmuls,
+    no recomputation); backward scales them by the upstream gradient."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, smoothing, softcap, token_weight):
+        from .train_pass import triton_train_pass
+
+        need_dh, need_dw, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        stats, dh, dw, db = triton_train_pass(hidden, weight, bias, targets, smoothing, token_weight, softcap,
+                                              need_dh=need_dh, need_dw=need_dw, need_db=need_db and bias is not None)
+        lse, zy, sz, argmax, entropy = stats
+        v = weight.shape[0]
+        b = smoothing.to(lse.dtype)
+        loss = (token_weight * (lse - (1.0 - b) * zy - b * sz / v)).sum()
+        nll = torch.where(targets >= 0, lse - zy, torch.zeros_like(lse))
+        ctx.grads = (dh, dw, db)
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        ctx.mark_non_differentiable(lse, argmax, nll, entropy)
+        return loss, lse, argmax, nll, entropy
+
+    @staticmethod
+    def backward(ctx, grad_loss, *unused):
+        grads, ctx.grads = ctx.grads, None
+        if grad_loss is None:
+            grads = tuple(torch.zeros_like(g) if g is not None else None for g in grads)
+        elif bool(grad_loss != 1):  # one sync; the usual upstream gradient is 1
+            grads = tuple(g.mul_(grad_loss) if g is not None else None for g in grads)
+        dh, dw, db = grads
+        return dh, dw, db.to(ctx.bias_dtype) if db is not None else None, None, None, None, None
+
+
+def _use_train_pass(hidden, weight, bias, reduction, backend, filter_eps) -> bool:
+    """The one-pass training path: Triton backend, a reduced loss that will be differentiated, no tile
+    skipping asked for, and fp32 logits obtainable from cuBLAS (see ``train_pass.supported``)."""
+    if backend != "triton" or reduction == "none" or filter_eps > 0 or hidden.shape[0] == 0:
+        return False
+    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))):
+        return False
+    from .train_pass import supported
+
+    return supported(hidden)
 
 
 def linear_cross_entropy(
@@ -346,10 +395,20 @@ def linear_cross_entropy(
             from .vocab_parallel import vocab_parallel_token_losses
 
             loss_tok = vocab_parallel_token_losses(h2, weight, bias, t1, b1, softcap, backend, shard)
+        elif _use_train_pass(h2, weight, bias, reduction, backend, float(filter_eps)):
+            valid1 = t1 >= 0
+            token_weight = valid1.float()
+            if reduction == "mean" or num_items_in_batch is not None:
+                token_weight = token_weight / loss_denominator(num_items_in_batch, valid1.sum())
+            loss, lse, argmax, nll, entropy = _LinearCrossEntropyTrain.apply(
+                h2, weight, bias, t1, b1, softcap, token_weight)
+            loss_tok = None
         else:
             loss_tok, lse, argmax, nll, entropy = _LinearCrossEntropy.apply(
                 h2, weight, bias, t1, b1, softcap, backend, float(filter_eps))
-        if reduction == "none":
+        if loss_tok is None:
+            pass  # reduced by the one-pass training path
+        elif reduction == "none":
             loss = loss_tok.reshape(out_shape)
         elif reduction == "sum" and num_items_in_batch is None:
             loss = loss_tok.sum()

@@ -1,0 +1,179 @@
+"""One pass for training: the loss and its gradients together, three matmuls, no recomputation.
+
+When the loss will be differentiated (grad mode, a reduced loss), computing the gradients already in
+the forward saves the second logits matmul that a recomputing backward pays (4 matmuls become 3).
+For each chunk of rows (``TRAIN_CHUNK_BYTES`` of fp32 logits, so memory is bounded and does not grow
+with N):
+
+1. cuBLAS: ``Z = h_chunk @ W^T`` in fp32 (bf16/fp16 tensor cores, fp32 accumulate and output);
+2. ``_lce_rows_kernel`` (Triton, one program per row): a first read of the row gives the online
+   softmax statistics (max, sum of exp, sum of exp * z, sum of logits, target logit, argmax); a second
+   read writes the gradient of the loss with respect to the logits,
+
+       G_nv = s_n * (p_nv - b_n / V - (1 - b_n) [v == y_n]) * (1 - tanh^2)     (last factor: soft-cap)
+
+   with s_n the reduction's weight of token n (1/#valid for the mean, 0 where ignored). G is stored
+   in the input dtype *in place over Z*: element v of row n goes to byte ``4 V n + size * v``, which
+   only overwrites values of that row already read by every warp (a barrier per block makes sure).
+   A 2-byte G is then a (rows, V) view of row stride 2V.
+3. cuBLAS: ``dh_chunk = G @ W`` and ``dW += G^T h_chunk`` (and ``db += sum_n G``).
+
+The autograd function keeps dh and dW until backward, which only scales them by the upstream
+gradient (a no-op for the usual 1). The statistics are those of the forward kernel.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .config import TRAIN_CHUNK_BYTES, interpreting
+from .forward import _tanh
+
+
+@triton.jit
+def _lce_rows_kernel(
+    Z, BIAS, Y, SMOOTH, SCALE, G,
+    LSE_OUT, ZY_OUT, SZ_OUT, AM_OUT, ENT_OUT,
+    V, stride_z, stride_g, softcap, inv_v,
+    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, WRITE_G: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    y = tl.load(Y + row)
+    z_row = Z + row.to(tl.int64) * stride_z
+
+    # Pass 1: an online softmax per lane (BLOCK lanes, each striding the row); lanes merge at the end,
+    # so the loop has no cross-warp reductions.
+    m_l = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
+    s_l = tl.zeros((BLOCK,), dtype=tl.float32)
+    t_l = tl.zeros((BLOCK,), dtype=tl.float32)
+    sz_l = tl.zeros((BLOCK,), dtype=tl.float32)
+    am_l = tl.zeros((BLOCK,), dtype=tl.int32)
+    for v0 in range(0, V, BLOCK):
+        offs = v0 + tl.arange(0, BLOCK)
+        mask = offs < V
+        z = tl.load(z_row + offs, mask=mask, other=0.0)
+        if HAS_BIAS:
+            z += tl.load(BIAS + offs, mask=mask, other=0.0).to(tl.float32)
+        if SOFTCAP:
+            z = softcap * _tanh(z / softcap)
+        z_m = tl.where(mask, z, float("-inf"))
+        new_m = tl.maximum(m_l, z_m)
+        am_l = tl.where(z_m > m_l, offs, am_l)
+        # Lanes still at -inf (only masked values so far) keep s = t = 0.
+        alpha = tl.where(new_m == float("-inf"), 1.0, tl.exp(m_l - new_m))
+        e = tl.where(mask, tl.exp(z_m - new_m), 0.0)
+        z_valid = tl.where(mask, z, 0.0)
+        s_l = s_l * alpha + e
+        t_l = t_l * alpha + e * z_valid
+        sz_l += z_valid
+        m_l = new_m
+    m = tl.max(m_l, axis=0)
+    scale = tl.where(m_l == float("-inf"), 0.0, tl.exp(m_l - m))
+    s = tl.sum(s_l * scale, axis=0)
+    t_acc = tl.sum(t_l * scale, axis=0)
+    am = tl.min(tl.where(m_l == m, am_l, V), axis=0)  # first index of the maximum, as torch.argmax
+    lse = m + tl.log(s)
+    # The target logit: one load (0 for an ignored token, whose loss is masked anyway).
+    yc = tl.maximum(y, 0).to(tl.int32)
+    zy = tl.load(z_row + yc)
+    if HAS_BIAS:
+        zy += tl.load(BIAS + yc).to(tl.float32)
+    if SOFTCAP:
+        zy = softcap * _tanh(zy / softcap)
+    zy = tl.where(y >= 0, zy, 0.0)
+    tl.store(LSE_OUT + row, lse)
+    tl.store(ZY_OUT + row, zy)
+    tl.store(SZ_OUT + row, tl.sum(sz_l, axis=0))
+    tl.store(AM_OUT + row, am)
+    tl.store(ENT_OUT + row, lse - t_acc / s)
+
+    if WRITE_G:
+        b = tl.load(SMOOTH + row)
+        scale = tl.load(SCALE + row)
+        g_row = G + row.to(tl.int64) * stride_g
+        for v0 in range(0, V, BLOCK):
+            offs = v0 + tl.arange(0, BLOCK)
+            mask = offs < V
+            z = tl.load(z_row + offs, mask=mask, other=0.0)
+            # Every warp has read this block before any warp overwrites it (the in-place store of
+            # block k covers fp32 elements [k B / 2, (k + 1) B / 2), read in blocks <= k).
+            tl.debug_barrier()
+            if HAS_BIAS:
+                z += tl.load(BIAS + offs, mask=mask, other=0.0).to(tl.float32)
+            if SOFTCAP:
+                tc = _tanh(z / softcap)
+                z = softcap * tc
+            g = tl.exp(z - lse) - b * inv_v - tl.where(offs == y, 1.0 - b, 0.0)
+            if SOFTCAP:
+                g = g * (1.0 - tc * tc)
+            tl.store(g_row + offs, (g * scale).to(G.dtype.element_ty), mask=mask)
+
+
+def supported(hidden: torch.Tensor) -> bool:
+    """Whether this pass can run: fp32 logits from half inputs need ``torch.mm(..., out_dtype=)``
+    on CUDA (torch >= 2.9); the interpreter (CPU) upcasts instead."""
+    if hidden.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return False
+    if hidden.dtype == torch.float32 or hidden.device.type != "cuda":
+        return True
+    return "dtype_out" in torch.ops.aten.mm.overloads()
+
+
+def _rows_launch_config(v: int) -> tuple[int, int]:
+    """(BLOCK, num_warps) of the row kernel."""
+    if interpreting():
+        return min(64, triton.next_power_of_2(v)), 1
+    return min(4096, triton.next_power_of_2(v)), 8
+
+
+def triton_train_pass(hidden, weight, bias, targets, smoothing, scale, softcap,
+                      need_dh=True, need_dw=True, need_db=True, chunk_bytes: int | None = None):
+    """Statistics and gradients of ``sum_n scale_n loss_n`` for 2-D ``hidden`` (N, D).
+
+    Returns ``(lse, zy, sz, argmax, entropy), dh, dw, db``; dh in hidden's dtype, dw in weight's,
+    db fp32 (None where not needed). ``targets``: ids with -1 for ignored tokens; ``smoothing`` and
+    ``scale``: fp32 per token.
+    """
+    n, d = hidden.shape
+    v = weight.shape[0]
+    dev = hidden.device
+    f32 = dict(dtype=torch.float32, device=dev)
+    lse, zy, sz, ent = (torch.empty(n, **f32) for _ in range(4))
+    am = torch.empty(n, dtype=torch.int32, device=dev)
+    write_g = need_dh or need_dw or need_db
+    rows = max(1, min(n, (chunk_bytes or TRAIN_CHUNK_BYTES) // (v * 4)))
+    buf = torch.empty(rows, v, **f32)
+    # G in hidden's dtype, in place over the fp32 logits (row stride 4V bytes).
+    g_all = buf.view(hidden.dtype)[:, :v]
+    on_cpu = dev.type != "cuda"
+    w_mm = weight.float() if on_cpu and weight.dtype != torch.float32 else weight
+    dh = torch.empty(n, d, dtype=hidden.dtype, device=dev) if need_dh else None
+    dw = torch.empty(v, d, dtype=weight.dtype, device=dev) if need_dw else None
+    db = torch.zeros(v, **f32) if need_db else None
+    block, warps = _rows_launch_config(v)
+    for s in range(0, n, rows):
+        e = min(n, s + rows)
+        z, g, h = buf[: e - s], g_all[: e - s], hidden[s:e]
+        if on_cpu:
+            torch.mm(h.to(w_mm.dtype), w_mm.T, out=z)
+        elif hidden.dtype == torch.float32:
+            torch.mm(h, weight.T, out=z)
+        else:
+            torch.mm(h, weight.T, out_dtype=torch.float32, out=z)
+        _lce_rows_kernel[(e - s,)](
+            z, bias if bias is not None else z, targets[s:e], smoothing[s:e], scale[s:e], g,
+            lse[s:e], zy[s:e], sz[s:e], am[s:e], ent[s:e],
+            v, z.stride(0), g.stride(0), float(softcap) if softcap is not None else 1.0, 1.0 / v,
+            HAS_BIAS=bias is not None, SOFTCAP=softcap is not None, WRITE_G=write_g, BLOCK=block,
+            num_warps=warps)
+        if need_dh:
+            torch.mm(g, weight, out=dh[s:e])
+        if need_dw:
+            if s == 0:
+                torch.mm(g.T, h, out=dw)
+            else:
+                dw.addmm_(g.T, h)
+        if need_db:
+            db += g.sum(0, dtype=torch.float32)
+    return (lse, zy, sz, am.long(), ent), dh, dw, db
