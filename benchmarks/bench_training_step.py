@@ -184,7 +184,7 @@ def run_model(name, args, results):
 # The fastest setting that fits: each method at the same batch, first without gradient checkpointing,
 # then (if that runs out of memory) with it. Memory the loss no longer takes can buy back the
 # recomputation of the decoder layers; these batches are where that happens for the HF default.
-FEASIBLE_BATCHES = {"llama3.2-1b": (16, 32), "qwen3-1.7b": (16, 32), "gemma2-2b": (8, 16)}
+FEASIBLE_BATCHES = {"llama3.2-1b": (16, 32), "qwen3-1.7b": (16, 32), "gemma2-2b": (8, 12, 16)}
 FEASIBLE_METHODS = [("hf", 0.1), ("hf_lsce", 0.1), ("liger", 0.0)]
 
 
@@ -200,7 +200,7 @@ def _patched(name, method, checkpointing):
 
 
 def run_feasible(name, args, results):
-    for batch in FEASIBLE_BATCHES[name]:
+    for batch in args.feasible_batches or FEASIBLE_BATCHES[name]:
         for method, b in FEASIBLE_METHODS:
             if method == "liger" and args.no_liger:
                 continue
@@ -245,6 +245,32 @@ def feasible_table(rows):
         lines.append(f"| {r['model']} | {tokens} | {r['method']} | {r['label_smoothing']} | "
                      f"{'on' if r['checkpointing'] else 'off'} | {r['tokens_per_s']:,.0f} | {r['peak_gib']:.1f} | {sp} |")
     return "\n".join(lines)
+
+
+def plot_feasible(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if "error" not in r]
+    groups = list(dict.fromkeys((r["model"], r["batch"] * r["seq"]) for r in ok))
+    w = 0.8 / len(FEASIBLE_METHODS)
+    fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(groups)), 4.5))
+    for j, (m, b) in enumerate(FEASIBLE_METHODS):
+        for i, (mo, tok) in enumerate(groups):
+            r = next((x for x in ok if x["model"] == mo and x["batch"] * x["seq"] == tok and x["method"] == m), None)
+            if r is None:
+                continue
+            ax.bar(i + j * w, r["tokens_per_s"], width=w, color=f"C{j}", hatch="//" if r["checkpointing"] else None,
+                   edgecolor="black", label=f"{m} b={b}" if i == 0 else None)
+    ax.set_xticks([i + 0.4 - w / 2 for i in range(len(groups))])
+    ax.set_xticklabels([f"{mo}\n{tok:,} tokens" for mo, tok in groups], fontsize=8)
+    ax.set_ylabel("tokens / s")
+    ax.set_title("Fastest setting that fits (hatched: gradient checkpointing needed)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def table(rows):
@@ -302,6 +328,8 @@ def main():
     ap.add_argument("--out-dir", default="bench_out")
     ap.add_argument("--feasible", action="store_true",
                     help="instead: the fastest setting that fits (checkpointing off, else on) at FEASIBLE_BATCHES")
+    ap.add_argument("--feasible-batches", type=lambda x: [int(b) for b in x.split(",")], default=None,
+                    help="with --feasible: these batch sizes (sequences) instead of FEASIBLE_BATCHES")
     args = ap.parse_args()
     os.makedirs(args.out_dir, exist_ok=True)
     if args.feasible:
@@ -313,6 +341,7 @@ def main():
         print(md)
         with open(os.path.join(args.out_dir, "bench_training_feasible.md"), "w") as f:
             f.write(md + "\n")
+        plot_feasible(results, os.path.join(args.out_dir, "bench_training_feasible.png"))
         return
     path = os.path.join(args.out_dir, "bench_training_step.json")
     results = json.load(open(path))["rows"] if os.path.exists(path) else []
