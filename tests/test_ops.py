@@ -341,21 +341,38 @@ def test_train_pass_in_several_chunks(dtype, softcap):
 
 def test_training_takes_the_one_pass_path_and_scales_by_the_upstream_gradient(monkeypatch):
     """With gradients on, the Triton backend computes them in the forward (train_pass); the backward
-    multiplies them by the upstream gradient. Evaluation and reduction='none' keep the other path."""
+    multiplies them by the upstream gradient when that is uniform over the valid tokens (a mean, a
+    sum, TRL's -log_probs.sum() / n) and recomputes otherwise. Evaluation keeps the fused forward."""
     import hf_lsce.ops.train_pass as tp
+    from hf_lsce.ops import backward as bw
 
-    calls = []
-    real = tp.triton_train_pass
+    calls, recomputed = [], []
+    real, real_dense = tp.triton_train_pass, bw.triton_backward_dense
     monkeypatch.setattr(tp, "triton_train_pass", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(bw, "triton_backward_dense", lambda *a, **k: recomputed.append(1) or real_dense(*a, **k))
     h, w, y, _ = make_inputs(seed=22)
     ref = reference(h, w, y, smoothing=0.1)
     hh, ww = h.float().requires_grad_(), w.float().requires_grad_()
     loss = linear_cross_entropy(hh, ww, y, label_smoothing=0.1, backend="triton")
     (2.5 * loss).backward()
-    assert calls == [1]
+    assert calls == [1] and recomputed == []
     assert rel(loss, ref[0]) < 1e-5
     assert rel(hh.grad, 2.5 * ref[1]) < 1e-5 and rel(ww.grad, 2.5 * ref[2]) < 1e-5
     with torch.no_grad():
         linear_cross_entropy(hh, ww, y, label_smoothing=0.1, backend="triton")
-    linear_cross_entropy(hh, ww, y, label_smoothing=0.1, backend="triton", reduction="none").sum().backward()
     assert calls == [1]
+
+    # reduction="none", summed and divided by a count (TRL's SFT loss): kept gradients, scaled
+    tok_ref = reference(h, w, y, smoothing=0.1, reduction="none")
+    for upstream, expect_recompute in ((torch.full((N,), 1 / 7.0), False),
+                                       (torch.rand(N, generator=torch.Generator().manual_seed(5)), True)):
+        calls.clear(), recomputed.clear()
+        hh.grad = ww.grad = None
+        tok = linear_cross_entropy(hh, ww, y, label_smoothing=0.1, backend="triton", reduction="none")
+        (tok * upstream).sum().backward()
+        assert calls == [1] and recomputed == ([1] if expect_recompute else [])
+        hr, wr = h.clone().requires_grad_(), w.clone().requires_grad_()
+        z = hr @ wr.T
+        (F.cross_entropy(z, y, label_smoothing=0.1, reduction="none") * upstream.double()).sum().backward()
+        assert rel(tok.detach(), tok_ref[0]) < 1e-5
+        assert rel(hh.grad, hr.grad) < 1e-5 and rel(ww.grad, wr.grad) < 1e-5

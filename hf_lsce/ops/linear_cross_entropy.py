@@ -11,6 +11,7 @@ logits: the kernels return per-token statistics, from which the loss is a few O(
 """
 from __future__ import annotations
 
+import math
 import numbers
 from typing import NamedTuple
 
@@ -198,35 +199,60 @@ def dense_backward(hidden, weight, bias, targets, lse, grad, smoothing, softcap,
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
-    """Per-token smoothed losses of 2-D inputs; reduction happens outside (plain torch ops)."""
+    """Per-token smoothed losses of 2-D inputs; reduction happens outside (plain torch ops).
+
+    ``token_weight`` given: the one-pass training path (``train_pass``) computes the gradients of
+    ``sum_n token_weight_n loss_n`` in the forward. Backward then checks that the upstream gradient is
+    that weighting times one constant c over the valid tokens (what a mean, a sum or
+    ``/ num_items_in_batch`` of the per-token losses gives, and TRL's ``-log_probs.sum() / n``) and
+    returns the kept gradients times c; any other upstream gradient is served by the recomputing
+    backward, so the result is exact either way.
+    """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, smoothing, softcap, backend, filter_eps):
+    def forward(ctx, hidden, weight, bias, targets, smoothing, softcap, backend, filter_eps, token_weight):
         n, v = hidden.shape[0], weight.shape[0]
         valid = targets >= 0
+        ctx.kept = None
         if n == 0:
             e = torch.zeros(0, dtype=torch.float32, device=hidden.device)
             stats = (e, e, e, torch.zeros(0, dtype=torch.long, device=hidden.device), e)
+        elif token_weight is not None:
+            from .train_pass import triton_train_pass
+
+            nd, nw, nb = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2] and bias is not None
+            stats, dh, dw, db = triton_train_pass(hidden, weight, bias, targets, smoothing, token_weight, softcap,
+                                                  need_dh=nd, need_dw=nw, need_db=nb)
+            ctx.kept = (dh, dw, db)
         else:
             stats = forward_stats(hidden, weight, bias, targets, softcap, backend)
         lse, zy, sz, argmax, entropy = stats
         b = smoothing.to(lse.dtype)
         loss = torch.where(valid, lse - (1.0 - b) * zy - b * sz / v, torch.zeros_like(lse))
         nll = torch.where(valid, lse - zy, torch.zeros_like(lse))
-        ctx.save_for_backward(hidden, weight, bias, targets, lse, smoothing)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, smoothing, token_weight)
         ctx.softcap, ctx.backend, ctx.filter_eps = softcap, backend, filter_eps
         ctx.mark_non_differentiable(lse, argmax, nll, entropy)
         return loss, lse, argmax, nll, entropy
 
     @staticmethod
     def backward(ctx, grad_loss, *unused):
-        hidden, weight, bias, targets, lse, smoothing = ctx.saved_tensors
+        hidden, weight, bias, targets, lse, smoothing, token_weight = ctx.saved_tensors
         need_dh, need_dw, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        kept, ctx.kept = ctx.kept, None
         n, v = hidden.shape[0], weight.shape[0]
         if n == 0 or grad_loss is None:
             return (torch.zeros_like(hidden) if need_dh else None, torch.zeros_like(weight) if need_dw else None,
-                    torch.zeros_like(bias) if need_db and bias is not None else None, None, None, None, None, None)
+                    torch.zeros_like(bias) if need_db and bias is not None else None) + (None,) * 6
         grad = torch.where(targets >= 0, grad_loss.float(), torch.zeros_like(grad_loss, dtype=torch.float32))
+        if kept is not None:
+            c = _uniform_ratio(grad, token_weight)
+            if c is not None:
+                dh, dw, db = kept
+                if not math.isclose(c, 1.0, rel_tol=1e-6, abs_tol=0.0):
+                    dh, dw, db = (t.mul_(c) if t is not None else None for t in kept)
+                return dh, dw, db.to(bias.dtype) if db is not None else None, *(None,) * 6
+            del kept  # an upstream gradient the kept one cannot be scaled to: recompute below
         b = smoothing.float()
         if ctx.backend == "triton" and ctx.filter_eps > 0 and not (ctx.softcap is not None and bool((b > 0).any())):
             # Tile-skipping backward (the soft-cap remainder b/V tanh^2 is dense: never with it).
@@ -248,45 +274,26 @@ class _LinearCrossEntropy(torch.autograd.Function):
             dh, dw, db = dense_backward(hidden, weight, bias, targets, lse, grad.contiguous(), b.contiguous(),
                                         ctx.softcap, ctx.backend, need_dh=need_dh, need_dw=need_dw)
         return (dh.to(hidden.dtype) if need_dh else None, dw.to(weight.dtype) if need_dw else None,
-                db.to(bias.dtype) if need_db and db is not None else None, None, None, None, None, None)
+                db.to(bias.dtype) if need_db and db is not None else None) + (None,) * 6
 
 
-class _LinearCrossEntropyTrain(torch.autograd.Function):
-    """The reduced loss with its gradients computed in the forward (``train_pass``: three matmuls,
-    no recomputation); backward scales them by the upstream gradient."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, smoothing, softcap, token_weight):
-        from .train_pass import triton_train_pass
-
-        need_dh, need_dw, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        stats, dh, dw, db = triton_train_pass(hidden, weight, bias, targets, smoothing, token_weight, softcap,
-                                              need_dh=need_dh, need_dw=need_dw, need_db=need_db and bias is not None)
-        lse, zy, sz, argmax, entropy = stats
-        v = weight.shape[0]
-        b = smoothing.to(lse.dtype)
-        loss = (token_weight * (lse - (1.0 - b) * zy - b * sz / v)).sum()
-        nll = torch.where(targets >= 0, lse - zy, torch.zeros_like(lse))
-        ctx.grads = (dh, dw, db)
-        ctx.bias_dtype = bias.dtype if bias is not None else None
-        ctx.mark_non_differentiable(lse, argmax, nll, entropy)
-        return loss, lse, argmax, nll, entropy
-
-    @staticmethod
-    def backward(ctx, grad_loss, *unused):
-        grads, ctx.grads = ctx.grads, None
-        if grad_loss is None:
-            grads = tuple(torch.zeros_like(g) if g is not None else None for g in grads)
-        elif bool(grad_loss != 1):  # one sync; the usual upstream gradient is 1
-            grads = tuple(g.mul_(grad_loss) if g is not None else None for g in grads)
-        dh, dw, db = grads
-        return dh, dw, db.to(ctx.bias_dtype) if db is not None else None, None, None, None, None
+def _uniform_ratio(grad: torch.Tensor, token_weight: torch.Tensor) -> float | None:
+    """c if ``grad == c * token_weight`` on every token of non-zero weight, else None (one host sync)."""
+    sel = token_weight != 0
+    ratio = torch.where(sel, grad / torch.where(sel, token_weight, 1.0), 0.0)
+    big = torch.finfo(torch.float32).max
+    lo = torch.where(sel, ratio, big).min()
+    hi = torch.where(sel, ratio, -big).max()
+    lo, hi = torch.stack([lo, hi]).tolist()
+    if lo > hi:  # no token with weight: the kept gradients are zero whatever c is
+        return 1.0
+    return lo if lo == hi else None
 
 
-def _use_train_pass(hidden, weight, bias, reduction, backend, filter_eps) -> bool:
-    """The one-pass training path: Triton backend, a reduced loss that will be differentiated, no tile
-    skipping asked for, and fp32 logits obtainable from cuBLAS (see ``train_pass.supported``)."""
-    if backend != "triton" or reduction == "none" or filter_eps > 0 or hidden.shape[0] == 0:
+def _use_train_pass(hidden, weight, bias, backend, filter_eps) -> bool:
+    """The one-pass training path: Triton backend, gradients needed, no tile skipping asked for, and fp32
+    logits obtainable from cuBLAS (see ``train_pass.supported``)."""
+    if backend != "triton" or filter_eps > 0 or hidden.shape[0] == 0:
         return False
     if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))):
         return False
@@ -397,20 +404,16 @@ def linear_cross_entropy(
             from .vocab_parallel import vocab_parallel_token_losses
 
             loss_tok = vocab_parallel_token_losses(h2, weight, bias, t1, b1, softcap, backend, shard)
-        elif _use_train_pass(h2, weight, bias, reduction, backend, float(filter_eps)):
-            valid1 = t1 >= 0
-            token_weight = valid1.float()
-            if reduction == "mean" or num_items_in_batch is not None:
-                token_weight = token_weight / loss_denominator(num_items_in_batch, valid1.sum())
-            loss, lse, argmax, nll, entropy = _LinearCrossEntropyTrain.apply(
-                h2, weight, bias, t1, b1, softcap, token_weight)
-            loss_tok = None
         else:
+            token_weight = None
+            if _use_train_pass(h2, weight, bias, backend, float(filter_eps)):
+                # The weighting the reduction below will give each token's loss, up to one constant.
+                token_weight = (t1 >= 0).float()
+                if reduction == "mean" or num_items_in_batch is not None:
+                    token_weight = token_weight / loss_denominator(num_items_in_batch, (t1 >= 0).sum())
             loss_tok, lse, argmax, nll, entropy = _LinearCrossEntropy.apply(
-                h2, weight, bias, t1, b1, softcap, backend, float(filter_eps))
-        if loss_tok is None:
-            pass  # reduced by the one-pass training path
-        elif reduction == "none":
+                h2, weight, bias, t1, b1, softcap, backend, float(filter_eps), token_weight)
+        if reduction == "none":
             loss = loss_tok.reshape(out_shape)
         elif reduction == "sum" and num_items_in_batch is None:
             loss = loss_tok.sum()

@@ -117,25 +117,62 @@ def lsce_forward(self, *args, **kwargs):
     if fused_lm_head:
         kwargs["use_cache"] = False
     backbone_out = self.model(**kwargs, return_dict=True)
-    hidden = backbone_out.last_hidden_state
     head = output_head(self)
+    targets, shift = (shift_labels, False) if shift_labels is not None else (labels, True)
+    op_kwargs = dict(label_smoothing=b, softcap=softcap_of(self), shift=shift)
+
+    def head_loss(weight, bias, hidden, targets):
+        hidden, targets = hidden.to(weight.device), targets.to(weight.device)
+        if not fused_lm_head:
+            # sum of token losses / num_items_in_batch (or the valid-token count): the reduced loss lets the op
+            # compute its gradients in the forward with the right weights (one pass, no rescaling).
+            return linear_cross_entropy(hidden, weight, targets, bias=bias, num_items_in_batch=num_items, **op_kwargs)
+        return linear_cross_entropy(hidden, weight, targets, bias=bias, reduction="none", return_stats=True,
+                                    **op_kwargs)
+
+    result = call_head(head, head_loss, backbone_out.last_hidden_state, targets)
+    if not fused_lm_head:
+        out = CausalLMOutputWithPast(loss=result, logits=None, past_key_values=backbone_out.past_key_values,
+                                     hidden_states=backbone_out.hidden_states, attentions=backbone_out.attentions)
+        return out if return_dict is not False else out.to_tuple()
+    tok, stats = result
+    targets = targets.to(tok.device)
+    loss = divide_summed_loss(tok.sum(), num_items, stats.valid.sum())
+    cut = (slice(None), slice(None, -1)) if shift else (slice(None), slice(None))
+    mask = stats.valid[cut]
+    return FusedCausalLMOutput(
+        loss=loss, log_probs=-tok[cut], entropy=stats.entropy[cut] * mask, label_mask=mask,
+        is_top1=(stats.argmax[cut] == targets[cut]) & mask,
+        past_key_values=None, hidden_states=backbone_out.hidden_states, attentions=backbone_out.attentions)
+
+
+def call_head(head: torch.nn.Module, fn, hidden: torch.Tensor, targets: torch.Tensor):
+    """``fn(weight, bias, hidden, targets)`` with the head's full weight.
+
+    When the head is its own FSDP2 unit (the Trainer's auto-wrap can make it one), its weight is a
+    shard outside its own call: ``fn`` then runs *as* the head's forward, so FSDP2's hooks all-gather
+    the weight before it, reshard after it, and reduce-scatter the weight's gradient in backward,
+    exactly as for the ``nn.Linear`` it replaces. DeepSpeed ZeRO-3 gathers a partitioned weight by
+    hooks on the module's forward too, and gets the same treatment (not verified: no wheel here).
+    Otherwise (the head inside a larger FSDP unit, or no sharding) the weight is used as it is, or
+    gathered whole if it is still a DTensor.
+    """
+    if _is_fsdp_unit(head) or hasattr(head.weight, "ds_id"):
+        head.forward = lambda h, t: fn(head.weight, head.bias, h, t)
+        try:
+            return head(hidden, targets)
+        finally:
+            del head.forward  # back to the class's forward
     weight, bias = head.weight, head.bias
-    if hasattr(weight, "full_tensor"):  # FSDP2 DTensor: gather the head for the op
+    if hasattr(weight, "full_tensor"):  # a DTensor outside FSDP's forward: gather the head for the op
         weight = weight.full_tensor()
         bias = bias.full_tensor() if bias is not None else None
-    hidden = hidden.to(weight.device)
-    targets, shift = (shift_labels, False) if shift_labels is not None else (labels, True)
-    targets = targets.to(weight.device)
-    tok, stats = linear_cross_entropy(hidden, weight, targets, bias=bias, label_smoothing=b, softcap=softcap_of(self),
-                                      shift=shift, reduction="none", return_stats=True)
-    loss = divide_summed_loss(tok.sum(), num_items, stats.valid.sum())
-    if fused_lm_head:
-        cut = (slice(None), slice(None, -1)) if shift else (slice(None), slice(None))
-        mask = stats.valid[cut]
-        return FusedCausalLMOutput(
-            loss=loss, log_probs=-tok[cut], entropy=stats.entropy[cut] * mask, label_mask=mask,
-            is_top1=(stats.argmax[cut] == targets[cut]) & mask,
-            past_key_values=None, hidden_states=backbone_out.hidden_states, attentions=backbone_out.attentions)
-    out = CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=backbone_out.past_key_values,
-                                 hidden_states=backbone_out.hidden_states, attentions=backbone_out.attentions)
-    return out if return_dict is not False else out.to_tuple()
+    return fn(weight, bias, hidden, targets)
+
+
+def _is_fsdp_unit(module: torch.nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return False
+    return isinstance(module, FSDPModule)

@@ -104,13 +104,9 @@ def check_supported(model) -> FamilySpec:
             "not yet verified against Hugging Face's, so hf_lsce refuses it. Train the text model "
             "(Gemma3ForCausalLM) or set text_config.final_logit_softcapping = None.")
     head = output_head(model)
-    if type(head).__module__.startswith("torch.distributed.fsdp") and isinstance(head, torch.nn.Linear):
-        raise ValueError(
-            "the lm_head is its own FSDP2 unit (FSDPLinear): its weight is sharded outside its own forward, which the "
-            "fused op bypasses. Keep the lm_head in the root FSDP unit: wrap only the decoder layers "
-            "(fsdp_config transformer_layer_cls_to_wrap=[<DecoderLayer>] without wrapping the head separately), "
-            "or apply fully_shard to the layers and then to the whole model, as docs/distributed.md shows.")
-    if type(head) is not torch.nn.Linear:
+    # FSDP2 turns a separately wrapped head into a dynamic subclass (FSDPLinear): still a plain Linear.
+    base = next(c for c in type(head).__mro__ if not c.__module__.startswith("torch.distributed"))
+    if base is not torch.nn.Linear:
         raise ValueError(
             f"the lm_head is a {type(head).__module__}.{type(head).__name__}, not a plain nn.Linear (a LoRA or "
             "quantised head?). hf_lsce cannot reproduce it exactly: keep the lm_head out of the adapter's "
