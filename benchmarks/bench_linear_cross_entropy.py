@@ -58,10 +58,16 @@ def method_fns():
     fns["hf_lsce"] = lambda h, w, y, b, cap: linear_cross_entropy(h, w, y, label_smoothing=b, softcap=cap)
 
     def recompute(h, w, y, b, cap):
-        # The same mean loss through reduction="none", which takes the recomputing backward
-        # (Triton logits again, G chunks, two cuBLAS matmuls): the previous version, for comparison.
-        tok = linear_cross_entropy(h, w, y, label_smoothing=b, softcap=cap, reduction="none")
-        return tok.sum() / (y != -100).sum()
+        # The same loss with the one-pass training path switched off: fused forward, then the recomputing
+        # backward (Triton logits again, G chunks, two cuBLAS matmuls), the previous version, for comparison
+        # (and what vocabulary-parallel heads use).
+        import hf_lsce.ops.train_pass as tp
+
+        real, tp.supported = tp.supported, (lambda hidden: False)
+        try:
+            return linear_cross_entropy(h, w, y, label_smoothing=b, softcap=cap)
+        finally:
+            tp.supported = real
     fns["hf_lsce (recompute bwd)"] = recompute
     fns["torch eager"] = torch_loss
     _compiled = _compiled or torch.compile(torch_loss, dynamic=False)

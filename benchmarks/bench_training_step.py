@@ -144,7 +144,7 @@ def largest_batch(model, method, b, seq, start, cap):
 
 
 def run_model(name, args, results):
-    from hf_lsce import apply_lsce_patch, revert_lsce_patch
+    from hf_lsce import revert_lsce_patch
 
     for method, b in METHODS:
         if method == "liger" and args.no_liger:
@@ -153,11 +153,7 @@ def run_model(name, args, results):
                    layers=MODELS[name]["num_hidden_layers"])
         model = None
         try:
-            model = build(name)
-            if method == "hf_lsce":
-                apply_lsce_patch(model, label_smoothing=b)
-            elif method == "liger":
-                liger_patch(model.config.model_type, model)
+            model = _patched(name, method, b)
             row.update(measure(model, method, b, args.batch, args.seq, args.steps))
             if args.search:
                 gc.collect()
@@ -188,12 +184,13 @@ FEASIBLE_BATCHES = {"llama3.2-1b": (16, 32), "qwen3-1.7b": (16, 32), "gemma2-2b"
 FEASIBLE_METHODS = [("hf", 0.1), ("hf_lsce", 0.1), ("liger", 0.0)]
 
 
-def _patched(name, method, checkpointing):
+def _patched(name, method, b, checkpointing=True):
+    """The model of ``name`` set up for ``method``: HF as is, hf_lsce's patch at smoothing b, or Liger's."""
     from hf_lsce import apply_lsce_patch
 
     model = build(name, checkpointing=checkpointing)
     if method == "hf_lsce":
-        apply_lsce_patch(model, label_smoothing=0.1)
+        apply_lsce_patch(model, label_smoothing=b)
     elif method == "liger":
         liger_patch(model.config.model_type, model)
     return model
@@ -209,7 +206,7 @@ def run_feasible(name, args, results):
             for ckpt in (False, True):
                 model = None
                 try:
-                    model = _patched(name, method, ckpt)
+                    model = _patched(name, method, b, ckpt)
                     row.update(measure(model, method, b, batch, args.seq, args.steps), checkpointing=ckpt)
                     row.pop("error", None)
                     break

@@ -341,10 +341,10 @@ def linear_cross_entropy(
         return_stats: also return :class:`LCEStats` (per-token lse, argmax, nll, entropy, valid).
         backend: ``"auto"`` (Triton kernels on CUDA, chunked torch elsewhere), ``"triton"``
             (also on CPU under ``TRITON_INTERPRET=1``) or ``"torch"``.
-        filter_eps: gradient filtering of the Triton backward. 0 (``"auto"``): no filtering; a reduced
-            loss computed with gradients enabled takes the one-pass training path (fp32 logits from
-            cuBLAS a chunk of rows at a time, the gradients computed in the forward, three matmuls),
-            ``reduction="none"`` the recomputing dense backward.
+        filter_eps: gradient filtering of the Triton backward. 0 (``"auto"``): no filtering; with
+            gradients enabled the one-pass training path runs (fp32 logits from cuBLAS a chunk of rows
+            at a time, the gradients computed in the forward, three matmuls; backward scales them, or
+            recomputes them for an upstream gradient that is not uniform over the valid tokens).
             > 0: the tile-skipping backward: a (BLOCK_N x BLOCK_V) tile of the softmax gradient
             whose entries are all below ``filter_eps`` is skipped; the skipped probability mass of
             a row is at most ``V * filter_eps`` (so ``2**-10 / V`` keeps it under bf16 resolution).

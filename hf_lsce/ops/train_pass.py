@@ -138,6 +138,7 @@ def triton_train_pass(hidden, weight, bias, targets, smoothing, scale, softcap,
     n, d = hidden.shape
     v = weight.shape[0]
     dev = hidden.device
+    bias = bias.contiguous() if bias is not None else None  # the row kernel reads it with unit stride
     f32 = dict(dtype=torch.float32, device=dev)
     lse, zy, sz, ent = (torch.empty(n, **f32) for _ in range(4))
     am = torch.empty(n, dtype=torch.int32, device=dev)
