@@ -376,3 +376,18 @@ def test_training_takes_the_one_pass_path_and_scales_by_the_upstream_gradient(mo
         (F.cross_entropy(z, y, label_smoothing=0.1, reduction="none") * upstream.double()).sum().backward()
         assert rel(tok.detach(), tok_ref[0]) < 1e-5
         assert rel(hh.grad, hr.grad) < 1e-5 and rel(ww.grad, wr.grad) < 1e-5
+
+
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_evaluation_loss_without_stats(softcap):
+    """Without gradients and without return_stats, the fused forward kernel skips argmax and entropy: the loss
+    (which needs neither) still equals the fp64 reference, and asking for stats gives the same loss."""
+    h, w, y, b = make_inputs(seed=23, bias=True, peaked=True)
+    ref = reference(h, w, y, b, smoothing=0.1, softcap=softcap)[0]
+    with torch.no_grad():
+        loss = linear_cross_entropy(h.float(), w.float(), y, bias=b.float(), label_smoothing=0.1, softcap=softcap,
+                                    backend="triton")
+        again, _ = linear_cross_entropy(h.float(), w.float(), y, bias=b.float(), label_smoothing=0.1,
+                                        softcap=softcap, backend="triton", return_stats=True)
+    assert rel(loss, ref) < 1e-5
+    assert torch.equal(loss, again)

@@ -79,8 +79,10 @@ def _lce_forward_kernel(
     stride_hn, stride_hd, stride_wv, stride_wd,
     softcap,
     HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    STATS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
+    # STATS: also the argmax and sum exp(z - m) z (entropy); the loss needs neither.
     pid_s = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -108,13 +110,15 @@ def _lce_forward_kernel(
         sz += tl.sum(z_valid, axis=1)
         z_m = tl.where(mask_v[None, :], z, float("-inf"))
         tile_max = tl.max(z_m, axis=1)
-        tile_arg = tl.argmax(z_m, axis=1).to(tl.int32) + v0
         new_m = tl.maximum(m, tile_max)
-        am = tl.where(tile_max > m, tile_arg, am)
+        if STATS:
+            tile_arg = tl.argmax(z_m, axis=1).to(tl.int32) + v0
+            am = tl.where(tile_max > m, tile_arg, am)
         alpha = tl.exp(m - new_m)
         e = tl.exp(z_m - new_m[:, None])
         s = s * alpha + tl.sum(e, axis=1)
-        t_acc = t_acc * alpha + tl.sum(e * z_valid, axis=1)
+        if STATS:
+            t_acc = t_acc * alpha + tl.sum(e * z_valid, axis=1)
         m = new_m
 
     out = pid_s * N + offs_n
@@ -131,7 +135,7 @@ _lce_forward_autotuned = triton.autotune(
                             (128, 128, 64, 4, 4), (256, 128, 64, 8, 3), (128, 64, 128, 4, 3),
                             (128, 256, 64, 8, 4), (256, 128, 64, 8, 4), (128, 128, 64, 8, 4),
                             (128, 128, 128, 8, 2)]),
-    key=["D", "V", "DOT_PRECISION"])(_lce_forward_kernel)
+    key=["D", "V", "DOT_PRECISION", "STATS"])(_lce_forward_kernel)
 
 
 def merge_splits(m, s, t, sz, zy, am):
@@ -146,8 +150,9 @@ def merge_splits(m, s, t, sz, zy, am):
     return lse, zy.sum(0), sz.sum(0), argmax, entropy
 
 
-def triton_forward(hidden, weight, bias, targets, softcap, config):
-    """Launch the forward kernel on 2-D ``hidden`` (N, D); returns (lse, zy, sz, argmax, entropy)."""
+def triton_forward(hidden, weight, bias, targets, softcap, config, stats: bool = True):
+    """Launch the forward kernel on 2-D ``hidden`` (N, D); returns (lse, zy, sz, argmax, entropy).
+    ``stats=False``: argmax and entropy are not computed (zeros), which the loss alone does not need."""
     n, d = hidden.shape
     v = weight.shape[0]
     # Split the vocabulary until the grid has about config.min_programs programs (for 128-row blocks),
@@ -161,7 +166,10 @@ def triton_forward(hidden, weight, bias, targets, softcap, config):
             n, v, d, splits, hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
             float(softcap) if softcap is not None else 1.0)
     flags = dict(HAS_BIAS=bias is not None, SOFTCAP=softcap is not None,
-                 DOT_PRECISION=config.dot_precision, UPCAST=config.upcast_dot)
+                 DOT_PRECISION=config.dot_precision, UPCAST=config.upcast_dot, STATS=stats)
     launch(_lce_forward_kernel, _lce_forward_autotuned, config,
            lambda meta: (splits, triton.cdiv(n, meta["BLOCK_N"])), args, flags)
-    return merge_splits(m, s, t, sz, zy, am)
+    lse, zy_, sz_, argmax, entropy = merge_splits(m, s, t, sz, zy, am)
+    if not stats:
+        argmax, entropy = torch.zeros_like(argmax), torch.zeros_like(entropy)
+    return lse, zy_, sz_, argmax, entropy

@@ -177,13 +177,15 @@ def divide_summed_loss(total: torch.Tensor, num_items_in_batch, valid_count: tor
     return total / loss_denominator(num_items_in_batch, valid_count, total.dtype)
 
 
-def forward_stats(hidden, weight, bias, targets, softcap, backend):
-    """Per-token (lse, target logit, sum of logits, argmax, entropy) from the chosen backend."""
+def forward_stats(hidden, weight, bias, targets, softcap, backend, stats=True):
+    """Per-token (lse, target logit, sum of logits, argmax, entropy) from the chosen backend
+    (``stats=False``: the Triton kernel skips argmax and entropy, returned as zeros)."""
     if backend == "triton":
         from .config import forward_config
         from .forward import triton_forward
 
-        return triton_forward(hidden, weight, bias, targets, softcap, forward_config(hidden.dtype, hidden.device))
+        return triton_forward(hidden, weight, bias, targets, softcap, forward_config(hidden.dtype, hidden.device),
+                              stats=stats)
     return reference.torch_forward(hidden, weight, bias, targets, softcap)
 
 
@@ -210,7 +212,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, smoothing, softcap, backend, filter_eps, token_weight):
+    def forward(ctx, hidden, weight, bias, targets, smoothing, softcap, backend, filter_eps, token_weight,
+                need_stats):
         n, v = hidden.shape[0], weight.shape[0]
         valid = targets >= 0
         ctx.kept = None
@@ -225,7 +228,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                                                   need_dh=nd, need_dw=nw, need_db=nb)
             ctx.kept = (dh, dw, db)
         else:
-            stats = forward_stats(hidden, weight, bias, targets, softcap, backend)
+            stats = forward_stats(hidden, weight, bias, targets, softcap, backend, stats=need_stats)
         lse, zy, sz, argmax, entropy = stats
         b = smoothing.to(lse.dtype)
         loss = torch.where(valid, lse - (1.0 - b) * zy - b * sz / v, torch.zeros_like(lse))
@@ -243,7 +246,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         n, v = hidden.shape[0], weight.shape[0]
         if n == 0 or grad_loss is None:
             return (torch.zeros_like(hidden) if need_dh else None, torch.zeros_like(weight) if need_dw else None,
-                    torch.zeros_like(bias) if need_db and bias is not None else None) + (None,) * 6
+                    torch.zeros_like(bias) if need_db and bias is not None else None) + (None,) * 7
         grad = torch.where(targets >= 0, grad_loss.float(), torch.zeros_like(grad_loss, dtype=torch.float32))
         if kept is not None:
             c = _uniform_ratio(grad, token_weight)
@@ -251,7 +254,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 dh, dw, db = kept
                 if not math.isclose(c, 1.0, rel_tol=1e-6, abs_tol=0.0):
                     dh, dw, db = (t.mul_(c) if t is not None else None for t in kept)
-                return dh, dw, db.to(bias.dtype) if db is not None else None, *(None,) * 6
+                return dh, dw, db.to(bias.dtype) if db is not None else None, *(None,) * 7
             del kept  # an upstream gradient the kept one cannot be scaled to: recompute below
         b = smoothing.float()
         if ctx.backend == "triton" and ctx.filter_eps > 0 and not (ctx.softcap is not None and bool((b > 0).any())):
@@ -274,7 +277,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             dh, dw, db = dense_backward(hidden, weight, bias, targets, lse, grad.contiguous(), b.contiguous(),
                                         ctx.softcap, ctx.backend, need_dh=need_dh, need_dw=need_dw)
         return (dh.to(hidden.dtype) if need_dh else None, dw.to(weight.dtype) if need_dw else None,
-                db.to(bias.dtype) if need_db and db is not None else None) + (None,) * 6
+                db.to(bias.dtype) if need_db and db is not None else None) + (None,) * 7
 
 
 def _uniform_ratio(grad: torch.Tensor, token_weight: torch.Tensor) -> float | None:
@@ -412,7 +415,7 @@ def linear_cross_entropy(
                 if reduction == "mean" or num_items_in_batch is not None:
                     token_weight = token_weight / loss_denominator(num_items_in_batch, (t1 >= 0).sum())
             loss_tok, lse, argmax, nll, entropy = _LinearCrossEntropy.apply(
-                h2, weight, bias, t1, b1, softcap, backend, float(filter_eps), token_weight)
+                h2, weight, bias, t1, b1, softcap, backend, float(filter_eps), token_weight, return_stats)
         if reduction == "none":
             loss = loss_tok.reshape(out_shape)
         elif reduction == "sum" and num_items_in_batch is None:
