@@ -39,16 +39,27 @@ def test_vocab_parallel_needs_an_initialised_group():
         linear_cross_entropy(h, w, y, process_group=object())
 
 
-def _step(tmp_path, name, patch, per_device, accum, nproc=1):
+def _step(tmp_path, name, patch, per_device, accum, nproc=1, kind="trainer"):
     out = tmp_path / name
     if nproc == 1:
         env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
         res = subprocess.run([sys.executable, str(SCRIPTS / "ddp_train.py"), str(out), str(int(patch)), str(per_device),
-                              str(accum)], env=env, capture_output=True, text=True, timeout=600)
+                              str(accum), "cpu", kind], env=env, capture_output=True, text=True, timeout=600)
         assert res.returncode == 0, res.stderr[-4000:]
     else:
-        _torchrun("ddp_train.py", out, int(patch), per_device, accum, nproc=nproc)
+        _torchrun("ddp_train.py", out, int(patch), per_device, accum, "cpu", kind, nproc=nproc)
     return torch.load(out / "state.pt"), torch.load(out / "log.pt")[0]["loss"]
+
+
+def _moved(state):
+    """Largest relative change of ``state`` from the scripts' initial model (same seed and config)."""
+    import transformers
+
+    torch.manual_seed(0)
+    fresh = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=True)).state_dict()
+    return max(float((state[k] - fresh[k]).norm() / fresh[k].norm()) for k in state)
 
 
 def test_ddp_trainer_step_equals_single_process_hf(tmp_path):
@@ -56,14 +67,7 @@ def test_ddp_trainer_step_equals_single_process_hf(tmp_path):
     the patch: one SGD step gives the same weights and loss as one unpatched process (HF's LabelSmoother) on the
     same 8 sequences, whose label counts differ (so only exact num_items_in_batch handling agrees)."""
     ref, ref_loss = _step(tmp_path, "hf", False, 4, 2)
-    import transformers
-
-    torch.manual_seed(0)
-    fresh = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, tie_word_embeddings=True)).state_dict()
-    moved = max(float((ref[k] - fresh[k]).norm() / fresh[k].norm()) for k in ref)
-    assert moved > 1e-3  # the step is large enough for a mis-weighted loss to show
+    assert _moved(ref) > 1e-3  # the step is large enough for a mis-weighted loss to show
     for name, per_device, accum, nproc in (("patched", 4, 2, 1), ("ddp", 2, 2, 2)):
         state, loss = _step(tmp_path, name, True, per_device, accum, nproc)
         assert loss == pytest.approx(ref_loss, rel=1e-5)
@@ -82,3 +86,15 @@ def test_fsdp2_sharded_lm_head_gradients_equal_unsharded_hf(tmp_path):
         assert r["cls"] == "FSDPLlamaForCausalLM"
         assert r["loss"] == pytest.approx(r["ref_loss"], rel=1e-5), layout
         assert r["max_rel_grad_diff"] < 1e-5, (layout, r)
+
+
+def test_ddp_sft_trainer_step_equals_single_process_hf(tmp_path):
+    """TRL's SFTTrainer (completion-only loss, completions of 1-7 tokens) with label_smoothing_factor=0.1 through
+    the patch, DDP over 2 gloo ranks with gradient accumulation: the same step as one unpatched process, whose
+    SFTTrainer smooths with HF's LabelSmoother on the logits (num_items_in_batch-aware since transformers 5.15)."""
+    ref, ref_loss = _step(tmp_path, "sft_hf", False, 4, 2, kind="sft")
+    assert _moved(ref) > 1e-3
+    state, loss = _step(tmp_path, "sft_ddp", True, 2, 2, nproc=2, kind="sft")
+    assert loss == pytest.approx(ref_loss, rel=1e-5)
+    diff = max(float((state[k] - ref[k]).norm() / ref[k].norm()) for k in ref)
+    assert diff < 1e-6, diff
