@@ -128,6 +128,20 @@ _lce_grad_logits_autotuned = triton.autotune(
     key=["D", "V", "DOT_PRECISION"])(_lce_grad_logits_kernel)
 
 
+def add_chunk_gradients(g, hidden_chunk, weight, dh_chunk, dw, db, first: bool) -> None:
+    """From G = dL/dz of one chunk of rows (rows x V): ``dh_chunk = G W``, ``dW += G^T h`` (written,
+    not added, on the first chunk) and ``db += sum of G's rows``, by cuBLAS; any of them may be None."""
+    if dh_chunk is not None:
+        torch.mm(g, weight, out=dh_chunk)
+    if dw is not None:
+        if first:
+            torch.mm(g.T, hidden_chunk, out=dw)
+        else:
+            dw.addmm_(g.T, hidden_chunk)
+    if db is not None:
+        db += g.sum(0, dtype=torch.float32)
+
+
 def triton_backward_dense(hidden, weight, bias, targets, lse, grad, smoothing, softcap, config,
                           need_dh: bool = True, need_dw: bool = True, chunk_bytes: int | None = None):
     """Full gradients (dh in hidden's dtype, dW in weight's dtype, db fp32) through chunks of G."""
@@ -139,7 +153,7 @@ def triton_backward_dense(hidden, weight, bias, targets, lse, grad, smoothing, s
     rows = max(1, min(n, (chunk_bytes or GRAD_CHUNK_BYTES) // (v * hidden.element_size())))
     g = torch.empty(rows, v, dtype=hidden.dtype, device=dev)
     dh = torch.empty(n, d, dtype=hidden.dtype, device=dev) if need_dh else None
-    dw = torch.zeros(v, d, dtype=weight.dtype, device=dev) if need_dw else None
+    dw = torch.empty(v, d, dtype=weight.dtype, device=dev) if need_dw else None
     db = torch.zeros(v, dtype=torch.float32, device=dev) if bias is not None else None
     flags = dict(HAS_BIAS=bias is not None, SOFTCAP=softcap is not None,
                  DOT_PRECISION=config.dot_precision, UPCAST=config.upcast_dot)
@@ -153,12 +167,7 @@ def triton_backward_dense(hidden, weight, bias, targets, lse, grad, smoothing, s
         rows_c = e - s
         launch(_lce_grad_logits_kernel, _lce_grad_logits_autotuned, config,
                lambda meta: (triton.cdiv(rows_c, meta["BLOCK_N"]), triton.cdiv(v, meta["BLOCK_V"])), args, flags)
-        if need_dh:
-            torch.mm(gc, weight, out=dh[s:e])
-        if need_dw:
-            dw.addmm_(gc.T, hidden[s:e])
-        if db is not None:
-            db += gc.sum(0, dtype=torch.float32)
+        add_chunk_gradients(gc, hidden[s:e], weight, dh[s:e] if need_dh else None, dw, db, first=s == 0)
     return dh, dw, db
 
 

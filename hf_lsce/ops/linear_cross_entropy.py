@@ -283,7 +283,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 def _uniform_ratio(grad: torch.Tensor, token_weight: torch.Tensor) -> float | None:
     """c if ``grad == c * token_weight`` on every token of non-zero weight, else None (one host sync)."""
     sel = token_weight != 0
-    ratio = torch.where(sel, grad / torch.where(sel, token_weight, 1.0), 0.0)
+    ratio = grad / torch.where(sel, token_weight, 1.0)
     big = torch.finfo(torch.float32).max
     lo = torch.where(sel, ratio, big).min()
     hi = torch.where(sel, ratio, -big).max()
@@ -402,6 +402,12 @@ def linear_cross_entropy(
     if filter_eps == "auto":
         filter_eps = 0.0
 
+    valid1 = t1 >= 0
+    # The divisor of the summed token losses (None: the sum itself, or no reduction).
+    denom = None
+    if reduction == "mean" or (reduction == "sum" and num_items_in_batch is not None):
+        denom = loss_denominator(num_items_in_batch, valid1.sum(),
+                                 torch.float64 if hidden.dtype == torch.float64 else torch.float32)
     with torch.autocast(hidden.device.type, enabled=False):
         if shard is not None:
             from .vocab_parallel import vocab_parallel_token_losses
@@ -411,20 +417,18 @@ def linear_cross_entropy(
             token_weight = None
             if _use_train_pass(h2, weight, bias, backend, float(filter_eps)):
                 # The weighting the reduction below will give each token's loss, up to one constant.
-                token_weight = (t1 >= 0).float()
-                if reduction == "mean" or num_items_in_batch is not None:
-                    token_weight = token_weight / loss_denominator(num_items_in_batch, (t1 >= 0).sum())
+                token_weight = valid1.float() if denom is None else valid1.float() / denom
             loss_tok, lse, argmax, nll, entropy = _LinearCrossEntropy.apply(
                 h2, weight, bias, t1, b1, softcap, backend, float(filter_eps), token_weight, return_stats)
         if reduction == "none":
             loss = loss_tok.reshape(out_shape)
-        elif reduction == "sum" and num_items_in_batch is None:
+        elif denom is None:
             loss = loss_tok.sum()
         else:
-            loss = divide_summed_loss(loss_tok.sum(), num_items_in_batch, (t1 >= 0).sum())
+            loss = loss_tok.sum() / denom
     if not return_stats:
         return loss
-    valid = (t1 >= 0).reshape(out_shape)
+    valid = valid1.reshape(out_shape)
     stats = LCEStats(lse.reshape(out_shape), argmax.reshape(out_shape), nll.reshape(out_shape),
                      entropy.reshape(out_shape), valid)
     return loss, stats

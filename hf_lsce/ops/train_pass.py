@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .backward import add_chunk_gradients
 from .config import TRAIN_CHUNK_BYTES, interpreting
 from .forward import _tanh
 
@@ -168,13 +169,5 @@ def triton_train_pass(hidden, weight, bias, targets, smoothing, scale, softcap,
             v, z.stride(0), g.stride(0), float(softcap) if softcap is not None else 1.0, 1.0 / v,
             HAS_BIAS=bias is not None, SOFTCAP=softcap is not None, WRITE_G=write_g, BLOCK=block,
             num_warps=warps)
-        if need_dh:
-            torch.mm(g, weight, out=dh[s:e])
-        if need_dw:
-            if s == 0:
-                torch.mm(g.T, h, out=dw)
-            else:
-                dw.addmm_(g.T, h)
-        if need_db:
-            db += g.sum(0, dtype=torch.float32)
+        add_chunk_gradients(g, h, weight, dh[s:e] if need_dh else None, dw, db, first=s == 0)
     return (lse, zy, sz, am.long(), ent), dh, dw, db
