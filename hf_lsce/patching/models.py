@@ -68,13 +68,12 @@ def output_head(model) -> torch.nn.Module:
     return head
 
 
-def model_class_name(model) -> str:
-    """The model's own class name, looking through wrappers that subclass it dynamically (FSDP2's
-    ``fully_shard`` turns a ``LlamaForCausalLM`` into an ``FSDPLlamaForCausalLM``)."""
-    for cls in type(model).__mro__:
-        if not cls.__module__.startswith("torch.distributed"):
-            return cls.__name__
-    return type(model).__name__
+def own_class(module) -> type:
+    """The module's own class, looking through wrappers that subclass it dynamically (FSDP2's
+    ``fully_shard`` turns a ``LlamaForCausalLM`` into an ``FSDPLlamaForCausalLM``, an ``nn.Linear``
+    into an ``FSDPLinear``)."""
+    return next((c for c in type(module).__mro__ if not c.__module__.startswith("torch.distributed")),
+                type(module))
 
 
 def check_supported(model) -> FamilySpec:
@@ -83,7 +82,7 @@ def check_supported(model) -> FamilySpec:
     if model_type not in MODEL_TABLE:
         raise ValueError(f"{type(model).__name__} (model_type={model_type!r}) is not supported. {supported_message()}")
     spec = MODEL_TABLE[model_type]
-    name = model_class_name(model)
+    name = own_class(model).__name__
     if name not in spec.classes:
         raise ValueError(
             f"{name} is not a supported class for model_type={model_type!r}; "
@@ -104,9 +103,7 @@ def check_supported(model) -> FamilySpec:
             "not yet verified against Hugging Face's, so hf_lsce refuses it. Train the text model "
             "(Gemma3ForCausalLM) or set text_config.final_logit_softcapping = None.")
     head = output_head(model)
-    # FSDP2 turns a separately wrapped head into a dynamic subclass (FSDPLinear): still a plain Linear.
-    base = next(c for c in type(head).__mro__ if not c.__module__.startswith("torch.distributed"))
-    if base is not torch.nn.Linear:
+    if own_class(head) is not torch.nn.Linear:  # FSDPLinear (a separately wrapped head) is one
         raise ValueError(
             f"the lm_head is a {type(head).__module__}.{type(head).__name__}, not a plain nn.Linear (a LoRA or "
             "quantised head?). hf_lsce cannot reproduce it exactly: keep the lm_head out of the adapter's "
