@@ -143,6 +143,14 @@ def largest_batch(model, method, b, seq, start, cap):
     return lo, False
 
 
+def _record(row, results, out_dir, stem):
+    """Print a finished row and rewrite ``stem``.json with every row so far (a crash keeps them)."""
+    print(json.dumps(row), flush=True)
+    results.append(row)
+    with open(os.path.join(out_dir, f"{stem}.json"), "w") as f:
+        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=results), f, indent=1)
+
+
 def run_model(name, args, results):
     from hf_lsce import revert_lsce_patch
 
@@ -171,10 +179,7 @@ def run_model(name, args, results):
             del model
             gc.collect()
             torch.cuda.empty_cache()
-        print(json.dumps(row), flush=True)
-        results.append(row)
-        with open(os.path.join(args.out_dir, "bench_training_step.json"), "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=results), f, indent=1)
+        _record(row, results, args.out_dir, "bench_training_step")
 
 
 # The fastest setting that fits: each method at the same batch, first without gradient checkpointing,
@@ -222,10 +227,7 @@ def run_feasible(name, args, results):
                     del model
                     gc.collect()
                     torch.cuda.empty_cache()
-            print(json.dumps(row), flush=True)
-            results.append(row)
-            with open(os.path.join(args.out_dir, "bench_training_feasible.json"), "w") as f:
-                json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=results), f, indent=1)
+            _record(row, results, args.out_dir, "bench_training_feasible")
 
 
 def feasible_table(rows):
@@ -329,26 +331,17 @@ def main():
                     help="with --feasible: these batch sizes (sequences) instead of FEASIBLE_BATCHES")
     args = ap.parse_args()
     os.makedirs(args.out_dir, exist_ok=True)
-    if args.feasible:
-        path = os.path.join(args.out_dir, "bench_training_feasible.json")
-        results = json.load(open(path))["rows"] if os.path.exists(path) else []
-        for name in args.models.split(","):
-            run_feasible(name, args, results)
-        md = feasible_table(results)
-        print(md)
-        with open(os.path.join(args.out_dir, "bench_training_feasible.md"), "w") as f:
-            f.write(md + "\n")
-        plot_feasible(results, os.path.join(args.out_dir, "bench_training_feasible.png"))
-        return
-    path = os.path.join(args.out_dir, "bench_training_step.json")
+    stem, run, tab, draw = (("bench_training_feasible", run_feasible, feasible_table, plot_feasible) if args.feasible
+                            else ("bench_training_step", run_model, table, plot))
+    path = os.path.join(args.out_dir, f"{stem}.json")
     results = json.load(open(path))["rows"] if os.path.exists(path) else []
     for name in args.models.split(","):
-        run_model(name, args, results)
-    md = table(results)
+        run(name, args, results)
+    md = tab(results)
     print(md)
-    with open(os.path.join(args.out_dir, "bench_training_step.md"), "w") as f:
+    with open(os.path.join(args.out_dir, f"{stem}.md"), "w") as f:
         f.write(md + "\n")
-    plot(results, os.path.join(args.out_dir, "bench_training_step.png"))
+    draw(results, os.path.join(args.out_dir, f"{stem}.png"))
 
 
 if __name__ == "__main__":
