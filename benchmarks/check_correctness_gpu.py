@@ -111,6 +111,34 @@ def repeat_check(n, d, v, times=5):
     return dict(check="repeat fwd+bwd bitwise identical", shape=(n, d, v), times=times, identical=same)
 
 
+def eval_check(sname, n, d, v, softcap, bias):
+    """Evaluation (no gradients): the fused forward kernel's loss and statistics against fp32 logits, and
+    against the one-pass training path's loss on the same inputs."""
+    h, w, y, b = make_inputs(n, d, v, peaked=True, bias=bias, ignore_frac=0.2, seed=7)
+    ref = chunked_reference(h, w, y, b, 0.1, softcap, "mean", None, torch.float32)[0]
+    lse_r, am_r, ent_r = [], [], []
+    for s in range(0, n, 1024):
+        z = h[s:s + 1024].float() @ w.float().T + (b.float() if b is not None else 0)
+        if softcap is not None:
+            z = softcap * torch.tanh(z / softcap)
+        lse_r.append(torch.logsumexp(z, -1))
+        am_r.append(z.argmax(-1))
+        p = torch.softmax(z, -1)
+        ent_r.append(-(p * torch.log(p.clamp_min(1e-45))).sum(-1))
+        del z, p
+    with torch.no_grad():
+        loss = linear_cross_entropy(h, w, y, bias=b, label_smoothing=0.1, softcap=softcap)
+        loss_s, st = linear_cross_entropy(h, w, y, bias=b, label_smoothing=0.1, softcap=softcap, return_stats=True)
+    hh = h.clone().requires_grad_()
+    train = linear_cross_entropy(hh, w, y, bias=b, label_smoothing=0.1, softcap=softcap)
+    return dict(check="evaluation forward", shape=sname, softcap=softcap, bias=bias,
+                loss_err=rel(loss.float(), ref), stats_loss_err=rel(loss_s.float(), ref),
+                train_vs_eval=rel(train.detach().float(), loss.float()),
+                lse_err=rel(st.lse, torch.cat(lse_r)), entropy_err=rel(st.entropy, torch.cat(ent_r)),
+                argmax_agree=float((st.argmax == torch.cat(am_r)).float().mean()),
+                finite=bool(torch.isfinite(loss) and torch.isfinite(st.lse).all()))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="correctness_gpu.json")
@@ -155,9 +183,16 @@ def main():
             torch.cuda.empty_cache()
     repeat = repeat_check(*shapes[0][1])
     print(json.dumps(repeat), flush=True)
+    evals = []
+    for sname, (n, d, v) in shapes:
+        for softcap, bias in ((None, False), (30.0, True)):
+            evals.append(eval_check(sname, n, d, v, softcap, bias))
+            print(json.dumps(evals[-1]), flush=True)
+            torch.cuda.empty_cache()
     with open(args.out, "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                       triton=__import__("triton").__version__, results=results, repeat=repeat), f, indent=1)
+                       triton=__import__("triton").__version__, results=results, repeat=repeat,
+                       evaluation=evals), f, indent=1)
     hdr = f"| shape | case | loss err (ours / torch bf16) | dh err | dW err | db err | finite |"
     print("\n" + hdr + "\n|---|---|---|---|---|---|---|")
     for r in results:

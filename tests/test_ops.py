@@ -391,3 +391,53 @@ def test_evaluation_loss_without_stats(softcap):
                                         softcap=softcap, backend="triton", return_stats=True)
     assert rel(loss, ref) < 1e-5
     assert torch.equal(loss, again)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("softcap,bias", [(None, False), (3.0, True)])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_tma_forward_kernel_matches_fp64(dtype, softcap, bias, splits):
+    """The flattened-loop TMA forward kernel (the one Hopper GPUs run) gives the fp64 statistics of the
+    materialised logits at ragged sizes: N, V and D not multiples of the blocks, splits ending mid-tile."""
+    import dataclasses
+
+    from hf_lsce.ops.config import forward_config
+    from hf_lsce.ops.forward import tma_ready, triton_forward
+
+    h, w, y, b = make_inputs(n=37, d=40, v=203, seed=31, bias=bias, peaked=True)
+    hh, ww = h.to(dtype), w.to(dtype)
+    bb = b.to(dtype) if bias else None
+    cfg = dataclasses.replace(forward_config(dtype, hh.device), tma=True, min_splits=splits, min_programs=1)
+    assert tma_ready(cfg, hh, ww)
+    lse, zy, sz, argmax, entropy = triton_forward(hh, ww, bb, y.clamp(min=0), softcap, cfg, stats=True)
+    z = hh.double() @ ww.double().T + (bb.double() if bias else 0)
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    p = torch.softmax(z, -1)
+    assert rel(lse, torch.logsumexp(z, -1)) < 1e-6
+    assert rel(zy, z.gather(1, y.clamp(min=0)[:, None])[:, 0]) < 1e-6
+    assert rel(sz, z.sum(-1)) < 1e-6
+    assert torch.equal(argmax, z.argmax(-1))
+    assert rel(entropy, -(p * torch.log(p)).sum(-1)) < 1e-5
+    # The pointer kernel gives the same statistics (same epilogue, another schedule).
+    old = triton_forward(hh, ww, bb, y.clamp(min=0), softcap, dataclasses.replace(cfg, tma=False), stats=True)
+    for a, o in zip((lse, zy, sz, argmax, entropy), old):
+        assert torch.allclose(a.double(), o.double(), rtol=1e-5, atol=1e-5)
+
+
+def test_tma_kernel_only_for_aligned_rows():
+    """A row stride that is not a multiple of 16 bytes cannot be a tensor descriptor: the forward falls back to
+    the pointer kernel instead of faulting, and still matches fp64."""
+    import dataclasses
+
+    from hf_lsce.ops.config import forward_config
+    from hf_lsce.ops.forward import tma_ready, triton_forward
+
+    h, w, y, _ = make_inputs(n=21, d=20, v=77, seed=32)
+    hh, ww = h.to(torch.bfloat16), w.to(torch.bfloat16)  # 20 bf16 = 40 bytes per row
+    cfg = dataclasses.replace(forward_config(torch.bfloat16, hh.device), tma=True)
+    assert not tma_ready(cfg, hh, ww)
+    assert tma_ready(cfg, hh.float(), ww.float())  # 80 bytes per row
+    assert not tma_ready(cfg, hh.float()[:, 1:], ww.float())  # rows not contiguous
+    lse = triton_forward(hh, ww, None, y.clamp(min=0), None, cfg, stats=False)[0]
+    assert rel(lse, torch.logsumexp(hh.double() @ ww.double().T, -1)) < 1e-6

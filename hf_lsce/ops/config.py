@@ -24,6 +24,8 @@ class KernelConfig:
     # Let triton.autotune pick the block sizes (CUDA; kernels without side effects only).
     autotune: bool = False
     min_splits: int = 1
+    # Forward: the TMA kernel (Hopper and newer, half precision), see forward.py.
+    tma: bool = False
 
 
 def interpreting() -> bool:
@@ -34,11 +36,25 @@ def interpreting() -> bool:
 def forward_config(dtype: torch.dtype, device: torch.device) -> KernelConfig:
     prec = "ieee" if dtype == torch.float32 else "tf32"
     if interpreting():
-        return KernelConfig(16, 32, 16, 1, 1, prec, 4, upcast_dot=dtype == torch.bfloat16)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+        return KernelConfig(16, 32, 16, 1, 1, prec, 6, upcast_dot=dtype == torch.bfloat16)
+    props = torch.cuda.get_device_properties(device)
+    sms = props.multi_processor_count
     if dtype == torch.float32:
         return KernelConfig(64, 64, 32, 4, 3, prec, 2 * sms)
+    if props.major >= 9 and torch.version.cuda is not None and _has_tensor_descriptors():
+        # The TMA kernel, about two waves of programs: as few vocabulary splits as fill the GPU, so the programs
+        # resident at once share each W tile through L2. On an H100 (benchmarks/forward_variants.py --production)
+        # 4 / 8 / 16 splits at N = 8192 took 14.5 / 15.7 / 20.1 ms (Gemma2-2B shape).
+        return KernelConfig(128, 256, 64, 8, 3, prec, 2 * sms, autotune=True, tma=True)
     return KernelConfig(128, 128, 64, 8, 3, prec, 2 * sms, autotune=True, min_splits=16)
+
+
+def _has_tensor_descriptors() -> bool:
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def backward_config(dtype: torch.dtype, device: torch.device) -> KernelConfig:
@@ -58,10 +74,10 @@ GRAD_CHUNK_BYTES = 1 << 30
 TRAIN_CHUNK_BYTES = 2 << 30
 
 
-def tuning_configs(shapes) -> list:
+def tuning_configs(shapes, pre_hook=None) -> list:
     """triton.autotune candidates from (BLOCK_N, BLOCK_V, BLOCK_D, num_warps, num_stages) tuples."""
-    return [triton.Config(dict(BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd), num_warps=w, num_stages=st)
-            for bn, bv, bd, w, st in shapes]
+    return [triton.Config(dict(BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd), num_warps=w, num_stages=st,
+                          pre_hook=pre_hook) for bn, bv, bd, w, st in shapes]
 
 
 def launch(kernel, tuned, config: KernelConfig, grid, args, flags) -> None:

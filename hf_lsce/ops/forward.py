@@ -13,6 +13,17 @@ states per row are merged in torch (``merge_splits``), which costs O(N * splits)
 Launch order: the split is the fast grid axis, so the programs resident at one time cover a few row
 blocks times every split. Their working set (those rows of h, plus one W tile per split) stays in L2,
 and each W tile is read from memory once per wave, not once per row block.
+
+Two kernels compute the same statistics with the same epilogue (``_fold_tile``):
+
+* ``_lce_forward_tma_kernel`` (Hopper and newer, half precision): one flattened loop over
+  (vocabulary tile, D step) pairs with TMA tensor-descriptor loads. The software pipeline runs across
+  tile boundaries, so the next tile's loads are in flight while this tile's epilogue runs; with the
+  nested loop below, every tile restarted the pipeline. Measured on an H100 at the Gemma2-2B shape
+  (``benchmarks/forward_variants.py``): 15.3 ms against 19.3 ms for the nested kernel, 1.10 x one cuBLAS
+  logits matmul. Few vocabulary splits (about two waves of programs: 4 at N = 8192 on an H100) keep
+  many row blocks on one W tile at a time, so W is read from memory about once per wave (L2 reuse).
+* ``_lce_forward_kernel``: pointer loads and a nested loop (tile, then D); every other GPU and fp32.
 """
 from __future__ import annotations
 
@@ -61,6 +72,12 @@ def _logit_tile(
         w = tl.load(W + offs_v[:, None] * stride_wv + offs_d[None, :] * stride_wd,
                     mask=mask_v[:, None] & mask_d[None, :], other=0.0)
         acc = _dot(h, tl.trans(w), acc, DOT_PRECISION, UPCAST)
+    return _finish_logits(acc, B, offs_v, mask_v, softcap, HAS_BIAS, SOFTCAP)
+
+
+@triton.jit
+def _finish_logits(acc, B, offs_v, mask_v, softcap, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr):
+    """Bias and soft-cap on an fp32 tile of h W^T; returns (z, tanh(z/cap) or 0)."""
     if HAS_BIAS:
         acc += tl.load(B + offs_v, mask=mask_v, other=0.0).to(tl.float32)[None, :]
     if SOFTCAP:
@@ -69,6 +86,54 @@ def _logit_tile(
     else:
         t = acc * 0.0
     return acc, t
+
+
+@triton.jit
+def _fold_tile(z, v0, offs_v, mask_v, y, m, s, t_acc, sz, zy, am, STATS: tl.constexpr):
+    """Fold one fp32 logit tile (columns ``offs_v``, valid where ``mask_v``) into the per-row online
+    softmax state; returns the new (m, s, t_acc, sz, zy, am)."""
+    z_valid = tl.where(mask_v[None, :], z, 0.0)
+    zy += tl.sum(tl.where(offs_v[None, :] == y[:, None], z_valid, 0.0), axis=1)
+    sz += tl.sum(z_valid, axis=1)
+    z_m = tl.where(mask_v[None, :], z, float("-inf"))
+    tile_max = tl.max(z_m, axis=1)
+    new_m = tl.maximum(m, tile_max)
+    if STATS:
+        tile_arg = tl.argmax(z_m, axis=1).to(tl.int32) + v0
+        am = tl.where(tile_max > m, tile_arg, am)
+    alpha = tl.exp(m - new_m)
+    e = tl.exp(z_m - new_m[:, None])
+    s = s * alpha + tl.sum(e, axis=1)
+    if STATS:
+        t_acc = t_acc * alpha + tl.sum(e * z_valid, axis=1)
+    return new_m, s, t_acc, sz, zy, am
+
+
+@triton.jit
+def _init_state(BLOCK_N: tl.constexpr):
+    """Empty online-softmax state (m, s, t_acc, sz, zy, am) of BLOCK_N rows."""
+    zero = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    return (tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32), zero, zero, zero, zero,
+            tl.zeros((BLOCK_N,), dtype=tl.int32))
+
+
+@triton.jit
+def _split_bounds(V, NUM_SPLITS, BLOCK_V: tl.constexpr):
+    """[v_start, v_end) of this program's vocabulary split (whole BLOCK_V tiles; the last may be short)."""
+    v_per_split = tl.cdiv(tl.cdiv(V, BLOCK_V), NUM_SPLITS) * BLOCK_V
+    v_start = tl.program_id(0) * v_per_split
+    return v_start, tl.minimum(v_start + v_per_split, V)
+
+
+@triton.jit
+def _store_state(M_OUT, S_OUT, T_OUT, SZ_OUT, ZY_OUT, AM_OUT, N, offs_n, mask_n, m, s, t_acc, sz, zy, am):
+    out = tl.program_id(0) * N + offs_n
+    tl.store(M_OUT + out, m, mask=mask_n)
+    tl.store(S_OUT + out, s, mask=mask_n)
+    tl.store(T_OUT + out, t_acc, mask=mask_n)
+    tl.store(SZ_OUT + out, sz, mask=mask_n)
+    tl.store(ZY_OUT + out, zy, mask=mask_n)
+    tl.store(AM_OUT + out, am, mask=mask_n)
 
 
 @triton.jit
@@ -83,51 +148,54 @@ def _lce_forward_kernel(
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # STATS: also the argmax and sum exp(z - m) z (entropy); the loss needs neither.
-    pid_s = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     y = tl.load(Y + offs_n, mask=mask_n, other=-1)
-
-    m = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
-    s = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    t_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    sz = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    zy = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    am = tl.zeros((BLOCK_N,), dtype=tl.int32)
-
-    v_per_split = tl.cdiv(tl.cdiv(V, BLOCK_V), NUM_SPLITS) * BLOCK_V
-    v_start = pid_s * v_per_split
-    v_end = tl.minimum(v_start + v_per_split, V)
+    m, s, t_acc, sz, zy, am = _init_state(BLOCK_N)
+    v_start, v_end = _split_bounds(V, NUM_SPLITS, BLOCK_V)
     for v0 in range(v_start, v_end, BLOCK_V):
         offs_v = v0 + tl.arange(0, BLOCK_V)
         mask_v = offs_v < v_end
         z, _t = _logit_tile(H, W, B, offs_n, offs_v, mask_n, mask_v, D, stride_hn, stride_hd,
                             stride_wv, stride_wd, softcap, HAS_BIAS, SOFTCAP, BLOCK_D,
                             DOT_PRECISION, UPCAST, BLOCK_N, BLOCK_V)
-        z_valid = tl.where(mask_v[None, :], z, 0.0)
-        zy += tl.sum(tl.where(offs_v[None, :] == y[:, None], z_valid, 0.0), axis=1)
-        sz += tl.sum(z_valid, axis=1)
-        z_m = tl.where(mask_v[None, :], z, float("-inf"))
-        tile_max = tl.max(z_m, axis=1)
-        new_m = tl.maximum(m, tile_max)
-        if STATS:
-            tile_arg = tl.argmax(z_m, axis=1).to(tl.int32) + v0
-            am = tl.where(tile_max > m, tile_arg, am)
-        alpha = tl.exp(m - new_m)
-        e = tl.exp(z_m - new_m[:, None])
-        s = s * alpha + tl.sum(e, axis=1)
-        if STATS:
-            t_acc = t_acc * alpha + tl.sum(e * z_valid, axis=1)
-        m = new_m
+        m, s, t_acc, sz, zy, am = _fold_tile(z, v0, offs_v, mask_v, y, m, s, t_acc, sz, zy, am, STATS)
+    _store_state(M_OUT, S_OUT, T_OUT, SZ_OUT, ZY_OUT, AM_OUT, N, offs_n, mask_n, m, s, t_acc, sz, zy, am)
 
-    out = pid_s * N + offs_n
-    tl.store(M_OUT + out, m, mask=mask_n)
-    tl.store(S_OUT + out, s, mask=mask_n)
-    tl.store(T_OUT + out, t_acc, mask=mask_n)
-    tl.store(SZ_OUT + out, sz, mask=mask_n)
-    tl.store(ZY_OUT + out, zy, mask=mask_n)
-    tl.store(AM_OUT + out, am, mask=mask_n)
+
+@triton.jit
+def _lce_forward_tma_kernel(
+    h_desc, w_desc, B, Y,
+    M_OUT, S_OUT, T_OUT, SZ_OUT, ZY_OUT, AM_OUT,
+    N, V, D, NUM_SPLITS,
+    softcap,
+    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    STATS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # The same statistics as _lce_forward_kernel, from one flattened loop over (tile, D step) pairs.
+    # TMA zero-fills loads past N, V and D; the epilogue masks columns past this split's end.
+    n0 = tl.program_id(1) * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    y = tl.load(Y + offs_n, mask=mask_n, other=-1)
+    m, s, t_acc, sz, zy, am = _init_state(BLOCK_N)
+    v_start, v_end = _split_bounds(V, NUM_SPLITS, BLOCK_V)
+    k_steps = tl.cdiv(D, BLOCK_D)
+    acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+    for it in range(0, tl.cdiv(v_end - v_start, BLOCK_V) * k_steps):
+        v0 = v_start + (it // k_steps) * BLOCK_V
+        k = it % k_steps
+        h = h_desc.load([n0, k * BLOCK_D])
+        w = w_desc.load([v0, k * BLOCK_D])
+        acc = _dot(h, tl.trans(w), acc, DOT_PRECISION, UPCAST)
+        if k == k_steps - 1:
+            offs_v = v0 + tl.arange(0, BLOCK_V)
+            mask_v = offs_v < v_end
+            z, _t = _finish_logits(acc, B, offs_v, mask_v, softcap, HAS_BIAS, SOFTCAP)
+            m, s, t_acc, sz, zy, am = _fold_tile(z, v0, offs_v, mask_v, y, m, s, t_acc, sz, zy, am, STATS)
+            acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+    _store_state(M_OUT, S_OUT, T_OUT, SZ_OUT, ZY_OUT, AM_OUT, N, offs_n, mask_n, m, s, t_acc, sz, zy, am)
 
 
 _lce_forward_autotuned = triton.autotune(
@@ -136,6 +204,27 @@ _lce_forward_autotuned = triton.autotune(
                             (128, 256, 64, 8, 4), (256, 128, 64, 8, 4), (128, 128, 64, 8, 4),
                             (128, 128, 128, 8, 2)]),
     key=["D", "V", "DOT_PRECISION", "STATS"])(_lce_forward_kernel)
+
+
+def _set_descriptor_blocks(nargs):
+    """Autotuning pre-hook: the TMA descriptors' block shapes follow the candidate's block sizes."""
+    nargs["h_desc"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_D"]]
+    nargs["w_desc"].block_shape = [nargs["BLOCK_V"], nargs["BLOCK_D"]]
+
+
+_lce_forward_tma_autotuned = triton.autotune(
+    # 128-row blocks only: the split count (two waves of programs) is chosen for them. Measured on an H100,
+    # 256 x 128 and 128 x 128 tiles were slower at every split count (benchmarks/forward_variants.py).
+    configs=tuning_configs([(128, 256, 64, 8, 3), (128, 256, 64, 8, 4)], pre_hook=_set_descriptor_blocks),
+    key=["D", "V", "DOT_PRECISION", "STATS"])(_lce_forward_tma_kernel)
+
+
+def tma_ready(config, *tensors) -> bool:
+    """Whether the TMA kernel can read these 2-D tensors: the config asks for it, rows are contiguous,
+    and the base address and row stride are 16-byte aligned (what a tensor descriptor requires)."""
+    return config.tma and all(
+        t.dim() == 2 and t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0
+        and t.data_ptr() % 16 == 0 for t in tensors)
 
 
 def merge_splits(m, s, t, sz, zy, am):
@@ -155,20 +244,29 @@ def triton_forward(hidden, weight, bias, targets, softcap, config, stats: bool =
     ``stats=False``: argmax and entropy are not computed (zeros), which the loss alone does not need."""
     n, d = hidden.shape
     v = weight.shape[0]
-    # Split the vocabulary until the grid has about config.min_programs programs (for 128-row blocks),
-    # and into at least config.min_splits parts (see the launch order above).
-    want = max(config.min_splits, triton.cdiv(config.min_programs, triton.cdiv(n, config.block_n)))
+    # Split the vocabulary until the grid has about config.min_programs programs (for config.block_n-row
+    # blocks), and into at least config.min_splits parts (see the launch order above).
+    want = max(config.min_splits, round(config.min_programs / triton.cdiv(n, config.block_n)))
     splits = max(1, min(triton.cdiv(v, 256), want))
     f32 = dict(dtype=torch.float32, device=hidden.device)
     m, s, t, sz, zy = (torch.empty(splits, n, **f32) for _ in range(5))
     am = torch.empty(splits, n, dtype=torch.int32, device=hidden.device)
-    args = (hidden, weight, bias if bias is not None else weight, targets, m, s, t, sz, zy, am,
-            n, v, d, splits, hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
-            float(softcap) if softcap is not None else 1.0)
+    outs = (bias if bias is not None else weight, targets, m, s, t, sz, zy, am, n, v, d, splits)
+    cap = float(softcap) if softcap is not None else 1.0
     flags = dict(HAS_BIAS=bias is not None, SOFTCAP=softcap is not None,
                  DOT_PRECISION=config.dot_precision, UPCAST=config.upcast_dot, STATS=stats)
-    launch(_lce_forward_kernel, _lce_forward_autotuned, config,
-           lambda meta: (splits, triton.cdiv(n, meta["BLOCK_N"])), args, flags)
+    grid = lambda meta: (splits, triton.cdiv(n, meta["BLOCK_N"]))  # noqa: E731
+    if tma_ready(config, hidden, weight):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        # Block shapes for the untuned launch; the autotuner's pre-hook resets them per candidate.
+        h_desc = TensorDescriptor.from_tensor(hidden, [config.block_n, config.block_d])
+        w_desc = TensorDescriptor.from_tensor(weight, [config.block_v, config.block_d])
+        launch(_lce_forward_tma_kernel, _lce_forward_tma_autotuned, config, grid,
+               (h_desc, w_desc, *outs, cap), flags)
+    else:
+        args = (hidden, weight, *outs, hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), cap)
+        launch(_lce_forward_kernel, _lce_forward_autotuned, config, grid, args, flags)
     lse, zy_, sz_, argmax, entropy = merge_splits(m, s, t, sz, zy, am)
     if not stats:
         argmax, entropy = torch.zeros_like(argmax), torch.zeros_like(entropy)

@@ -1,0 +1,351 @@
+"""Forward-kernel experiments (issue 3's evaluation-loss target: <= 1.1 x one bf16 logits matmul).
+
+The production forward kernel (``hf_lsce/ops/forward.py``) walks its vocabulary slice one
+(BLOCK_N, BLOCK_V) tile at a time with a nested loop over D. Every tile restarts the software
+pipeline of the D loop (its prologue loads are exposed), and the online-softmax epilogue runs
+while no MMA is in flight. The variants here keep the same arithmetic and change only the schedule:
+
+- ``flat``: one flattened loop over (vocabulary tile, D step) pairs, so the loads of the next tile
+  are already in flight while the epilogue of this one runs (the pipeline never drains);
+- ``flat-tma``: the same with TMA tensor-descriptor loads (Hopper);
+- ``flat-tma-ws`` / ``nested-tma-ws``: Triton's automatic warp specialisation (producer warps issue
+  the TMA loads, consumer warps run MMA and epilogue), where the installed Triton supports it.
+
+Each variant is checked against the production kernel (lse, target logit, sum of logits) and timed
+with ``triton.testing.do_bench`` (median), beside cuBLAS's bf16 logits matmul; a table is printed and
+JSON written. A variant that fails to compile is reported with its error.
+
+    python benchmarks/forward_variants.py [--shape gemma2-2b] [--out forward_variants.json]
+    TRITON_INTERPRET=1 python benchmarks/forward_variants.py --check-only   # CPU: correctness only
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import traceback
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from hf_lsce.ops.forward import triton_forward  # noqa: E402
+from hf_lsce.ops.config import forward_config  # noqa: E402
+
+
+@triton.jit
+def _epilogue(acc, v0, y, V, m, s, sz, zy, BLOCK_V: tl.constexpr):
+    """Fold one fp32 logit tile into the per-row online-softmax state (the loss's statistics only)."""
+    offs_v = v0 + tl.arange(0, BLOCK_V)
+    mask_v = offs_v < V
+    z_valid = tl.where(mask_v[None, :], acc, 0.0)
+    zy += tl.sum(tl.where(offs_v[None, :] == y[:, None], z_valid, 0.0), axis=1)
+    sz += tl.sum(z_valid, axis=1)
+    z_m = tl.where(mask_v[None, :], acc, float("-inf"))
+    new_m = tl.maximum(m, tl.max(z_m, axis=1))
+    s = s * tl.exp(m - new_m) + tl.sum(tl.exp(z_m - new_m[:, None]), axis=1)
+    return new_m, s, sz, zy
+
+
+@triton.jit
+def _split_range(V, NUM_SPLITS, BLOCK_V: tl.constexpr):
+    n_vt = tl.cdiv(V, BLOCK_V)
+    per = tl.cdiv(n_vt, NUM_SPLITS)
+    t0 = tl.program_id(0) * per
+    return t0, tl.minimum(t0 + per, n_vt)
+
+
+@triton.jit
+def _store_state(M_OUT, S_OUT, SZ_OUT, ZY_OUT, offs_n, mask_n, N, m, s, sz, zy):
+    out = tl.program_id(0) * N + offs_n
+    tl.store(M_OUT + out, m, mask=mask_n)
+    tl.store(S_OUT + out, s, mask=mask_n)
+    tl.store(SZ_OUT + out, sz, mask=mask_n)
+    tl.store(ZY_OUT + out, zy, mask=mask_n)
+
+
+@triton.jit
+def _fwd_flat_ptr(H, W, Y, M_OUT, S_OUT, SZ_OUT, ZY_OUT, N, V, D, NUM_SPLITS, stride_hn, stride_wv,
+                  BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+                  UPCAST: tl.constexpr):
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    y = tl.load(Y + offs_n, mask=mask_n, other=-1)
+    t0, t1 = _split_range(V, NUM_SPLITS, BLOCK_V)
+    k_tiles = tl.cdiv(D, BLOCK_D)
+    m = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
+    s = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    sz = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    zy = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+    for it in range(0, (t1 - t0) * k_tiles):
+        tile = t0 + it // k_tiles
+        ki = it % k_tiles
+        offs_v = tile * BLOCK_V + tl.arange(0, BLOCK_V)
+        offs_d = ki * BLOCK_D + tl.arange(0, BLOCK_D)
+        mask_d = offs_d < D
+        h = tl.load(H + offs_n[:, None] * stride_hn + offs_d[None, :],
+                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        w = tl.load(W + offs_v[:, None] * stride_wv + offs_d[None, :],
+                    mask=(offs_v < V)[:, None] & mask_d[None, :], other=0.0)
+        if UPCAST:
+            acc = tl.dot(h.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(h, tl.trans(w), acc)
+        if ki == k_tiles - 1:
+            m, s, sz, zy = _epilogue(acc, tile * BLOCK_V, y, V, m, s, sz, zy, BLOCK_V)
+            acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+    _store_state(M_OUT, S_OUT, SZ_OUT, ZY_OUT, offs_n, mask_n, N, m, s, sz, zy)
+
+
+@triton.jit
+def _fwd_flat_tma(h_desc, w_desc, z_desc, Y, M_OUT, S_OUT, SZ_OUT, ZY_OUT, N, V, D, NUM_SPLITS,
+                  BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+                  WS: tl.constexpr, NESTED: tl.constexpr, STORE_Z: tl.constexpr):
+    n0 = tl.program_id(1) * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    y = tl.load(Y + offs_n, mask=mask_n, other=-1)
+    t0, t1 = _split_range(V, NUM_SPLITS, BLOCK_V)
+    k_tiles = tl.cdiv(D, BLOCK_D)
+    m = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
+    s = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    sz = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    zy = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    if NESTED:
+        for tile in tl.range(t0, t1, warp_specialize=WS):
+            acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+            for ki in range(k_tiles):
+                h = h_desc.load([n0, ki * BLOCK_D])
+                w = w_desc.load([tile * BLOCK_V, ki * BLOCK_D])
+                acc = tl.dot(h, w.T, acc)
+            if STORE_Z:
+                z_desc.store([n0, tile * BLOCK_V], acc)
+            m, s, sz, zy = _epilogue(acc, tile * BLOCK_V, y, V, m, s, sz, zy, BLOCK_V)
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+        for it in tl.range(0, (t1 - t0) * k_tiles, warp_specialize=WS):
+            tile = t0 + it // k_tiles
+            ki = it % k_tiles
+            h = h_desc.load([n0, ki * BLOCK_D])
+            w = w_desc.load([tile * BLOCK_V, ki * BLOCK_D])
+            acc = tl.dot(h, w.T, acc)
+            if ki == k_tiles - 1:
+                if STORE_Z:
+                    z_desc.store([n0, tile * BLOCK_V], acc)
+                m, s, sz, zy = _epilogue(acc, tile * BLOCK_V, y, V, m, s, sz, zy, BLOCK_V)
+                acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+    _store_state(M_OUT, S_OUT, SZ_OUT, ZY_OUT, offs_n, mask_n, N, m, s, sz, zy)
+
+
+def run_variant(kind, h, w, y, splits, bn, bv, bd, warps, stages, z=None):
+    """Launch one variant; returns (lse, zy, sz) per token. ``kind`` ending in "-store" also writes the
+    fp32 logits into ``z`` (N, V) (what the one-pass training path gets from cuBLAS today)."""
+    n, d = h.shape
+    v = w.shape[0]
+    f32 = dict(dtype=torch.float32, device=h.device)
+    m, s, sz, zy = (torch.empty(splits, n, **f32) for _ in range(4))
+    grid = (splits, triton.cdiv(n, bn))
+    if kind == "flat":
+        _fwd_flat_ptr[grid](h, w, y, m, s, sz, zy, n, v, d, splits, h.stride(0), w.stride(0),
+                            BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd, UPCAST=h.device.type == "cpu",
+                            num_warps=warps, num_stages=stages)
+    else:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        hd = TensorDescriptor.from_tensor(h, [bn, bd])
+        wd = TensorDescriptor.from_tensor(w, [bv, bd])
+        store = kind.endswith("-store")
+        zd = TensorDescriptor.from_tensor(z, [bn, bv]) if store else hd
+        kind = kind.removesuffix("-store")
+        _fwd_flat_tma[grid](hd, wd, zd, y, m, s, sz, zy, n, v, d, splits, BLOCK_N=bn, BLOCK_V=bv,
+                            BLOCK_D=bd, WS=kind.endswith("-ws"), NESTED=kind.startswith("nested"),
+                            STORE_Z=store,
+                            num_warps=warps, num_stages=stages)
+    m_max = m.max(0).values
+    lse = m_max + torch.log((s * torch.exp(m - m_max)).sum(0))
+    return lse, zy.sum(0), sz.sum(0)
+
+
+VARIANTS = [  # (kind, BLOCK_N, BLOCK_V, BLOCK_D, num_warps, num_stages, splits); splits 0: fit whole waves
+    ("flat-tma", 256, 128, 64, 8, 3, 4), ("flat-tma", 256, 128, 64, 8, 3, 8),
+    ("flat-tma", 256, 128, 64, 8, 3, 12), ("flat-tma", 256, 128, 64, 8, 3, 16),
+    ("flat-tma", 256, 128, 64, 8, 4, 4), ("flat-tma", 256, 128, 64, 8, 4, 8),
+    ("flat-tma-ws", 256, 128, 64, 8, 4, 4), ("flat-tma-ws", 256, 128, 64, 8, 3, 8),
+    ("flat-tma", 128, 256, 64, 8, 3, 8), ("flat-tma", 256, 128, 64, 8, 3, 2),
+]
+# Other shapes: the leading candidates only.
+SHORT = [0, 1, 3, 5]
+
+def fitted_splits(row_blocks, sms, lo=16, hi=48):
+    """Split count in [lo, hi] whose grid (splits x row blocks) wastes the least of its last wave."""
+    def waste(sp):
+        p = sp * row_blocks
+        return (triton.cdiv(p, sms) * sms - p) / p
+    return min(range(lo, hi + 1), key=lambda sp: (round(waste(sp), 3), sp))
+
+
+def check_only():
+    """Tiny shape under the CPU interpreter: every non-WS kind against fp64."""
+    torch.manual_seed(0)
+    n, d, v = 40, 48, 300
+    h = torch.randn(n, d)
+    w = torch.randn(v, d) / math.sqrt(d)
+    y = torch.randint(0, v, (n,))
+    z = (h.double() @ w.double().T)
+    want = (torch.logsumexp(z, -1), z.gather(1, y[:, None])[:, 0], z.sum(-1))
+    for kind in ("flat", "flat-tma", "flat-tma-store", "nested-tma-store"):
+        for splits in (1, 3):
+            zbuf = torch.full((n, v), float("nan"))
+            got = run_variant(kind, h, w, y, splits, 16, 32, 16, 1, 1, z=zbuf)
+            err = max(float((g.double() - e).abs().max()) for g, e in zip(got, want))
+            if kind.endswith("-store"):
+                err = max(err, float((zbuf.double() - z).abs().max()))
+            print(f"{kind} splits={splits}: max abs err vs fp64 {err:.2e}")
+
+
+def one_variant(index, shape):
+    """Compile, check (first 512 rows against fp64) and time VARIANTS[index]; returns a row dict."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from bench_linear_cross_entropy import SHAPES
+    from check_correctness_gpu import make_inputs
+    from triton.testing import do_bench
+
+    kind, bn, bv, bd, warps, stages, splits = VARIANTS[index]
+    n, d, v = SHAPES[shape]
+    h, w, y, _ = make_inputs(n, d, v, peaked=True, bias=False, ignore_frac=0.0, seed=0)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    splits = splits or fitted_splits(triton.cdiv(n, bn), sms)
+    name = f"{kind} {bn}x{bv}x{bd} w{warps} s{stages} splits={splits}"
+    zbuf = torch.empty(n, v, dtype=torch.float32, device=h.device) if kind.endswith("-store") else None
+    try:
+        got = run_variant(kind, h, w, y, splits, bn, bv, bd, warps, stages, z=zbuf)
+        torch.cuda.synchronize()
+        z = h[:512].double() @ w.double().T
+        want = (torch.logsumexp(z, -1), z.gather(1, y[:512, None])[:, 0], z.sum(-1))
+        err = max(float(((g[:512].double() - e).abs() / e.abs().clamp_min(1)).max()) for g, e in zip(got, want))
+        if zbuf is not None:
+            err = max(err, float((zbuf[:512].double() - z).abs().max() / z.abs().max()))
+        del z
+        fn = lambda: run_variant(kind, h, w, y, splits, bn, bv, bd, warps, stages, z=zbuf)  # noqa: E731
+        fn()
+        torch.cuda.synchronize()
+        t = do_bench(fn, warmup=10, rep=200, return_mode="median")
+        return dict(variant=name, ms=t, max_rel_err_fp64=err)
+    except Exception as e:  # noqa: BLE001 - a variant that fails is reported, not fatal
+        return dict(variant=name, error=f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}")
+
+
+def production(shape, out):
+    """hf_lsce's own TMA forward (``triton_forward``) per autotuning candidate and split count, the
+    autotuner's pick, and the whole evaluation loss call, beside cuBLAS's logits matmul."""
+    import dataclasses
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from bench_linear_cross_entropy import SHAPES
+    from check_correctness_gpu import make_inputs
+    from triton.testing import do_bench
+
+    from hf_lsce import linear_cross_entropy
+    from hf_lsce.ops import forward as fw
+
+    n, d, v = SHAPES[shape]
+    h, w, y, _ = make_inputs(n, d, v, peaked=True, bias=False, ignore_frac=0.0, seed=0)
+    cfg = forward_config(h.dtype, h.device)
+
+    def bench(fn):
+        fn()
+        torch.cuda.synchronize()
+        return do_bench(fn, warmup=10, rep=300, return_mode="median")
+
+    rows = [dict(variant="cuBLAS bf16 logits matmul", ms=bench(lambda: h @ w.T))]
+    for c in fw._lce_forward_tma_autotuned.configs:
+        for splits in (4, 8, 16):
+            one = dataclasses.replace(cfg, autotune=False, block_n=c.kwargs["BLOCK_N"], block_v=c.kwargs["BLOCK_V"],
+                                      block_d=c.kwargs["BLOCK_D"], num_warps=c.num_warps, num_stages=c.num_stages,
+                                      min_splits=splits, min_programs=1)
+            rows.append(dict(variant=f"triton_forward {c} splits={splits}",
+                             ms=bench(lambda: fw.triton_forward(h, w, None, y, None, one, stats=False))))
+    rows.append(dict(variant="triton_forward autotuned",
+                     ms=bench(lambda: fw.triton_forward(h, w, None, y, None, cfg, stats=False))))
+    rows[-1]["pick"] = str(fw._lce_forward_tma_autotuned.best_config)
+    with torch.no_grad():
+        rows.append(dict(variant="linear_cross_entropy, no grad, b=0.1",
+                         ms=bench(lambda: linear_cross_entropy(h, w, y, label_smoothing=0.1))))
+    for r in rows:
+        r["x_matmul"] = r["ms"] / rows[0]["ms"]
+        print(f"{r['variant']}: {r['ms']:.2f} ms ({r['x_matmul']:.3f}x){'  pick: ' + r['pick'] if 'pick' in r else ''}",
+              flush=True)
+    with open(out, "w") as f:
+        json.dump(dict(shape=shape, N=n, D=d, V=v, device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="gemma2-2b")
+    ap.add_argument("--short", action="store_true", help="only the leading candidates (SHORT)")
+    ap.add_argument("--out", default="forward_variants.json")
+    ap.add_argument("--check-only", action="store_true", help="tiny shape, correctness only (CPU interpreter)")
+    ap.add_argument("--only", type=int, default=None, help="(internal) run VARIANTS[i] and print its row as JSON")
+    ap.add_argument("--production", action="store_true",
+                    help="time the library's TMA forward per autotuning candidate, its autotuned pick, and the op")
+    args = ap.parse_args()
+    if args.check_only:
+        return check_only()
+    if args.production:
+        return production(args.shape, args.out)
+    if args.only is not None:
+        print("ROW " + json.dumps(one_variant(args.only, args.shape)), flush=True)
+        return
+
+    import subprocess
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from bench_linear_cross_entropy import SHAPES
+    from check_correctness_gpu import make_inputs
+    from triton.testing import do_bench
+
+    n, d, v = SHAPES[args.shape]
+    h, w, y, _ = make_inputs(n, d, v, peaked=True, bias=False, ignore_frac=0.0, seed=0)
+
+    def bench(fn):
+        fn()
+        torch.cuda.synchronize()
+        return do_bench(fn, warmup=10, rep=200, return_mode="median")
+
+    t_mm = bench(lambda: h @ w.T)
+    rows = [dict(variant="cuBLAS bf16 logits matmul", ms=t_mm)]
+    zbuf = torch.empty(n, v, dtype=torch.float32, device=h.device)
+    rows.append(dict(variant="cuBLAS logits matmul, fp32 out",
+                     ms=bench(lambda: torch.mm(h, w.T, out_dtype=torch.float32, out=zbuf))))
+    del zbuf
+    cfg = forward_config(h.dtype, h.device)
+    rows.append(dict(variant="production forward (autotuned)",
+                     ms=bench(lambda: triton_forward(h, w, None, y, None, cfg, stats=False))))
+    for r in rows:
+        print(f"{r['variant']}: {r['ms']:.2f} ms ({r['ms'] / t_mm:.3f}x matmul)", flush=True)
+    del h, w, y
+    torch.cuda.empty_cache()
+    # Each variant in its own process: a kernel that faults must not poison the others' CUDA context.
+    for i in (SHORT if args.short else range(len(VARIANTS))):
+        res = subprocess.run([sys.executable, __file__, "--only", str(i), "--shape", args.shape],
+                             capture_output=True, text=True, timeout=300)
+        line = [ln for ln in res.stdout.splitlines() if ln.startswith("ROW ")]
+        row = json.loads(line[0][4:]) if line else dict(variant=str(VARIANTS[i]),
+                                                          error=(res.stderr.strip().splitlines() or ["?"])[-1][:300])
+        if "ms" in row:
+            row["x_matmul"] = row["ms"] / t_mm
+            print(f"{row['variant']}: {row['ms']:.2f} ms ({row['x_matmul']:.3f}x matmul), "
+                  f"max rel err vs fp64 {row['max_rel_err_fp64']:.1e}", flush=True)
+        else:
+            print(f"{row['variant']}: FAILED {row['error']}", flush=True)
+        rows.append(row)
+    with open(args.out, "w") as f:
+        json.dump(dict(shape=args.shape, N=n, D=d, V=v, device=torch.cuda.get_device_name(),
+                       triton=triton.__version__, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
