@@ -42,10 +42,13 @@ def forward_config(dtype: torch.dtype, device: torch.device) -> KernelConfig:
     if dtype == torch.float32:
         return KernelConfig(64, 64, 32, 4, 3, prec, 2 * sms)
     if props.major >= 9 and torch.version.cuda is not None and _has_tensor_descriptors():
-        # The TMA kernel, about two waves of programs: as few vocabulary splits as fill the GPU, so the programs
-        # resident at once share each W tile through L2. On an H100 (benchmarks/forward_variants.py --production)
-        # 4 / 8 / 16 splits at N = 8192 took 14.5 / 15.7 / 20.1 ms (Gemma2-2B shape).
-        return KernelConfig(128, 256, 64, 8, 3, prec, 2 * sms, autotune=True, tma=True)
+        # The TMA kernel, one block shape: 128 x 256 x 64 tiles, 8 warps, 3 stages was the fastest candidate at
+        # every shape and split count measured on an H100 (256 x 128, 128 x 128 and 4 stages were slower;
+        # benchmarks/forward_variants.py --production). About two waves of programs: as few vocabulary splits
+        # as fill the GPU, so the programs resident at once share each W tile through L2; 4 / 8 / 16 splits at
+        # N = 8192 took 14.5 / 15.7 / 20.1 ms (Gemma2-2B shape). At least 2, or the rows of h the resident
+        # programs read no longer fit in L2: at N = 32768, 1 / 2 / 4 splits took 77.2 / 60.8 / 58.8 ms.
+        return KernelConfig(128, 256, 64, 8, 3, prec, 2 * sms, min_splits=2, tma=True)
     return KernelConfig(128, 128, 64, 8, 3, prec, 2 * sms, autotune=True, min_splits=16)
 
 
@@ -74,10 +77,10 @@ GRAD_CHUNK_BYTES = 1 << 30
 TRAIN_CHUNK_BYTES = 2 << 30
 
 
-def tuning_configs(shapes, pre_hook=None) -> list:
+def tuning_configs(shapes) -> list:
     """triton.autotune candidates from (BLOCK_N, BLOCK_V, BLOCK_D, num_warps, num_stages) tuples."""
-    return [triton.Config(dict(BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd), num_warps=w, num_stages=st,
-                          pre_hook=pre_hook) for bn, bv, bd, w, st in shapes]
+    return [triton.Config(dict(BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd), num_warps=w, num_stages=st)
+            for bn, bv, bd, w, st in shapes]
 
 
 def launch(kernel, tuned, config: KernelConfig, grid, args, flags) -> None:

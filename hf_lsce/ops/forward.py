@@ -101,8 +101,9 @@ def _fold_tile(z, v0, offs_v, mask_v, y, m, s, t_acc, sz, zy, am, STATS: tl.cons
     if STATS:
         tile_arg = tl.argmax(z_m, axis=1).to(tl.int32) + v0
         am = tl.where(tile_max > m, tile_arg, am)
-    alpha = tl.exp(m - new_m)
-    e = tl.exp(z_m - new_m[:, None])
+    # exp(z - m) as exp2(z log2(e) - m log2(e)): one fused multiply-add per element before exp2.
+    alpha = tl.math.exp2((m - new_m) * 1.4426950408889634)
+    e = tl.math.exp2(z_m * 1.4426950408889634 - (new_m * 1.4426950408889634)[:, None])
     s = s * alpha + tl.sum(e, axis=1)
     if STATS:
         t_acc = t_acc * alpha + tl.sum(e * z_valid, axis=1)
@@ -206,19 +207,6 @@ _lce_forward_autotuned = triton.autotune(
     key=["D", "V", "DOT_PRECISION", "STATS"])(_lce_forward_kernel)
 
 
-def _set_descriptor_blocks(nargs):
-    """Autotuning pre-hook: the TMA descriptors' block shapes follow the candidate's block sizes."""
-    nargs["h_desc"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_D"]]
-    nargs["w_desc"].block_shape = [nargs["BLOCK_V"], nargs["BLOCK_D"]]
-
-
-_lce_forward_tma_autotuned = triton.autotune(
-    # 128-row blocks only: the split count (two waves of programs) is chosen for them. Measured on an H100,
-    # 256 x 128 and 128 x 128 tiles were slower at every split count (benchmarks/forward_variants.py).
-    configs=tuning_configs([(128, 256, 64, 8, 3), (128, 256, 64, 8, 4)], pre_hook=_set_descriptor_blocks),
-    key=["D", "V", "DOT_PRECISION", "STATS"])(_lce_forward_tma_kernel)
-
-
 def tma_ready(config, *tensors) -> bool:
     """Whether the TMA kernel can read these 2-D tensors: the config asks for it, rows are contiguous,
     and the base address and row stride are 16-byte aligned (what a tensor descriptor requires)."""
@@ -259,10 +247,9 @@ def triton_forward(hidden, weight, bias, targets, softcap, config, stats: bool =
     if tma_ready(config, hidden, weight):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        # Block shapes for the untuned launch; the autotuner's pre-hook resets them per candidate.
         h_desc = TensorDescriptor.from_tensor(hidden, [config.block_n, config.block_d])
         w_desc = TensorDescriptor.from_tensor(weight, [config.block_v, config.block_d])
-        launch(_lce_forward_tma_kernel, _lce_forward_tma_autotuned, config, grid,
+        launch(_lce_forward_tma_kernel, None, config, grid,
                (h_desc, w_desc, *outs, cap), flags)
     else:
         args = (hidden, weight, *outs, hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), cap)

@@ -65,9 +65,9 @@ def _resolve_backend(backend: str, device: torch.device) -> str:
 
 
 def _validate(hidden, weight, targets, bias, label_smoothing, ignore_index, reduction, softcap,
-              num_items_in_batch, backend, filter_eps, vocab_size=None):
-    """Check every argument; raise ValueError / TypeError naming it. ``vocab_size``: the full
-    vocabulary when ``weight`` is one shard of it (targets are checked against it)."""
+              num_items_in_batch, backend, filter_eps):
+    """Check every argument but the target values (``_check_targets``); raise ValueError / TypeError
+    naming it."""
     if not isinstance(hidden, torch.Tensor):
         raise TypeError(f"hidden must be a torch.Tensor, got {type(hidden).__name__}.")
     if not isinstance(weight, torch.Tensor):
@@ -152,13 +152,19 @@ def _validate(hidden, weight, targets, bias, label_smoothing, ignore_index, redu
     else:
         raise TypeError(f"label_smoothing must be a float in [0, 1] or a tensor, got {label_smoothing!r}.")
 
-    v = weight.shape[0] if vocab_size is None else vocab_size
+
+
+def _check_targets(targets, vocab_size: int, ignore_index: int) -> None:
+    """The last of ``_validate``'s checks: every target in [0, V) or ``ignore_index``. It reads the targets
+    on the host (one synchronisation), so the op calls it last, right before launching the kernels: the
+    GPU then idles only for the launch, not for the op's Python set-up (a bad target must give this
+    ValueError, never an out-of-bounds access)."""
     if targets.numel():
-        bad = ~(((targets >= 0) & (targets < v)) | (targets == ignore_index))
+        bad = ~(((targets >= 0) & (targets < vocab_size)) | (targets == ignore_index))
         if bool(bad.any()):
             first = targets[bad].flatten()[0].item()
             raise ValueError(
-                f"targets must be in [0, {v}) or equal ignore_index={ignore_index}; found {first} "
+                f"targets must be in [0, {vocab_size}) or equal ignore_index={ignore_index}; found {first} "
                 f"({int(bad.sum())} bad entries). Check the tokenizer matches the model's vocabulary."
             )
 
@@ -379,8 +385,9 @@ def linear_cross_entropy(
 
         shard = vocab_shard(weight, process_group, return_stats, filter_eps)
     _validate(hidden, weight, targets, bias, label_smoothing, ignore_index, reduction, softcap,
-              num_items_in_batch, backend, filter_eps, vocab_size=shard.vocab_size if shard else None)
+              num_items_in_batch, backend, filter_eps)
     backend = _resolve_backend(backend, hidden.device)
+    targets_given = targets
     v, d = weight.shape
     out_shape = targets.shape
     smoothing = label_smoothing
@@ -408,6 +415,7 @@ def linear_cross_entropy(
     if reduction == "mean" or (reduction == "sum" and num_items_in_batch is not None):
         denom = loss_denominator(num_items_in_batch, valid1.sum(),
                                  torch.float64 if hidden.dtype == torch.float64 else torch.float32)
+    _check_targets(targets_given, shard.vocab_size if shard else v, ignore_index)
     with torch.autocast(hidden.device.type, enabled=False):
         if shard is not None:
             from .vocab_parallel import vocab_parallel_token_losses
