@@ -36,127 +36,95 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from hf_lsce.ops.forward import triton_forward  # noqa: E402
+from hf_lsce.ops import forward as fw  # noqa: E402
 from hf_lsce.ops.config import forward_config  # noqa: E402
 
 
 @triton.jit
-def _epilogue(acc, v0, y, V, m, s, sz, zy, BLOCK_V: tl.constexpr):
-    """Fold one fp32 logit tile into the per-row online-softmax state (the loss's statistics only)."""
-    offs_v = v0 + tl.arange(0, BLOCK_V)
-    mask_v = offs_v < V
-    z_valid = tl.where(mask_v[None, :], acc, 0.0)
-    zy += tl.sum(tl.where(offs_v[None, :] == y[:, None], z_valid, 0.0), axis=1)
-    sz += tl.sum(z_valid, axis=1)
-    z_m = tl.where(mask_v[None, :], acc, float("-inf"))
-    new_m = tl.maximum(m, tl.max(z_m, axis=1))
-    s = s * tl.exp(m - new_m) + tl.sum(tl.exp(z_m - new_m[:, None]), axis=1)
-    return new_m, s, sz, zy
-
-
-@triton.jit
-def _split_range(V, NUM_SPLITS, BLOCK_V: tl.constexpr):
-    n_vt = tl.cdiv(V, BLOCK_V)
-    per = tl.cdiv(n_vt, NUM_SPLITS)
-    t0 = tl.program_id(0) * per
-    return t0, tl.minimum(t0 + per, n_vt)
-
-
-@triton.jit
-def _store_state(M_OUT, S_OUT, SZ_OUT, ZY_OUT, offs_n, mask_n, N, m, s, sz, zy):
-    out = tl.program_id(0) * N + offs_n
-    tl.store(M_OUT + out, m, mask=mask_n)
-    tl.store(S_OUT + out, s, mask=mask_n)
-    tl.store(SZ_OUT + out, sz, mask=mask_n)
-    tl.store(ZY_OUT + out, zy, mask=mask_n)
-
-
-@triton.jit
-def _fwd_flat_ptr(H, W, Y, M_OUT, S_OUT, SZ_OUT, ZY_OUT, N, V, D, NUM_SPLITS, stride_hn, stride_wv,
+def _fwd_flat_ptr(H, W, Y, M_OUT, S_OUT, T_OUT, SZ_OUT, ZY_OUT, AM_OUT, N, V, D, NUM_SPLITS, stride_hn, stride_wv,
                   BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
                   UPCAST: tl.constexpr):
+    # Pointer loads, one flattened (tile, D step) loop; the library's epilogue and state (fw._fold_tile etc.).
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     y = tl.load(Y + offs_n, mask=mask_n, other=-1)
-    t0, t1 = _split_range(V, NUM_SPLITS, BLOCK_V)
-    k_tiles = tl.cdiv(D, BLOCK_D)
-    m = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
-    s = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    sz = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    zy = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    m, s, t, sz, zy, am = fw._init_state(BLOCK_N)
+    v_start, v_end = fw._split_bounds(V, NUM_SPLITS, BLOCK_V)
+    k_steps = tl.cdiv(D, BLOCK_D)
     acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
-    for it in range(0, (t1 - t0) * k_tiles):
-        tile = t0 + it // k_tiles
-        ki = it % k_tiles
-        offs_v = tile * BLOCK_V + tl.arange(0, BLOCK_V)
-        offs_d = ki * BLOCK_D + tl.arange(0, BLOCK_D)
+    for it in range(0, tl.cdiv(v_end - v_start, BLOCK_V) * k_steps):
+        v0 = v_start + (it // k_steps) * BLOCK_V
+        k = it % k_steps
+        offs_v = v0 + tl.arange(0, BLOCK_V)
+        offs_d = k * BLOCK_D + tl.arange(0, BLOCK_D)
         mask_d = offs_d < D
         h = tl.load(H + offs_n[:, None] * stride_hn + offs_d[None, :],
                     mask=mask_n[:, None] & mask_d[None, :], other=0.0)
         w = tl.load(W + offs_v[:, None] * stride_wv + offs_d[None, :],
                     mask=(offs_v < V)[:, None] & mask_d[None, :], other=0.0)
-        if UPCAST:
-            acc = tl.dot(h.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(h, tl.trans(w), acc)
-        if ki == k_tiles - 1:
-            m, s, sz, zy = _epilogue(acc, tile * BLOCK_V, y, V, m, s, sz, zy, BLOCK_V)
+        acc = fw._dot(h, tl.trans(w), acc, "tf32", UPCAST)
+        if k == k_steps - 1:
+            m, s, t, sz, zy, am = fw._fold_tile(acc, v0, offs_v, offs_v < v_end, y, m, s, t, sz, zy, am, False)
             acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
-    _store_state(M_OUT, S_OUT, SZ_OUT, ZY_OUT, offs_n, mask_n, N, m, s, sz, zy)
+    fw._store_state(M_OUT, S_OUT, T_OUT, SZ_OUT, ZY_OUT, AM_OUT, N, offs_n, mask_n, m, s, t, sz, zy, am)
 
 
 @triton.jit
-def _fwd_flat_tma(h_desc, w_desc, z_desc, Y, M_OUT, S_OUT, SZ_OUT, ZY_OUT, N, V, D, NUM_SPLITS,
-                  BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
-                  WS: tl.constexpr, NESTED: tl.constexpr, STORE_Z: tl.constexpr):
+def _fwd_tma(h_desc, w_desc, z_desc, Y, M_OUT, S_OUT, T_OUT, SZ_OUT, ZY_OUT, AM_OUT, N, V, D, NUM_SPLITS,
+             BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
+             WS: tl.constexpr, NESTED: tl.constexpr, STORE_Z: tl.constexpr):
+    # TMA loads; NESTED: a loop over tiles with the D loop inside (else flattened); WS: Triton's automatic
+    # warp specialisation on the outer loop; STORE_Z: also write the fp32 logits (as cuBLAS does for the
+    # training path).
     n0 = tl.program_id(1) * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     y = tl.load(Y + offs_n, mask=mask_n, other=-1)
-    t0, t1 = _split_range(V, NUM_SPLITS, BLOCK_V)
-    k_tiles = tl.cdiv(D, BLOCK_D)
-    m = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
-    s = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    sz = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    zy = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    m, s, t, sz, zy, am = fw._init_state(BLOCK_N)
+    v_start, v_end = fw._split_bounds(V, NUM_SPLITS, BLOCK_V)
+    k_steps = tl.cdiv(D, BLOCK_D)
     if NESTED:
-        for tile in tl.range(t0, t1, warp_specialize=WS):
+        for v0 in tl.range(v_start, v_end, BLOCK_V, warp_specialize=WS):
             acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
-            for ki in range(k_tiles):
-                h = h_desc.load([n0, ki * BLOCK_D])
-                w = w_desc.load([tile * BLOCK_V, ki * BLOCK_D])
-                acc = tl.dot(h, w.T, acc)
+            for k in range(k_steps):
+                h = h_desc.load([n0, k * BLOCK_D])
+                w = w_desc.load([v0, k * BLOCK_D])
+                acc = fw._dot(h, tl.trans(w), acc, "tf32", UPCAST)
             if STORE_Z:
-                z_desc.store([n0, tile * BLOCK_V], acc)
-            m, s, sz, zy = _epilogue(acc, tile * BLOCK_V, y, V, m, s, sz, zy, BLOCK_V)
+                z_desc.store([n0, v0], acc)
+            offs_v = v0 + tl.arange(0, BLOCK_V)
+            m, s, t, sz, zy, am = fw._fold_tile(acc, v0, offs_v, offs_v < v_end, y, m, s, t, sz, zy, am, False)
     else:
         acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
-        for it in tl.range(0, (t1 - t0) * k_tiles, warp_specialize=WS):
-            tile = t0 + it // k_tiles
-            ki = it % k_tiles
-            h = h_desc.load([n0, ki * BLOCK_D])
-            w = w_desc.load([tile * BLOCK_V, ki * BLOCK_D])
-            acc = tl.dot(h, w.T, acc)
-            if ki == k_tiles - 1:
+        for it in tl.range(0, tl.cdiv(v_end - v_start, BLOCK_V) * k_steps, warp_specialize=WS):
+            v0 = v_start + (it // k_steps) * BLOCK_V
+            k = it % k_steps
+            h = h_desc.load([n0, k * BLOCK_D])
+            w = w_desc.load([v0, k * BLOCK_D])
+            acc = fw._dot(h, tl.trans(w), acc, "tf32", UPCAST)
+            if k == k_steps - 1:
                 if STORE_Z:
-                    z_desc.store([n0, tile * BLOCK_V], acc)
-                m, s, sz, zy = _epilogue(acc, tile * BLOCK_V, y, V, m, s, sz, zy, BLOCK_V)
+                    z_desc.store([n0, v0], acc)
+                offs_v = v0 + tl.arange(0, BLOCK_V)
+                m, s, t, sz, zy, am = fw._fold_tile(acc, v0, offs_v, offs_v < v_end, y, m, s, t, sz, zy, am, False)
                 acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
-    _store_state(M_OUT, S_OUT, SZ_OUT, ZY_OUT, offs_n, mask_n, N, m, s, sz, zy)
+    fw._store_state(M_OUT, S_OUT, T_OUT, SZ_OUT, ZY_OUT, AM_OUT, N, offs_n, mask_n, m, s, t, sz, zy, am)
 
 
 def run_variant(kind, h, w, y, splits, bn, bv, bd, warps, stages, z=None):
     """Launch one variant; returns (lse, zy, sz) per token. ``kind`` ending in "-store" also writes the
-    fp32 logits into ``z`` (N, V) (what the one-pass training path gets from cuBLAS today)."""
+    fp32 logits into ``z`` (N, V) (what the one-pass training path gets from cuBLAS)."""
     n, d = h.shape
     v = w.shape[0]
     f32 = dict(dtype=torch.float32, device=h.device)
-    m, s, sz, zy = (torch.empty(splits, n, **f32) for _ in range(4))
+    m, s, t, sz, zy = (torch.empty(splits, n, **f32) for _ in range(5))
+    am = torch.empty(splits, n, dtype=torch.int32, device=h.device)
+    outs = (y, m, s, t, sz, zy, am, n, v, d, splits)
     grid = (splits, triton.cdiv(n, bn))
+    upcast = h.device.type == "cpu"
     if kind == "flat":
-        _fwd_flat_ptr[grid](h, w, y, m, s, sz, zy, n, v, d, splits, h.stride(0), w.stride(0),
-                            BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd, UPCAST=h.device.type == "cpu",
-                            num_warps=warps, num_stages=stages)
+        _fwd_flat_ptr[grid](h, w, *outs, h.stride(0), w.stride(0), BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd,
+                            UPCAST=upcast, num_warps=warps, num_stages=stages)
     else:
         from triton.tools.tensor_descriptor import TensorDescriptor
         hd = TensorDescriptor.from_tensor(h, [bn, bd])
@@ -164,13 +132,11 @@ def run_variant(kind, h, w, y, splits, bn, bv, bd, warps, stages, z=None):
         store = kind.endswith("-store")
         zd = TensorDescriptor.from_tensor(z, [bn, bv]) if store else hd
         kind = kind.removesuffix("-store")
-        _fwd_flat_tma[grid](hd, wd, zd, y, m, s, sz, zy, n, v, d, splits, BLOCK_N=bn, BLOCK_V=bv,
-                            BLOCK_D=bd, WS=kind.endswith("-ws"), NESTED=kind.startswith("nested"),
-                            STORE_Z=store,
-                            num_warps=warps, num_stages=stages)
-    m_max = m.max(0).values
-    lse = m_max + torch.log((s * torch.exp(m - m_max)).sum(0))
-    return lse, zy.sum(0), sz.sum(0)
+        _fwd_tma[grid](hd, wd, zd, *outs, BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd, UPCAST=upcast,
+                       WS=kind.endswith("-ws"), NESTED=kind.startswith("nested"), STORE_Z=store,
+                       num_warps=warps, num_stages=stages)
+    lse, zy_, sz_, _, _ = fw.merge_splits(m, s, t, sz, zy, am)
+    return lse, zy_, sz_
 
 
 VARIANTS = [  # (kind, BLOCK_N, BLOCK_V, BLOCK_D, num_warps, num_stages, splits); splits 0: fit whole waves
@@ -253,7 +219,6 @@ def production(shape, out, n_override=None):
     from triton.testing import do_bench
 
     from hf_lsce import linear_cross_entropy
-    from hf_lsce.ops import forward as fw
 
     n, d, v = SHAPES[shape]
     n = n_override or n
@@ -328,7 +293,7 @@ def main():
     del zbuf
     cfg = forward_config(h.dtype, h.device)
     rows.append(dict(variant="production forward (autotuned)",
-                     ms=bench(lambda: triton_forward(h, w, None, y, None, cfg, stats=False))))
+                     ms=bench(lambda: fw.triton_forward(h, w, None, y, None, cfg, stats=False))))
     for r in rows:
         print(f"{r['variant']}: {r['ms']:.2f} ms ({r['ms'] / t_mm:.3f}x matmul)", flush=True)
     del h, w, y
