@@ -111,10 +111,10 @@ def repeat_check(n, d, v, times=5):
     return dict(check="repeat fwd+bwd bitwise identical", shape=(n, d, v), times=times, identical=same)
 
 
-def eval_check(sname, n, d, v, softcap, bias):
+def eval_check(sname, n, d, v, softcap, bias, dtype=torch.bfloat16):
     """Evaluation (no gradients): the fused forward kernel's loss and statistics against fp32 logits, and
     against the one-pass training path's loss on the same inputs."""
-    h, w, y, b = make_inputs(n, d, v, peaked=True, bias=bias, ignore_frac=0.2, seed=7)
+    h, w, y, b = make_inputs(n, d, v, peaked=True, bias=bias, ignore_frac=0.2, seed=7, dtype=dtype)
     ref = chunked_reference(h, w, y, b, 0.1, softcap, "mean", None, torch.float32)[0]
     lse_r, am_r, ent_r = [], [], []
     for s in range(0, n, 1024):
@@ -131,7 +131,8 @@ def eval_check(sname, n, d, v, softcap, bias):
         loss_s, st = linear_cross_entropy(h, w, y, bias=b, label_smoothing=0.1, softcap=softcap, return_stats=True)
     hh = h.clone().requires_grad_()
     train = linear_cross_entropy(hh, w, y, bias=b, label_smoothing=0.1, softcap=softcap)
-    return dict(check="evaluation forward", shape=sname, softcap=softcap, bias=bias,
+    return dict(check="evaluation forward", shape=sname, dtype=str(dtype).replace("torch.", ""), softcap=softcap,
+                bias=bias,
                 loss_err=rel(loss.float(), ref), stats_loss_err=rel(loss_s.float(), ref),
                 train_vs_eval=rel(train.detach().float(), loss.float()),
                 lse_err=rel(st.lse, torch.cat(lse_r)), entropy_err=rel(st.entropy, torch.cat(ent_r)),
@@ -185,8 +186,9 @@ def main():
     print(json.dumps(repeat), flush=True)
     evals = []
     for sname, (n, d, v) in shapes:
-        for softcap, bias in ((None, False), (30.0, True)):
-            evals.append(eval_check(sname, n, d, v, softcap, bias))
+        for softcap, bias, dt in ((None, False, torch.bfloat16), (30.0, True, torch.bfloat16),
+                                  (None, False, torch.float16)):
+            evals.append(eval_check(sname, n, d, v, softcap, bias, dt))
             print(json.dumps(evals[-1]), flush=True)
             torch.cuda.empty_cache()
     with open(args.out, "w") as f:

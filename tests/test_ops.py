@@ -441,3 +441,14 @@ def test_tma_kernel_only_for_aligned_rows():
     assert not tma_ready(cfg, hh.float()[:, 1:], ww.float())  # rows not contiguous
     lse = triton_forward(hh, ww, None, y.clamp(min=0), None, cfg, stats=False)[0]
     assert rel(lse, torch.logsumexp(hh.double() @ ww.double().T, -1)) < 1e-6
+
+
+@pytest.mark.parametrize("version,expected", [("3.3.1", False), ("3.4.0", True), ("3.6.0+git1234", True), ("4.0.0", True)])
+def test_tma_kernel_needs_triton_3_4(monkeypatch, version, expected):
+    """Older Tritons lack the host tensor descriptors the TMA kernel takes: they get the pointer kernel."""
+    import triton
+
+    from hf_lsce.ops import config
+
+    monkeypatch.setattr(triton, "__version__", version)
+    assert config._has_tensor_descriptors() is expected

@@ -53,11 +53,14 @@ def forward_config(dtype: torch.dtype, device: torch.device) -> KernelConfig:
 
 
 def _has_tensor_descriptors() -> bool:
+    """Host-side tensor descriptors as the TMA kernel uses them (``TensorDescriptor`` passed to a kernel,
+    ``desc.load``): Triton 3.4 and later (measured with 3.6 on an H100; the interpreter with 3.9)."""
     try:
         from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
     except ImportError:
         return False
-    return True
+    major, minor = (int(x) for x in triton.__version__.split(".")[:2])
+    return (major, minor) >= (3, 4)
 
 
 def backward_config(dtype: torch.dtype, device: torch.device) -> KernelConfig:
