@@ -452,3 +452,29 @@ def test_tma_kernel_needs_triton_3_4(monkeypatch, version, expected):
 
     monkeypatch.setattr(triton, "__version__", version)
     assert config._has_tensor_descriptors() is expected
+
+
+@pytest.mark.parametrize("shift", [False, True])
+def test_evaluation_loss_through_the_tma_kernel(monkeypatch, shift):
+    """The op as users call it for evaluation, with the forward config a Hopper GPU gets (the TMA kernel):
+    the loss equals fp64 cross-entropy of the materialised logits, also for a shifted (HF causal) batch
+    whose hidden rows are a strided view, and the TMA kernel is the one that ran."""
+    import dataclasses
+
+    from hf_lsce.ops import config, forward
+
+    real_cfg, real_ready = config.forward_config, forward.tma_ready
+    monkeypatch.setattr(config, "forward_config", lambda dt, dev: dataclasses.replace(real_cfg(dt, dev), tma=True))
+    used = []
+    monkeypatch.setattr(forward, "tma_ready", lambda *a: used.append(real_ready(*a)) or used[-1])
+    h, w, y, _ = make_inputs(n=2 * 19, d=40, v=203, seed=33, peaked=True)
+    hh = h.to(torch.bfloat16).reshape(2, 19, 40)
+    ww = w.to(torch.bfloat16)
+    yy = y.reshape(2, 19)
+    with torch.no_grad():
+        loss = linear_cross_entropy(hh, ww, yy, label_smoothing=0.1, shift=shift, backend="triton")
+    z = hh.double() @ ww.double().T
+    tgt = F.pad(yy, (0, 1), value=-100)[:, 1:] if shift else yy
+    ref = F.cross_entropy(z.reshape(-1, 203), tgt.reshape(-1), label_smoothing=0.1)
+    assert used and all(used)
+    assert rel(loss, ref) < 1e-6
