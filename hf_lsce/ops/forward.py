@@ -19,11 +19,13 @@ Two kernels compute the same statistics with the same epilogue (``_fold_tile``):
 * ``_lce_forward_tma_kernel`` (Hopper and newer, half precision): one flattened loop over
   (vocabulary tile, D step) pairs with TMA tensor-descriptor loads. The software pipeline runs across
   tile boundaries, so the next tile's loads are in flight while this tile's epilogue runs; with the
-  nested loop below, every tile restarted the pipeline. Measured on an H100 at the Gemma2-2B shape
-  (``benchmarks/forward_variants.py``): 15.3 ms against 19.3 ms for the nested kernel, 1.10 x one cuBLAS
-  logits matmul. Few vocabulary splits (about two waves of programs: 4 at N = 8192 on an H100) keep
-  many row blocks on one W tile at a time, so W is read from memory about once per wave (L2 reuse).
-* ``_lce_forward_kernel``: pointer loads and a nested loop (tile, then D); every other GPU and fp32.
+  nested loop below, every tile restarted the pipeline. Few vocabulary splits (about two waves of
+  programs, at least 2: 4 at N = 8192 on an H100) keep many row blocks on one W tile at a time, so W
+  is read from memory about once per wave. Measured on an H100 at the Gemma2-2B shape
+  (``benchmarks/forward_variants.py --production``): 14.4 ms against 19.3 ms for the nested kernel,
+  1.05 x one cuBLAS logits matmul. Needs Triton >= 3.4 and 16-byte aligned rows (``tma_ready``).
+* ``_lce_forward_kernel``: pointer loads and a nested loop (tile, then D), block sizes autotuned;
+  every other GPU, fp32, and inputs the TMA kernel cannot take.
 """
 from __future__ import annotations
 
