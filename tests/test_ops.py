@@ -478,3 +478,20 @@ def test_evaluation_loss_through_the_tma_kernel(monkeypatch, shift):
     ref = F.cross_entropy(z.reshape(-1, 203), tgt.reshape(-1), label_smoothing=0.1)
     assert used and all(used)
     assert rel(loss, ref) < 1e-6
+
+
+@pytest.mark.parametrize("major,smem,expected", [
+    (9, 232448, True),     # H100 / H200
+    (10, 232448, True),    # B200
+    (12, 101376, False),   # consumer Blackwell: TMA, but not the shared memory for 3 stages of 128 x 256 tiles
+    (8, 166912, False),    # A100: no TMA
+    (9, None, True),       # older torch without the property: Hopper assumed to have it
+    (12, None, False),
+])
+def test_tma_kernel_only_where_its_shared_memory_fits(major, smem, expected):
+    from types import SimpleNamespace
+
+    from hf_lsce.ops.config import tma_capable
+
+    props = SimpleNamespace(major=major) if smem is None else SimpleNamespace(major=major, shared_memory_per_block_optin=smem)
+    assert tma_capable(props) is expected

@@ -41,7 +41,7 @@ def forward_config(dtype: torch.dtype, device: torch.device) -> KernelConfig:
     sms = props.multi_processor_count
     if dtype == torch.float32:
         return KernelConfig(64, 64, 32, 4, 3, prec, 2 * sms)
-    if props.major >= 9 and torch.version.cuda is not None and _has_tensor_descriptors():
+    if torch.version.cuda is not None and tma_capable(props) and _has_tensor_descriptors():
         # The TMA kernel, one block shape: 128 x 256 x 64 tiles, 8 warps, 3 stages was the fastest candidate at
         # every shape and split count measured on an H100 (256 x 128, 128 x 128 and 4 stages were slower;
         # benchmarks/forward_variants.py --production). About two waves of programs: as few vocabulary splits
@@ -50,6 +50,22 @@ def forward_config(dtype: torch.dtype, device: torch.device) -> KernelConfig:
         # programs read no longer fit in L2: at N = 32768, 1 / 2 / 4 splits took 77.2 / 60.8 / 58.8 ms.
         return KernelConfig(128, 256, 64, 8, 3, prec, 2 * sms, min_splits=2, tma=True)
     return KernelConfig(128, 128, 64, 8, 3, prec, 2 * sms, autotune=True, min_splits=16)
+
+
+# Shared memory the TMA forward kernel needs per block: 3 stages of a 128 x 64 tile of h and a 256 x 64 tile
+# of W in 2-byte elements (144 KiB), plus the epilogue's reduction scratch.
+TMA_SMEM_BYTES = 200 * 1024
+
+
+def tma_capable(props) -> bool:
+    """Whether a GPU (``torch.cuda.get_device_properties``) can run the TMA forward kernel: TMA (compute
+    capability 9.0 or newer) and room for its shared memory. Consumer Blackwell (sm_120, about 100 KiB
+    per block) has TMA but not the room, and gets the pointer kernel. Without the shared-memory property
+    (older torch), the data-centre generations (9.x Hopper, 10.x Blackwell) are assumed to have it."""
+    if props.major < 9:
+        return False
+    smem = getattr(props, "shared_memory_per_block_optin", None)
+    return smem >= TMA_SMEM_BYTES if smem else props.major in (9, 10)
 
 
 def _has_tensor_descriptors() -> bool:
