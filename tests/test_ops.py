@@ -451,7 +451,11 @@ def test_tma_kernel_needs_triton_3_4(monkeypatch, version, expected):
     from hf_lsce.ops import config
 
     monkeypatch.setattr(triton, "__version__", version)
-    assert config._has_tensor_descriptors() is expected
+    config._has_tensor_descriptors.cache_clear()
+    try:
+        assert config._has_tensor_descriptors() is expected
+    finally:
+        config._has_tensor_descriptors.cache_clear()  # the next caller sees the real version
 
 
 @pytest.mark.parametrize("shift", [False, True])

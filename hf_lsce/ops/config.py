@@ -1,6 +1,7 @@
 """Block sizes of the Triton kernels, chosen per dtype and device."""
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -68,9 +69,11 @@ def tma_capable(props) -> bool:
     return smem >= TMA_SMEM_BYTES if smem else props.major in (9, 10)
 
 
+@functools.lru_cache(maxsize=None)
 def _has_tensor_descriptors() -> bool:
     """Host-side tensor descriptors as the TMA kernel uses them (``TensorDescriptor`` passed to a kernel,
-    ``desc.load``): Triton 3.4 and later (measured with 3.6 on an H100; the interpreter with 3.9)."""
+    ``desc.load``): Triton 3.4 and later (measured with 3.6 on an H100; the interpreter with 3.9).
+    Cached: ``forward_config`` asks on every call of the op."""
     try:
         from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
     except ImportError:

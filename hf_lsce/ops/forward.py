@@ -217,15 +217,18 @@ def tma_ready(config, *tensors) -> bool:
         and t.data_ptr() % 16 == 0 for t in tensors)
 
 
-def merge_splits(m, s, t, sz, zy, am):
-    """Merge per-split online-softmax states (splits, N) into per-token statistics (N,)."""
+def merge_splits(m, s, t, sz, zy, am, stats: bool = True):
+    """Merge per-split online-softmax states (splits, N) into per-token statistics (N,).
+    ``stats=False``: the kernel did not compute argmax and entropy; they are returned as zeros."""
     m_max, best = m.max(dim=0)
     scale = torch.exp(m - m_max[None, :])
     s_tot = (s * scale).sum(0)
-    t_tot = (t * scale).sum(0)
     lse = m_max + torch.log(s_tot)
-    entropy = lse - t_tot / s_tot
-    argmax = am.gather(0, best[None, :])[0].long()
+    if stats:
+        entropy = lse - (t * scale).sum(0) / s_tot
+        argmax = am.gather(0, best[None, :])[0].long()
+    else:
+        entropy, argmax = torch.zeros_like(lse), torch.zeros_like(best)
     return lse, zy.sum(0), sz.sum(0), argmax, entropy
 
 
@@ -256,7 +259,4 @@ def triton_forward(hidden, weight, bias, targets, softcap, config, stats: bool =
     else:
         args = (hidden, weight, *outs, hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), cap)
         launch(_lce_forward_kernel, _lce_forward_autotuned, config, grid, args, flags)
-    lse, zy_, sz_, argmax, entropy = merge_splits(m, s, t, sz, zy, am)
-    if not stats:
-        argmax, entropy = torch.zeros_like(argmax), torch.zeros_like(entropy)
-    return lse, zy_, sz_, argmax, entropy
+    return merge_splits(m, s, t, sz, zy, am, stats)

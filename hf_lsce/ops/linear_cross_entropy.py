@@ -153,7 +153,6 @@ def _validate(hidden, weight, targets, bias, label_smoothing, ignore_index, redu
         raise TypeError(f"label_smoothing must be a float in [0, 1] or a tensor, got {label_smoothing!r}.")
 
 
-
 def _check_targets(targets, vocab_size: int, ignore_index: int) -> None:
     """The last of ``_validate``'s checks: every target in [0, V) or ``ignore_index``. It reads the targets
     on the host (one synchronisation), so the op calls it last, right before launching the kernels: the
