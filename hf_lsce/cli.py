@@ -53,9 +53,9 @@ def _cmd_check(args) -> int:
 
 
 def _cmd_run(args) -> int:
-    from .run import run_script
+    from .run import main as run_main
 
-    run_script(args.script, args.script_args)
+    run_main((["-m", args.module] if args.module else [args.script]) + list(args.script_args))
     return 0
 
 
@@ -316,15 +316,25 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--plot", default=None, help="write the entropy-gap figure (PNG) with this model marked")
     g.set_defaults(func=_cmd_diagnose)
     r = sub.add_parser("run", help="run an unmodified HF/TRL training script with the patch applied",
-                       description="Patch every supported model class, then run SCRIPT with ARGS; its "
-                                   "--label_smoothing_factor drives the fused op.")
-    r.add_argument("script")
+                       usage="hf-lsce run SCRIPT.py [ARGS...] | hf-lsce run -m MODULE [ARGS...]",
+                       description="Patch every supported model class, then run SCRIPT (or -m MODULE, e.g. "
+                                   "trl.scripts.sft) with ARGS; its --label_smoothing_factor (or the environment's "
+                                   "HF_LSCE_LABEL_SMOOTHING) drives the fused op, checked at every training step.")
+    r.add_argument("-m", dest="module", default=None, help="run a module as __main__ (like python -m)")
+    r.add_argument("script", nargs="?", default=None)
     r.add_argument("script_args", nargs=argparse.REMAINDER)
     r.set_defaults(func=_cmd_run)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["run"] and argv[1:2] not in (["-h"], ["--help"]):
+        # everything after `run` belongs to the script (its own -h, --flags, ...): no parsing here
+        from .run import main as run_main
+
+        run_main(argv[1:])
+        return 0
     args = build_parser().parse_args(argv)
     return args.func(args)
 

@@ -1,9 +1,13 @@
 """Run an unmodified HF / TRL training script with every supported model class patched.
 
     hf-lsce run train.py --label_smoothing_factor 0.1 ...
-    python -m hf_lsce.run train.py --label_smoothing_factor 0.1 ...
+    hf-lsce run -m trl.scripts.sft --model_name_or_path ... --label_smoothing_factor 0.1 ...
+    python -m hf_lsce.run train.py ...
 
-The script's own ``--label_smoothing_factor`` then drives the fused op (see hf_lsce.patching.trainer).
+The script's own ``--label_smoothing_factor`` then drives the fused op (see hf_lsce.patching.trainer);
+``HF_LSCE_LABEL_SMOOTHING=b`` in the environment fixes b instead (for scripts without the flag, or TRL
+without its deprecated one). Every training step checks that the fused op ran; the log says so after the
+first one.
 """
 from __future__ import annotations
 
@@ -12,33 +16,75 @@ import os
 import runpy
 import sys
 
+USAGE = "usage: hf-lsce run SCRIPT.py [ARGS...]  |  hf-lsce run -m MODULE [ARGS...]"
 
-def run_script(script: str, args: list[str]) -> None:
-    from .patching import apply_lsce_patch
 
-    if not os.path.isfile(script):
-        raise SystemExit(f"hf-lsce run: no such script: {script}")
+def _setup_logging() -> None:
     log = logging.getLogger("hf_lsce")
     if not log.handlers:
         h = logging.StreamHandler()
         h.setFormatter(logging.Formatter("[hf_lsce] %(message)s"))
         log.addHandler(h)
         log.setLevel(logging.INFO)
-    apply_lsce_patch()
-    log.info("patched every supported model class; the script's --label_smoothing_factor drives the fused op")
-    sys.argv = [script, *args]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-    runpy.run_path(script, run_name="__main__")
+        log.propagate = False
+
+
+def _smoothing_from_env() -> float | None:
+    raw = os.environ.get("HF_LSCE_LABEL_SMOOTHING")
+    if raw in (None, ""):
+        return None
+    try:
+        return float(raw)
+    except ValueError:
+        raise SystemExit(f"hf-lsce run: HF_LSCE_LABEL_SMOOTHING must be a number in [0, 1], got {raw!r}.") from None
+
+
+def run_script(script: str, args: list[str], module: bool = False) -> None:
+    """Patch every supported class, then run ``script`` (a path, or a module name if ``module``) as
+    ``__main__`` with ``args`` as its command line."""
+    from .patching import apply_lsce_patch
+
+    _setup_logging()
+    if module:
+        import importlib.util
+
+        try:
+            found = importlib.util.find_spec(script)
+        except (ImportError, ValueError):
+            found = None
+        if found is None:
+            raise SystemExit(f"hf-lsce run: no module named {script!r} (is its package installed?)")
+    elif not os.path.isfile(script):
+        raise SystemExit(f"hf-lsce run: no such script: {script}")
+    b = _smoothing_from_env()
+    try:
+        apply_lsce_patch(label_smoothing=b)
+    except (TypeError, ValueError) as e:
+        raise SystemExit(f"hf-lsce run: HF_LSCE_LABEL_SMOOTHING: {e}") from None
+    src = f"HF_LSCE_LABEL_SMOOTHING={b}" if b is not None else "the script's --label_smoothing_factor"
+    logging.getLogger("hf_lsce").info("patched every supported model class; %s drives the fused op", src)
+    if module:
+        sys.argv = [script, *args]
+        runpy.run_module(script, run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = [script, *args]
+        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+        runpy.run_path(script, run_name="__main__")
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv:
-        raise SystemExit(__doc__)
+        raise SystemExit(f"{USAGE}\n\n{__doc__}")
     if argv[0] in ("-h", "--help"):
-        sys.stdout.write(__doc__)
+        sys.stdout.write(f"{USAGE}\n\n{__doc__}")
         raise SystemExit(0)
-    run_script(argv[0], argv[1:])
+    if argv[0] == "-m":
+        if len(argv) < 2:
+            raise SystemExit(f"hf-lsce run: -m needs a module name. {USAGE}")
+        run_script(argv[1], argv[2:], module=True)
+    else:
+        run_script(argv[0], argv[1:])
 
 
 if __name__ == "__main__":

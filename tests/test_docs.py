@@ -70,6 +70,14 @@ def reader_namespace(work: Path) -> dict:
     )
 
 
+@pytest.fixture(autouse=True)
+def _unpatch():
+    yield
+    from hf_lsce import revert_lsce_patch
+
+    revert_lsce_patch()  # a snippet may patch every class
+
+
 @pytest.mark.parametrize("page", [p for p in PAGES if snippets(p)], ids=lambda p: p.name)
 def test_page_snippets_run(page, scratch, monkeypatch):
     monkeypatch.chdir(scratch)

@@ -1,10 +1,5 @@
 """apply_lsce_patch against the unpatched model, HF's own loss and HF's LabelSmoother (CPU, fp32)."""
 import copy
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -136,8 +131,7 @@ class _BiggestTensor(TorchDispatchMode):
 def test_no_logits_built_in_patched_training(monkeypatch):
     """The lm_head module is never called and no tensor of N x V elements exists."""
     big_v = 1009  # large enough that N x V dwarfs every backbone activation
-    monkeypatch.setattr(reference.torch_forward, "__defaults__", (8 * big_v,))  # fallback: 8 rows at a time
-    monkeypatch.setattr(reference.torch_backward, "__defaults__", (8 * big_v,))
+    monkeypatch.setattr(reference, "_CHUNK_ELEMENTS", 8 * big_v)  # fallback: 8 rows at a time
     model = apply_lsce_patch(tiny("llama", vocab_size=big_v), label_smoothing=0.1)
     calls = []
     model.lm_head.register_forward_hook(lambda *a: calls.append(1))
@@ -328,19 +322,6 @@ def test_sft_trainer_smoothing_metrics_and_no_logits(tmp_path):
     assert logs and all(k in logs[0] for k in ("entropy", "mean_token_accuracy"))
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in logs)
     assert not calls, "lm_head called in train"
-
-
-def test_run_launcher_drives_stock_script(tmp_path):
-    script = Path(__file__).parent.parent / "examples" / "stock_trainer_script.py"
-    env = dict(os.environ, TRANSFORMERS_VERBOSITY="info", CUDA_VISIBLE_DEVICES="")
-    res = subprocess.run([sys.executable, "-m", "hf_lsce.run", str(script), "--output_dir", str(tmp_path),
-                          "--label_smoothing_factor", "0.1", "--max_steps", "2", "--per_device_train_batch_size", "4",
-                          "--report_to", "none", "--use_cpu", "--logging_steps", "1", "--save_strategy", "no"],
-                         capture_output=True, text=True, env=env, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert "trains through the fused op, label_smoothing=0.1" in res.stderr + res.stdout
-    state = json.loads((tmp_path / "trainer_state.json").read_text()) if (tmp_path / "trainer_state.json").exists() else None
-    assert (tmp_path / "model.safetensors").exists() or state is not None
 
 
 def test_gemma3_conditional_generation_text_path():

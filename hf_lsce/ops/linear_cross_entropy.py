@@ -202,7 +202,8 @@ def dense_backward(hidden, weight, bias, targets, lse, grad, smoothing, softcap,
 
         return triton_backward_dense(hidden, weight, bias, targets, lse, grad, smoothing, softcap,
                                      backward_config(hidden.dtype, hidden.device), need_dh=need_dh, need_dw=need_dw)
-    return reference.torch_backward(hidden, weight, bias, targets, lse, grad, smoothing, softcap)
+    return reference.torch_backward(hidden, weight, bias, targets, lse, grad, smoothing, softcap,
+                                    need_dh=need_dh, need_dw=need_dw)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):

@@ -15,8 +15,11 @@ import torch
 _CHUNK_ELEMENTS = 1 << 24
 
 
-def chunk_rows(n: int, v: int, chunk_elements: int = _CHUNK_ELEMENTS) -> int:
-    """Rows per chunk so that one chunk of logits holds about ``chunk_elements`` values."""
+def chunk_rows(n: int, v: int, chunk_elements: int | None = None) -> int:
+    """Rows per chunk so that one chunk of logits holds about ``chunk_elements`` values (default
+    ``_CHUNK_ELEMENTS``, read at call time)."""
+    if chunk_elements is None:
+        chunk_elements = _CHUNK_ELEMENTS
     return max(1, min(n, chunk_elements // max(v, 1)))
 
 
@@ -40,7 +43,7 @@ def torch_forward(
     bias: torch.Tensor | None,
     targets: torch.Tensor,
     softcap: float | None,
-    chunk_elements: int = _CHUNK_ELEMENTS,
+    chunk_elements: int | None = None,
 ):
     """Per-token (lse, target logit, sum of logits, argmax, entropy) for 2-D ``hidden`` (N, D).
 
@@ -81,19 +84,22 @@ def torch_backward(
     grad: torch.Tensor,
     smoothing: torch.Tensor,
     softcap: float | None,
-    chunk_elements: int = _CHUNK_ELEMENTS,
+    chunk_elements: int | None = None,
+    need_dh: bool = True,
+    need_dw: bool = True,
 ):
     """Gradients of ``sum_n grad_n * loss_n`` with respect to hidden, weight and bias.
 
     ``grad`` (N,) is the upstream gradient of each token's loss (0 for ignored tokens),
-    ``smoothing`` (N,) each token's smoothing factor. Returns fp32 (fp64) gradients.
+    ``smoothing`` (N,) each token's smoothing factor. Returns fp32 (fp64) gradients; ``dh`` / ``dw`` are
+    None when not needed (a frozen LM head computes no dW).
     """
     n, v = hidden.shape[0], weight.shape[0]
     cd = _compute_dtype(hidden)
     w = weight.to(cd)
     b = bias.to(cd) if bias is not None else None
-    dh = torch.empty(hidden.shape, dtype=cd, device=hidden.device)
-    dw = torch.zeros(weight.shape, dtype=cd, device=hidden.device)
+    dh = torch.empty(hidden.shape, dtype=cd, device=hidden.device) if need_dh else None
+    dw = torch.zeros(weight.shape, dtype=cd, device=hidden.device) if need_dw else None
     db = torch.zeros(v, dtype=cd, device=hidden.device) if bias is not None else None
     step = chunk_rows(n, v, chunk_elements)
     for s in range(0, n, step):
@@ -110,8 +116,10 @@ def torch_backward(
         if t is not None:
             g *= 1.0 - t * t
         g *= grad[s:e, None].to(cd)
-        dh[s:e] = g @ w
-        dw += g.T @ h
+        if need_dh:
+            dh[s:e] = g @ w
+        if need_dw:
+            dw += g.T @ h
         if db is not None:
             db += g.sum(0)
     return dh, dw, db

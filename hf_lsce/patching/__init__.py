@@ -7,37 +7,46 @@ is harmless; ``revert_lsce_patch`` restores the originals.
 """
 from __future__ import annotations
 
-import functools
+import math
+import numbers
 import types
 
-from .forward import ORIGINAL_CLASS_FORWARDS, lsce_forward
-from .models import MODEL_TABLE, check_supported, family_classes, supported_message
+import torch
+
+from .forward import ENGAGEMENT, ORIGINAL_CLASS_FORWARDS, is_ours, make_patched_forward
+from .models import MODEL_TABLE, check_supported, family_classes, supported_message, unwrap_model
 from .trainer import install_trainer_hooks, remove_trainer_hooks, route_smoothing
 
 _SETTINGS = ("_lsce_label_smoothing", "_lsce_explicit_smoothing", "_lsce_fused_eval_loss")
 
 
-def _patched_function(like):
-    @functools.wraps(like)
-    def forward(self, *args, **kwargs):
-        return lsce_forward(self, *args, **kwargs)
-    forward._lsce = True
-    return forward
+def _class_patched(cls: type) -> bool:
+    return cls in ORIGINAL_CLASS_FORWARDS and is_ours(cls.__dict__.get("forward"))
 
 
 def is_patched(model) -> bool:
-    """True if ``model``'s forward is hf_lsce's (instance or class patch)."""
-    if "_lsce_original_forward" in model.__dict__:
-        return True  # instance patch, possibly wrapped since (TRL's fused head)
-    fwd = model.__dict__.get("forward")
-    if fwd is not None:
-        return bool(getattr(getattr(fwd, "__func__", fwd), "_lsce", False))
-    return any(cls in ORIGINAL_CLASS_FORWARDS for cls in type(model).__mro__)
+    """True if ``model`` (or the causal LM under its PEFT / DDP / compile wrappers) carries hf_lsce's patch,
+    on the instance or on its class. Recognised by identity, so wrappers that copy a forward's attributes
+    (TRL's fused LM head, accelerate's mixed-precision wrapper) neither hide the patch nor fake it. Whether
+    a training step really ran through the fused op is checked at run time by the Trainer hooks."""
+    if not isinstance(model, torch.nn.Module):
+        return False
+    target = unwrap_model(model)
+    if "_lsce_original_forward" in target.__dict__:
+        return True
+    return any(_class_patched(cls) for cls in type(target).__mro__)
 
 
 def _validate_smoothing(label_smoothing):
-    if label_smoothing is not None and (isinstance(label_smoothing, bool) or not 0.0 <= float(label_smoothing) <= 1.0):
+    if label_smoothing is None:
+        return None
+    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, numbers.Real):
+        raise TypeError(f"label_smoothing must be None or a float in [0, 1], got {label_smoothing!r} "
+                        f"({type(label_smoothing).__name__}).")
+    b = float(label_smoothing)
+    if not (math.isfinite(b) and 0.0 <= b <= 1.0):
         raise ValueError(f"label_smoothing must be None or a float in [0, 1], got {label_smoothing!r}.")
+    return b
 
 
 def apply_lsce_patch(model=None, *, model_type: str | None = None, label_smoothing: float | None = None,
@@ -45,43 +54,55 @@ def apply_lsce_patch(model=None, *, model_type: str | None = None, label_smoothi
     """Make supported causal LMs compute their training loss with the fused op.
 
     Args:
-        model: a model instance to patch; None patches the classes of every supported family
-            (or only ``model_type``'s).
+        model: a model instance to patch (a PEFT ``PeftModel`` or a wrapped model patches the causal LM
+            inside it); None patches the classes of every supported family (or only ``model_type``'s), so
+            models created afterwards are patched too.
         model_type: restrict the class patch to one family (e.g. ``"llama"``).
         label_smoothing: fixed smoothing b. None: take the Trainer's ``label_smoothing_factor``
-            (or 0 outside a Trainer). A float set here wins over the Trainer's flag.
+            (or 0 outside a Trainer). A float set here wins over the Trainer's flag, and drives TRL's
+            ``SFTTrainer`` without its deprecated ``label_smoothing_factor``.
         fused_eval_loss: also compute the evaluation loss (model in eval mode, labels given) with the
             fused op; the outputs then carry no logits.
 
-    Returns the model (or None for a class patch). Raises ValueError for unsupported models.
+    Returns the model (or None for a class patch). Raises ValueError for unsupported models, TypeError for
+    arguments of the wrong kind.
     """
-    _validate_smoothing(label_smoothing)
+    b = _validate_smoothing(label_smoothing)
+    if not isinstance(fused_eval_loss, bool):
+        raise TypeError(f"fused_eval_loss must be True or False, got {fused_eval_loss!r}.")
+    if model_type is not None and not isinstance(model_type, str):
+        raise TypeError(f"model_type must be a string such as 'llama', got {model_type!r}.")
     if model is not None:
-        if model_type is not None and getattr(model.config, "model_type", None) != model_type:
-            raise ValueError(f"model_type={model_type!r} does not match the model's {model.config.model_type!r}.")
-        check_supported(model)
-        if not (model.__dict__.get("forward") is not None and is_patched(model)):
-            model._lsce_original_forward = model.forward
-            model.forward = types.MethodType(_patched_function(type(model).forward), model)
-        target = model
+        if isinstance(model, (str, bytes)) or not isinstance(model, torch.nn.Module):
+            raise TypeError(
+                f"model must be a loaded transformers model (or None to patch the classes), got {type(model).__name__} "
+                f"{model!r:.80}. Load it first, e.g. apply_lsce_patch(AutoModelForCausalLM.from_pretrained(name)).")
+        target = unwrap_model(model)
+        if not hasattr(target, "config"):
+            raise TypeError(f"model must be a transformers causal LM with a .config; got {type(target).__name__}.")
+        if model_type is not None and getattr(target.config, "model_type", None) != model_type:
+            raise ValueError(f"model_type={model_type!r} does not match the model's {target.config.model_type!r}.")
+        check_supported(target)
+        if "_lsce_original_forward" not in target.__dict__:
+            target._lsce_had_instance_forward = "forward" in target.__dict__
+            target._lsce_original_forward = target.forward
+            target.forward = types.MethodType(make_patched_forward(type(target).forward), target)
+        if b is not None:
+            target._lsce_label_smoothing = b
+            target._lsce_explicit_smoothing = b
+        target._lsce_fused_eval_loss = fused_eval_loss
     else:
         types_ = [model_type] if model_type is not None else list(MODEL_TABLE)
         for mt in types_:
             for cls in family_classes(mt):
                 if cls not in ORIGINAL_CLASS_FORWARDS:
-                    ORIGINAL_CLASS_FORWARDS[cls] = cls.forward
-                    cls.forward = _patched_function(cls.forward)
-                if label_smoothing is not None:
-                    cls._lsce_label_smoothing = float(label_smoothing)
-                    cls._lsce_explicit_smoothing = float(label_smoothing)
+                    ORIGINAL_CLASS_FORWARDS[cls] = cls.__dict__["forward"]
+                    cls.forward = make_patched_forward(cls.__dict__["forward"])
+                if b is not None:
+                    cls._lsce_label_smoothing = b
+                    cls._lsce_explicit_smoothing = b
                 if fused_eval_loss:
                     cls._lsce_fused_eval_loss = True
-        target = None
-    if target is not None:
-        if label_smoothing is not None:
-            target._lsce_label_smoothing = float(label_smoothing)
-            target._lsce_explicit_smoothing = float(label_smoothing)
-        target._lsce_fused_eval_loss = bool(fused_eval_loss)
     install_trainer_hooks()
     return model
 
@@ -89,11 +110,21 @@ def apply_lsce_patch(model=None, *, model_type: str | None = None, label_smoothi
 def revert_lsce_patch(model=None, *, model_type: str | None = None) -> None:
     """Undo :func:`apply_lsce_patch`: for one instance, or (no model) for the classes and Trainer hooks."""
     if model is not None:
-        if "_lsce_original_forward" in model.__dict__:
-            del model.__dict__["forward"]
-            del model.__dict__["_lsce_original_forward"]
+        target = unwrap_model(model) if isinstance(model, torch.nn.Module) else model
+        d = getattr(target, "__dict__", {})
+        if "_lsce_original_forward" in d:
+            if not is_ours(d.get("forward")):
+                raise RuntimeError(
+                    f"the forward of this {type(target).__name__} was wrapped after patching (by accelerate's "
+                    "mixed-precision wrapper or another library); reverting would drop that wrapper. Revert before "
+                    "handing the model to a Trainer / Accelerator, or unwrap it first.")
+            original = d.pop("_lsce_original_forward")
+            if d.pop("_lsce_had_instance_forward", False):
+                target.forward = original  # e.g. TRL's fused LM head from before the patch
+            else:
+                del d["forward"]
         for attr in _SETTINGS:
-            model.__dict__.pop(attr, None)
+            d.pop(attr, None)
         return
     for cls in list(ORIGINAL_CLASS_FORWARDS):
         if model_type is None or cls in family_classes(model_type):
@@ -106,4 +137,4 @@ def revert_lsce_patch(model=None, *, model_type: str | None = None) -> None:
 
 
 __all__ = ["apply_lsce_patch", "revert_lsce_patch", "is_patched", "route_smoothing", "supported_message",
-           "MODEL_TABLE"]
+           "MODEL_TABLE", "ENGAGEMENT", "unwrap_model"]

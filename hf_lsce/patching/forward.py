@@ -12,6 +12,8 @@ per-token ``log_probs``, ``entropy``, ``is_top1`` and ``label_mask`` from the op
 from __future__ import annotations
 
 import inspect
+import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +27,65 @@ from .models import check_supported, output_head, softcap_of
 
 # Registry of original forwards of patched classes (class -> function).
 ORIGINAL_CLASS_FORWARDS: dict[type, Any] = {}
+
+# The forward functions hf_lsce created, recognised by identity: wrappers built with functools.wraps
+# (TRL's fused LM head, torch.autocast, accelerate) copy a function's attributes, so a marker
+# attribute would be taken for ours; membership in this set cannot be copied.
+_OUR_FORWARDS: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def make_patched_forward(like):
+    """A new function with ``like``'s name and signature that runs :func:`lsce_forward`."""
+    def forward(self, *args, **kwargs):
+        return lsce_forward(self, *args, **kwargs)
+    forward.__name__, forward.__qualname__ = like.__name__, getattr(like, "__qualname__", like.__name__)
+    forward.__doc__, forward.__module__ = like.__doc__, like.__module__
+    forward.__wrapped__ = like  # inspect.signature (the Trainer's loss-kwargs check, generate) reads like's
+    _OUR_FORWARDS.add(forward)
+    return forward
+
+
+def is_ours(fn) -> bool:
+    """True if ``fn`` (a function or a bound method) is a forward hf_lsce created."""
+    fn = getattr(fn, "__func__", fn)
+    try:
+        return fn in _OUR_FORWARDS
+    except TypeError:  # not weak-referenceable: not ours
+        return False
+
+
+class Engagement:
+    """What the patched forward did, counted process-wide (thread-safe: DataParallel replicas run in
+    threads). The Trainer hooks read it around each training ``compute_loss`` to prove the fused op ran
+    with the requested smoothing, and to say why when it did not."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.fused_calls = 0
+        self.smoothing: list[float] = []  # b of the fused calls since the last start() (bounded)
+        self.seen: set[float] = set()  # every b the fused op trained with in this process
+        self.last_unfused_reason: str | None = None
+
+    def record_fused(self, b: float) -> None:
+        with self._lock:
+            self.fused_calls += 1
+            self.seen.add(b)
+            if len(self.smoothing) < 64:
+                self.smoothing.append(b)
+
+    def record_unfused(self, reason: str) -> None:
+        with self._lock:
+            self.last_unfused_reason = reason
+
+    def start(self) -> int:
+        """Begin a watched call; returns the count to compare with after it."""
+        with self._lock:
+            self.smoothing.clear()
+            self.last_unfused_reason = None
+            return self.fused_calls
+
+
+ENGAGEMENT = Engagement()
 
 
 @dataclass
@@ -45,14 +106,19 @@ class FusedCausalLMOutput(ModelOutput):
 
 
 def original_forward(model):
-    """The unpatched forward of ``model``, bound to it."""
+    """The unpatched forward of ``model``, bound to it: the instance's forward from before an instance
+    patch (which may be another wrapper, e.g. TRL's fused LM head), else the class's original. Never
+    one of ours (a class patch under an instance patch would otherwise recurse)."""
     inst = model.__dict__.get("_lsce_original_forward")
-    if inst is not None:
+    if inst is not None and not is_ours(inst):
         return inst
     for cls in type(model).__mro__:
         if cls in ORIGINAL_CLASS_FORWARDS:
             return ORIGINAL_CLASS_FORWARDS[cls].__get__(model, type(model))
-    return type(model).forward.__get__(model, type(model))
+    fwd = type(model).forward
+    if is_ours(fwd):  # pragma: no cover - a class patch always registers its original
+        raise RuntimeError(f"hf_lsce lost the original forward of {type(model).__name__}; call revert_lsce_patch().")
+    return fwd.__get__(model, type(model))
 
 
 def _as_kwargs(model, args, kwargs):
@@ -75,6 +141,15 @@ def smoothing_of(model, label_smoothing) -> float:
     return float(b) if b is not None else 0.0
 
 
+def _unfused_reason(model, has_labels, keep_all) -> str:
+    if not has_labels:
+        return ("the model was called without labels, so no loss was asked of it (a Trainer whose label_smoother or "
+                "compute_loss_func is set pops the labels and computes the loss from full logits)")
+    if not keep_all:
+        return "logits_to_keep was set, which asks for logits"
+    return "the model was in evaluation mode"  # pragma: no cover - training calls reach here only as above
+
+
 def lsce_forward(self, *args, **kwargs):
     kwargs = _as_kwargs(self, args, kwargs)
     labels = kwargs.pop("labels", None)
@@ -91,6 +166,8 @@ def lsce_forward(self, *args, **kwargs):
     if not fused:
         if fused_lm_head:
             raise ValueError("fused_lm_head=True needs labels (or shift_labels) and logits_to_keep=0.")
+        if self.training and torch.is_grad_enabled():
+            ENGAGEMENT.record_unfused(_unfused_reason(self, has_labels, keep_all))
         orig = original_forward(self)
         if not has_labels or b == 0.0:
             if labels is not None:
@@ -109,7 +186,8 @@ def lsce_forward(self, *args, **kwargs):
             shift_labels = F.pad(labels, (0, 1), value=-100)[..., 1:]
         tok = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), shift_labels.reshape(-1).to(logits.device),
                               ignore_index=-100, label_smoothing=b, reduction="sum")
-        out.loss = divide_summed_loss(tok, num_items, (shift_labels != -100).sum())
+        loss = divide_summed_loss(tok, num_items, (shift_labels != -100).sum())
+        out = type(out)(loss=loss, **{k: v for k, v in out.items() if k != "loss"})  # loss first, as HF orders it
         return out if return_dict is not False else out.to_tuple()
 
     check_supported(self)  # fail closed on configs the op cannot reproduce (the class patch checks here)
@@ -130,7 +208,9 @@ def lsce_forward(self, *args, **kwargs):
         return linear_cross_entropy(hidden, weight, targets, bias=bias, reduction="none", return_stats=True,
                                     **op_kwargs)
 
-    result = call_head(head, head_loss, backbone_out.last_hidden_state, targets)
+    result = _call_head_eagerly(head, head_loss, backbone_out.last_hidden_state, targets)
+    if self.training and torch.is_grad_enabled():
+        ENGAGEMENT.record_fused(b)
     if not fused_lm_head:
         out = CausalLMOutputWithPast(loss=result, logits=None, past_key_values=backbone_out.past_key_values,
                                      hidden_states=backbone_out.hidden_states, attentions=backbone_out.attentions)
@@ -144,6 +224,14 @@ def lsce_forward(self, *args, **kwargs):
         loss=loss, log_probs=-tok[cut], entropy=stats.entropy[cut] * mask, label_mask=mask,
         is_top1=(stats.argmax[cut] == targets[cut]) & mask,
         past_key_values=None, hidden_states=backbone_out.hidden_states, attentions=backbone_out.attentions)
+
+
+def _eager(fn):
+    """``fn`` run outside torch.compile's tracing: the op is Triton kernels (or the chunked fallback) with a
+    host-side target check; compiling it buys nothing and would graph-break anyway. The backbone around it
+    still compiles."""
+    disable = getattr(getattr(torch, "compiler", None), "disable", None)
+    return disable(fn) if disable is not None else fn
 
 
 def call_head(head: torch.nn.Module, fn, hidden: torch.Tensor, targets: torch.Tensor):
@@ -176,3 +264,6 @@ def _is_fsdp_unit(module: torch.nn.Module) -> bool:
     except ImportError:  # pragma: no cover - torch without FSDP2
         return False
     return isinstance(module, FSDPModule)
+
+
+_call_head_eagerly = _eager(call_head)

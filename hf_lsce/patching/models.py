@@ -62,9 +62,20 @@ def softcap_of(model) -> float | None:
 
 
 def output_head(model) -> torch.nn.Module:
+    """The module whose weight (and bias) the op uses: the lm_head, or under PEFT's
+    ``modules_to_save=["lm_head"]`` the trainable copy of the active adapter (the original when adapters are
+    disabled), exactly the module PEFT's wrapper would call."""
     head = model.get_output_embeddings()
     if head is None:
         raise ValueError(f"{type(model).__name__} has no output embeddings (lm_head); nothing to fuse.")
+    if hasattr(head, "modules_to_save") and hasattr(head, "original_module"):  # peft ModulesToSaveWrapper
+        active = list(getattr(head, "active_adapters", []) or [])
+        if head.disable_adapters or not active or any(a not in head.modules_to_save for a in active):
+            return head.original_module
+        if len(active) > 1:
+            raise ValueError(f"the lm_head has {len(active)} active modules_to_save adapters {active}; hf_lsce uses one "
+                             "head. Activate one adapter (model.set_adapter(name)).")
+        return head.modules_to_save[active[0]]
     return head
 
 
@@ -74,6 +85,25 @@ def own_class(module) -> type:
     into an ``FSDPLinear``)."""
     return next((c for c in type(module).__mro__ if not c.__module__.startswith("torch.distributed")),
                 type(module))
+
+
+def unwrap_model(model):
+    """The causal LM under the wrappers users train through: ``torch.compile`` (``_orig_mod``), PEFT
+    (``get_base_model()``), DDP / DataParallel / FSDP1 (``.module``). Decided by type, not by attribute
+    lookups, which PEFT forwards to the wrapped model."""
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    m = model
+    for _ in range(16):
+        if isinstance(m._modules.get("_orig_mod"), torch.nn.Module):
+            m = m._modules["_orig_mod"]
+        elif callable(getattr(type(m), "get_base_model", None)):
+            m = m.get_base_model()
+        elif isinstance(m, (DistributedDataParallel, DataParallel)) or type(m).__name__ == "FullyShardedDataParallel":
+            m = m.module
+        else:
+            break
+    return m
 
 
 def check_supported(model) -> FamilySpec:
@@ -104,8 +134,13 @@ def check_supported(model) -> FamilySpec:
             "(Gemma3ForCausalLM) or set text_config.final_logit_softcapping = None.")
     head = output_head(model)
     if own_class(head) is not torch.nn.Linear:  # FSDPLinear (a separately wrapped head) is one
+        if hasattr(head, "lora_A") or hasattr(head, "base_layer"):
+            raise ValueError(
+                f"the lm_head carries a PEFT adapter ({type(head).__module__}.{type(head).__name__}); hf_lsce computes "
+                "the loss from the head's weight and cannot apply an adapter to it. Keep \"lm_head\" out of the "
+                "LoRA target_modules; to train the head, use modules_to_save=[\"lm_head\"] (supported exactly).")
         raise ValueError(
-            f"the lm_head is a {type(head).__module__}.{type(head).__name__}, not a plain nn.Linear (a LoRA or "
-            "quantised head?). hf_lsce cannot reproduce it exactly: keep the lm_head out of the adapter's "
-            "target_modules, or merge the adapter, then patch.")
+            f"the lm_head is a {type(head).__module__}.{type(head).__name__}, not a plain nn.Linear (a quantised "
+            "or wrapped head?). hf_lsce cannot reproduce it exactly: keep the lm_head a plain nn.Linear "
+            "(unquantised, not an adapter's target), then patch.")
     return spec

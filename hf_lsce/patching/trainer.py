@@ -1,96 +1,246 @@
-"""Trainer / SFTTrainer glue: ``label_smoothing_factor`` drives the fused op.
+"""Trainer / SFTTrainer glue: ``label_smoothing_factor`` (or ``apply_lsce_patch(label_smoothing=b)``) drives
+the fused op, and every training step proves that it did.
 
 Unpatched, ``Trainer`` with ``label_smoothing_factor=b`` pops the labels, builds the full logits and
 applies its ``LabelSmoother``; TRL's ``SFTTrainer`` does the same and runs a second, fused forward for
-its metrics. With a patched model we hand b to the model instead and switch the ``LabelSmoother``
-off, so the labels reach the patched forward, the loss is ``sum / num_items_in_batch`` (exact under
-gradient accumulation) and no logits are built. TRL's own fused LM head, which it installs on the
-instance and which has no smoothing, is removed so that its ``fused_lm_head=True`` calls reach ours.
+its metrics. With a patched model the hook on ``compute_loss`` (the point where the loss is computed)
+hands b to the model and switches the ``LabelSmoother`` off, so the labels reach the patched forward,
+the loss is ``sum / num_items_in_batch`` (exact under gradient accumulation) and no logits are built.
+
+Engagement is checked, not assumed: around each training ``compute_loss`` the hook counts the fused
+calls of the patched forward. If none ran, or one ran with another smoothing than the one asked for,
+training stops with the reason (b > 0: the loss would be wrong or silently unfused) or warns once
+(b = 0: the loss is Hugging Face's own, only the memory saving is lost).
+
+TRL: ``SFTTrainer`` installs its own fused LM head on the model (``add_fused_lm_head``), which has no
+smoothing and, built with ``functools.wraps``, looks like the forward it wraps. For a patched model the
+hook skips it, because the patched forward answers TRL's ``fused_lm_head=True`` protocol itself (per-token
+``log_probs`` = minus the smoothed loss, ``entropy``, ``is_top1``), so TRL's loss, ``entropy`` and
+``mean_token_accuracy`` logs come from the fused op. TRL's warning that ``label_smoothing_factor`` costs
+an extra forward pass is replaced by one accurate line when the patch handles the smoothing.
 """
 from __future__ import annotations
 
 import functools
-import types
-
 import logging
+import warnings
+
+import torch
 
 logger = logging.getLogger(__name__)
 
-# class -> original compute_loss
-ORIGINAL_COMPUTE_LOSS: dict[type, object] = {}
+# (class, attribute) -> original, for everything the hooks replace
+_ORIGINALS: dict[tuple[object, str], object] = {}
+_HOOKS: set = set()  # the hook functions, recognised by identity
+
+_TRL_SMOOTHING_WARNING = "`label_smoothing_factor` is deprecated in `SFTTrainer`"
 
 
-def unwrap_model(model):
-    """The model under DDP / accelerate wrappers and PEFT."""
-    m = model
-    for _ in range(8):
-        if hasattr(m, "module") and not hasattr(m, "lm_head") and not hasattr(m, "get_output_embeddings"):
-            m = m.module
-        else:
-            break
-    if hasattr(m, "get_base_model"):
-        m = m.get_base_model()
-    return m
+class LsceNotEngagedError(RuntimeError):
+    """A training step of a patched model did not run through the fused op with the smoothing asked for."""
 
 
-def route_smoothing(trainer, model) -> None:
-    """Move the Trainer's smoothing into a patched model; no-op for unpatched models."""
-    from . import _patched_function, is_patched
+def requested_smoothing(trainer, target) -> tuple[float, str]:
+    """(b, where it came from): ``apply_lsce_patch(label_smoothing=...)`` wins over the Trainer's flag."""
+    explicit = getattr(target, "_lsce_explicit_smoothing", None)
+    b_args = float(getattr(trainer.args, "label_smoothing_factor", 0.0) or 0.0)
+    if explicit is not None:
+        if b_args and b_args != explicit and not getattr(trainer, "_lsce_warned_override", False):
+            logger.warning("apply_lsce_patch(label_smoothing=%s) overrides label_smoothing_factor=%s.", explicit, b_args)
+            trainer._lsce_warned_override = True
+        return float(explicit), "apply_lsce_patch(label_smoothing=...)"
+    return b_args, "label_smoothing_factor"
+
+
+def route_smoothing(trainer, model):
+    """Move the Trainer's smoothing into a patched model and switch its LabelSmoother off.
+
+    Returns ``(target, b, source)`` for a patched model, None otherwise (the Trainer then runs as stock)."""
+    from . import is_patched
+    from .models import unwrap_model
 
     target = unwrap_model(model)
     if not is_patched(target):
-        return
-    b_args = float(getattr(trainer.args, "label_smoothing_factor", 0.0) or 0.0)
-    explicit = getattr(target, "_lsce_explicit_smoothing", None)
-    if explicit is None:
-        target._lsce_label_smoothing = b_args
-    elif b_args and b_args != explicit and not getattr(trainer, "_lsce_warned", False):
-        logger.warning(f"apply_lsce_patch(label_smoothing={explicit}) overrides label_smoothing_factor={b_args}.")
-        trainer._lsce_warned = True
-    if not getattr(trainer, "_lsce_routed", False):
-        logger.info(f"hf_lsce: {type(target).__name__} trains through the fused op, "
-                    f"label_smoothing={getattr(target, '_lsce_label_smoothing', 0.0)}")
-        trainer._lsce_routed = True
+        return None
+    b, source = requested_smoothing(trainer, target)
+    if getattr(target, "_lsce_explicit_smoothing", None) is None:
+        target._lsce_label_smoothing = b
     trainer.label_smoother = None
-    fwd = target.__dict__.get("forward")
-    if fwd is not None and not getattr(getattr(fwd, "__func__", fwd), "_lsce", False):
-        # Another forward (TRL's fused LM head) sits on the instance: ours answers its protocol.
-        if "_lsce_original_forward" in target.__dict__:
-            target.forward = types.MethodType(_patched_function(type(target).forward), target)
-        else:
-            del target.forward
+    return target, b, source
 
 
-def _hooked(orig):
+def _where(f) -> str:
+    """A function's real name and place, from its code object (functools.wraps copies names, not code)."""
+    code = getattr(f, "__code__", None)
+    if code is None:
+        return f"{type(f).__module__}.{type(f).__qualname__} object"
+    parts = code.co_filename.replace("\\", "/").split("/")
+    short = "/".join(parts[-3:]) if "site-packages" not in parts else "/".join(parts[parts.index("site-packages") + 1:])
+    return f"{code.co_name} ({short}:{code.co_firstlineno})"
+
+
+def describe_forward(model) -> str:
+    """The functions a call of ``model.forward`` goes through, outermost first (for messages)."""
+    from .forward import is_ours
+
+    names, fn = [], model.__dict__.get("forward", None)
+    if fn is None:
+        fn = type(model).forward
+    for _ in range(8):
+        f = getattr(fn, "__func__", fn)
+        if is_ours(f):
+            names.append("hf_lsce's patched forward")
+            break
+        names.append(_where(f))
+        nxt = getattr(f, "model_forward", None) or getattr(f, "__wrapped__", None)  # accelerate, then wraps
+        if nxt is None or nxt is f:
+            break
+        fn = nxt
+    return " -> ".join(dict.fromkeys(names))
+
+
+def _not_engaged_reason(trainer, target) -> str:
+    from .forward import ENGAGEMENT
+
+    if getattr(trainer, "compute_loss_func", None) is not None:
+        return ("the Trainer has a compute_loss_func, which needs the full logits; hf_lsce cannot compute a custom "
+                "loss. Remove compute_loss_func to train through the fused op")
+    if ENGAGEMENT.last_unfused_reason:
+        return f"the patched forward ran but did not fuse: {ENGAGEMENT.last_unfused_reason}"
+    return (f"the patched forward was never called: the model's forward is {describe_forward(target)}, and what "
+            "runs does not reach hf_lsce's forward (a wrapper installed before the patch, or another library's fused "
+            "loss such as Liger-Kernel's?). Apply the patch before creating the Trainer, and do not combine it with "
+            "another fused loss")
+
+
+def _verify_engaged(trainer, target, b: float, source: str, before: int) -> None:
+    from .forward import ENGAGEMENT
+
+    ran = ENGAGEMENT.fused_calls - before
+    used = list(ENGAGEMENT.smoothing)
+    name = type(target).__name__
+    if ran and all(abs(x - b) <= 1e-12 for x in used):
+        if not getattr(trainer, "_lsce_confirmed", False):
+            logger.info("%s: the first training step ran through the fused op (label_smoothing=%s from %s; no logits "
+                        "built)", name, b, source)
+            trainer._lsce_confirmed = True
+        return
+    if ran:
+        raise LsceNotEngagedError(
+            f"{name}: the fused op ran with label_smoothing={sorted(set(used))}, but {source} asks for {b}. A "
+            "label_smoothing argument passed to the forward overrides it; remove it, or patch with the value you want.")
+    reason = _not_engaged_reason(trainer, target)
+    if b > 0:
+        raise LsceNotEngagedError(
+            f"{name} is patched by hf_lsce and {source} asks for smoothing {b}, but this training step did not run "
+            f"through the fused op: {reason}.")
+    if not getattr(trainer, "_lsce_warned_unfused", False):
+        logger.warning("%s is patched by hf_lsce but this training step did not run through the fused op: %s. The "
+                       "loss is Hugging Face's own (no smoothing asked for), computed from full logits.", name, reason)
+        trainer._lsce_warned_unfused = True
+
+
+def _warn_unsupported(trainer, model) -> None:
+    from .forward import ORIGINAL_CLASS_FORWARDS
+    from .models import supported_message, unwrap_model
+
+    if ORIGINAL_CLASS_FORWARDS and not getattr(trainer, "_lsce_warned_unsupported", False):
+        trainer._lsce_warned_unsupported = True
+        target = unwrap_model(model)
+        logger.warning("%s is not patched by hf_lsce (not a supported class); it trains with Hugging Face's own loss "
+                       "on full logits. %s", type(target).__name__, supported_message())
+
+
+def _hooked_compute_loss(orig):
     @functools.wraps(orig)
     def compute_loss(self, model, inputs, *args, **kwargs):
-        route_smoothing(self, model)
-        return orig(self, model, inputs, *args, **kwargs)
-    compute_loss._lsce = True
+        if getattr(self, "_lsce_in_compute_loss", False):  # SFTTrainer -> Trainer.compute_loss: checked outside
+            return orig(self, model, inputs, *args, **kwargs)
+        routed = route_smoothing(self, model)
+        if routed is None:
+            _warn_unsupported(self, model)
+            return orig(self, model, inputs, *args, **kwargs)
+        target, b, source = routed
+        from .forward import ENGAGEMENT
+
+        training = bool(getattr(model, "training", False)) and torch.is_grad_enabled()
+        before = ENGAGEMENT.start() if training else 0
+        self._lsce_in_compute_loss = True
+        try:
+            out = orig(self, model, inputs, *args, **kwargs)
+        finally:
+            self._lsce_in_compute_loss = False
+        if training:
+            _verify_engaged(self, target, b, source, before)
+        return out
+    _HOOKS.add(compute_loss)
     return compute_loss
 
 
-def trainer_classes() -> list[type]:
+def _hooked_sft_init(orig):
+    @functools.wraps(orig)
+    def __init__(self, *args, **kwargs):
+        from . import is_patched
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            orig(self, *args, **kwargs)
+        handled = is_patched(self.model)
+        for w in caught:
+            if handled and _TRL_SMOOTHING_WARNING in str(w.message):
+                continue
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        if handled:
+            from .models import unwrap_model
+
+            target = unwrap_model(self.model)
+            b, source = requested_smoothing(self, target)
+            logger.info("SFTTrainer: %s is patched by hf_lsce; its loss (label_smoothing=%s from %s), entropy and "
+                        "token accuracy come from the fused op in the model's forward: no logits, no extra forward "
+                        "pass.", type(target).__name__, b, source)
+    _HOOKS.add(__init__)
+    return __init__
+
+
+def _hooked_add_fused_lm_head(orig):
+    @functools.wraps(orig)
+    def add_fused_lm_head(model, *args, **kwargs):
+        from . import is_patched
+
+        if is_patched(model):
+            return None  # the patched forward answers fused_lm_head=True itself, with the smoothing
+        return orig(model, *args, **kwargs)
+    _HOOKS.add(add_fused_lm_head)
+    return add_fused_lm_head
+
+
+def _targets():
+    """(owner, attribute, hook factory) for everything hooked; TRL's only when it is installed."""
     from transformers import Trainer
 
-    out = [Trainer]
+    out = [(Trainer, "compute_loss", _hooked_compute_loss)]
     try:
+        import trl.trainer.sft_trainer as sft_module
         from trl import SFTTrainer
-
-        out.append(SFTTrainer)
     except Exception:  # noqa: BLE001 - TRL is optional at runtime
-        pass
+        return out
+    out.append((SFTTrainer, "compute_loss", _hooked_compute_loss))
+    out.append((SFTTrainer, "__init__", _hooked_sft_init))
+    if hasattr(sft_module, "add_fused_lm_head"):
+        out.append((sft_module, "add_fused_lm_head", _hooked_add_fused_lm_head))
     return out
 
 
 def install_trainer_hooks() -> None:
-    for cls in trainer_classes():
-        if cls not in ORIGINAL_COMPUTE_LOSS and "compute_loss" in cls.__dict__:
-            ORIGINAL_COMPUTE_LOSS[cls] = cls.__dict__["compute_loss"]
-            cls.compute_loss = _hooked(cls.__dict__["compute_loss"])
+    for owner, attr, factory in _targets():
+        current = owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr, None)
+        if current is None or (owner, attr) in _ORIGINALS or current in _HOOKS:
+            continue
+        _ORIGINALS[(owner, attr)] = current
+        setattr(owner, attr, factory(current))
 
 
 def remove_trainer_hooks() -> None:
-    for cls, orig in list(ORIGINAL_COMPUTE_LOSS.items()):
-        cls.compute_loss = orig
-        del ORIGINAL_COMPUTE_LOSS[cls]
+    for (owner, attr), orig in list(_ORIGINALS.items()):
+        setattr(owner, attr, orig)
+        del _ORIGINALS[(owner, attr)]
