@@ -39,7 +39,7 @@ def main(argv=None) -> dict:
     from hf_lsce.calibration import evaluate_calibration, reliability_diagram, resolve_tasks
 
     if args.tiny:
-        from hf_lsce.demo import small_llama
+        from hf_lsce.synthetic import small_llama
         from hf_lsce.tokenizer import train_bpe_tokenizer
 
         args.limit, args.shots = min(args.limit, 40), 1

@@ -68,7 +68,7 @@ def main(argv=None) -> dict:
     train, held_out = records[:-n_eval], records[-n_eval:]
 
     if args.tiny:
-        from hf_lsce.demo import small_llama
+        from hf_lsce.synthetic import small_llama
         from hf_lsce.tokenizer import train_bpe_tokenizer
 
         tokenizer = train_bpe_tokenizer((r["prompt"] + r["completion"] for r in records), vocab_size=1024,

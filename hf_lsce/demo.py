@@ -1,219 +1,276 @@
-"""``hf-lsce demo``: the whole story on a small model, on CPU in minutes or on a GPU.
+"""``hf-lsce demo``: the whole story on a real checkpoint and real data, offline.
 
-1. A synthetic instruction task, generated here (documented as synthetic): questions about the
-   favourite colour, city and food of made-up people. The model sees the facts of "known" people
-   in training and must answer about "unknown" people too, whom it cannot know: a small model
-   memorises the known facts, overfits, and answers about strangers as confidently as about friends.
-   That is the overconfidence of supervised fine-tuning, in miniature.
-2. A small Llama-architecture model (from a config) and a byte-level BPE tokenizer trained on the
-   task, fine-tuned with TRL's ``SFTTrainer`` through ``apply_lsce_patch`` twice, same seed:
-   label smoothing 0 and 0.1. ``CalibrationCallback`` logs calibration on the held-out
-   multiple-choice split during training.
-3. An ``ATSCalibrator`` and scalar temperature scaling fitted on the unsmoothed model (calibration
-   split), then one table: accuracy, ECE, RMS, NLL on the held-out test split for: no smoothing,
-   smoothing 0.1, no smoothing + ATS, no smoothing + temperature scaling; reliability diagrams and a
-   JSON report. The numbers are what they are: the demo reports them, whichever way they go.
+1. The base model (default SmolLM2-135M-Instruct, installed from the package registry) is scored on real
+   MMLU, ARC-Easy and HellaSwag items (the installed hub-schema data, or ``--data-dir`` files):
+   accuracy, ECE, RMS, NLL.
+2. ``hf-lsce diagnose``'s prediction for this model: the LM head's entropy lower bound against the entropy
+   smoothing asks for (the paper's Theorem 4.2), i.e. whether smoothing can be expected to act.
+3. Full SFT through ``apply_lsce_patch`` with TRL's ``SFTTrainer``, twice from the same weights, data order
+   and seed: label smoothing 0 and b. The instruction data is real and disjoint from the evaluation sets:
+   TriviaQA, SciQ and OpenBookQA questions rendered as Alpaca-style instructions (or ``--dataset``, e.g.
+   ``../shared/data/alpaca/alpaca_en_demo.json``). ``CalibrationCallback`` logs calibration while training.
+4. ATS (selective smoothing loss) and scalar temperature scaling fitted on the unsmoothed model, on held-out
+   instruction records.
+5. One table (base, SFT b=0, SFT b, +ATS, +temperature scaling), paired-bootstrap statements of what moved
+   and what did not, reliability diagrams side by side, and ``report.json``.
 
-``--model`` (a hub name or local path), ``--dataset`` (Alpaca-style records) and ``--eval-tasks`` /
-``--data-dir`` (e.g. MMLU files) swap in real parts.
+The budget scales with the machine (``--budget``): ``cpu`` (about 10 minutes on 2 cores: 8 SFT steps,
+40-60 items per task, MMLU zero-shot), ``gpu`` (an epoch of SFT, 5-shot MMLU on 1,000 items, the whole
+ARC-Easy validation set, 1,000 HellaSwag items), ``tiny`` (CI). The numbers are what they are: the
+report says which differences its evaluation set can resolve, whichever way they go.
 """
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
-import random
-from dataclasses import dataclass
+import time
+from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .calibration import MultipleChoiceItem, Task, reliability_diagram, score_task
-
 logger = logging.getLogger(__name__)
 
-ATTRIBUTES = {
-    "colour": ["red", "blue", "green", "yellow", "purple", "orange", "black", "white"],
-    "city": ["Paris", "Lima", "Oslo", "Cairo", "Tokyo", "Quito", "Dakar", "Perth"],
-    "food": ["rice", "bread", "soup", "cheese", "apples", "noodles", "beans", "fish"],
+DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_DATA = "trivia_qa,sciq,openbookqa"
+DEFAULT_TASKS = "mmlu,arc_easy,hellaswag"
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How much the demo does: SFT steps and batch, ATS steps, items and shots per task."""
+
+    name: str
+    sft_steps: int
+    batch_size: int
+    max_length: int
+    lr: float
+    ats_steps: int
+    limits: dict = field(default_factory=dict)
+    shots: dict = field(default_factory=dict)
+    records: int | None = None  # instruction records used (None: all)
+    calibration_records: int = 256
+    bf16: bool = False
+
+
+BUDGETS = {
+    "tiny": Budget("tiny", sft_steps=2, batch_size=4, max_length=96, lr=5e-5, ats_steps=2,
+                   limits={"mmlu": 8, "arc_easy": 8, "hellaswag": 8}, shots={"mmlu": 0}, records=120,
+                   calibration_records=16),
+    "cpu": Budget("cpu", sft_steps=8, batch_size=8, max_length=128, lr=5e-5, ats_steps=10,
+                  limits={"mmlu": 60, "arc_easy": 60, "hellaswag": 40}, shots={"mmlu": 0}, records=2000,
+                  calibration_records=128),
+    "gpu": Budget("gpu", sft_steps=300, batch_size=32, max_length=256, lr=2e-5, ats_steps=300,
+                  limits={"mmlu": 1000, "arc_easy": None, "hellaswag": 1000}, shots={"mmlu": 5}, records=None,
+                  calibration_records=1024, bf16=True),
 }
-_SYLLABLES = ["ba", "ko", "mi", "ra", "tu", "le", "no", "si", "da", "fe", "gu", "po", "ze", "wa", "ly", "qe"]
-
-
-@dataclass
-class SyntheticFacts:
-    """The generated task: training records, a calibration split and a test split."""
-
-    train: list[dict]            # prompt/completion records (known people)
-    calibration: list[dict]      # records for ATS / temperature scaling: known + other unknown people
-    calibration_task: Task       # multiple choice over the calibration people
-    test_task: Task              # held-out multiple choice: known + unknown people
-
-
-def _prompt(attr: str, name: str) -> str:
-    return f"Question: What is the favourite {attr} of {name}?\nAnswer:"
-
-
-def make_synthetic_facts(n_known: int = 60, n_unknown: int = 40, seed: int = 0) -> SyntheticFacts:
-    """Generate the demo task (deterministic in ``seed``)."""
-    rng = random.Random(seed)
-    names: list[str] = []
-    while len(names) < n_known + n_unknown:
-        n = "".join(rng.choice(_SYLLABLES) for _ in range(3)).capitalize()
-        if n not in names:
-            names.append(n)
-    facts = {n: {a: rng.choice(v) for a, v in ATTRIBUTES.items()} for n in names}
-    known, unknown = names[:n_known], names[n_known:]
-    unknown_cal, unknown_test = unknown[: len(unknown) // 2], unknown[len(unknown) // 2:]
-
-    def records(people):
-        return [{"prompt": _prompt(a, p), "completion": f" {facts[p][a]}."} for p in people for a in ATTRIBUTES]
-
-    def task(name, people):
-        items = []
-        for p in people:
-            for a, values in ATTRIBUTES.items():
-                gold = facts[p][a]
-                others = rng.sample([v for v in values if v != gold], 3)
-                choices = others + [gold]
-                rng.shuffle(choices)
-                items.append(MultipleChoiceItem(context=_prompt(a, p), choices=[f" {c}." for c in choices],
-                                                gold=choices.index(gold), subject="known" if p in known else "unknown"))
-        return Task(name=name, kind="continuation", items=items)
-
-    half = len(known) // 2
-    return SyntheticFacts(train=records(known), calibration=records(known[:half] + unknown_cal),
-                          calibration_task=task("facts_calibration", known[:half] + unknown_cal),
-                          test_task=task("facts", known[half:] + unknown_test))
 
 
 def _device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def small_llama(tokenizer, hidden: int = 128, layers: int = 2, max_positions: int = 512):
-    """A small, randomly initialised Llama-architecture model sized to ``tokenizer`` (demo, examples, tests)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
-                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=max_positions, bos_token_id=tokenizer.bos_token_id,
-                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
-    return LlamaForCausalLM(cfg)
+def choose_budget(budget: str = "auto") -> Budget:
+    if budget == "auto":
+        return BUDGETS["gpu" if torch.cuda.is_available() else "cpu"]
+    if budget not in BUDGETS:
+        raise ValueError(f"budget must be 'auto' or one of {sorted(BUDGETS)}, got {budget!r}")
+    return BUDGETS[budget]
 
 
-def _sft(model_factory, tokenizer, train, eval_records, eval_task, *, label_smoothing, steps, lr, batch_size,
-         output_dir, seed, eval_steps):
+def _sft(path, tokenizer, train, eval_records, callback_task, *, label_smoothing, budget: Budget, output_dir, seed):
     from datasets import Dataset
-    from transformers import set_seed
+    from transformers import AutoModelForCausalLM, set_seed
     from trl import SFTConfig, SFTTrainer
 
     from . import apply_lsce_patch
     from .calibration import CalibrationCallback
 
     set_seed(seed)
-    model = apply_lsce_patch(model_factory())
     dev = _device()
-    args = SFTConfig(output_dir=output_dir, max_steps=steps, per_device_train_batch_size=batch_size,
-                     per_device_eval_batch_size=batch_size, learning_rate=lr, lr_scheduler_type="constant",
-                     label_smoothing_factor=label_smoothing, logging_steps=max(1, steps // 10),
-                     eval_strategy="steps", eval_steps=eval_steps, save_strategy="no", report_to="none", seed=seed,
-                     use_cpu=dev.type == "cpu", bf16=dev.type == "cuda", max_length=128,
-                     disable_tqdm=False)
+    model = apply_lsce_patch(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
+    steps = budget.sft_steps
+    args = SFTConfig(output_dir=output_dir, max_steps=steps, per_device_train_batch_size=budget.batch_size,
+                     per_device_eval_batch_size=budget.batch_size, learning_rate=budget.lr, lr_scheduler_type="constant",
+                     warmup_steps=0, label_smoothing_factor=label_smoothing, logging_steps=max(1, steps // 10),
+                     eval_strategy="steps", eval_steps=max(1, steps // 2), save_strategy="no", report_to="none",
+                     seed=seed, use_cpu=dev.type == "cpu", bf16=budget.bf16 and dev.type == "cuda",
+                     max_length=budget.max_length, completion_only_loss=True, disable_tqdm=False)
     trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(train),
                          eval_dataset=Dataset.from_list(eval_records), processing_class=tokenizer)
-    cb = CalibrationCallback([eval_task], n_bins=10, batch_size=32, tokenizer=tokenizer).attach(trainer)
+    cb = CalibrationCallback([callback_task], n_bins=10, batch_size=16, tokenizer=tokenizer,
+                             save_diagrams=False).attach(trainer)
+    t0 = time.perf_counter()
     trainer.train()
-    return trainer.model.eval(), cb.history
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return trainer.model.eval(), {"history": cb.history, "train_loss": losses,
+                                  "seconds": round(time.perf_counter() - t0, 1)}
 
 
-def run_demo(output_dir: str = "hf_lsce_demo", *, label_smoothing: float = 0.1, model: str | None = None,
-             dataset: str | None = None, eval_tasks: str | None = None, data_dir: str | None = None,
-             steps: int = 600, ats_steps: int = 300, hidden: int = 128, layers: int = 2, lr: float = 3e-3,
-             batch_size: int = 16, seed: int = 0, tiny: bool = False) -> dict:
+def _diagnosis(model, tokenizer, b: float) -> dict:
+    from . import theory
+    from .patching.models import softcap_of, text_config
+
+    cfg = text_config(model)
+    m = theory.measure_rho(model, tokenizer)
+    rho = m.pop("rho")
+    d = theory.diagnose(int(cfg.hidden_size), int(cfg.vocab_size), rho, b, rho_source="||W||_2 x max RMS(h) on "
+                        "sample text", softcap=softcap_of(model), observed=m)
+    return {**d.to_dict(), "text": d.format()}
+
+
+def run_demo(output_dir: str = "hf_lsce_demo", *, model: str = DEFAULT_MODEL, dataset: str | None = None,
+             eval_tasks: str = DEFAULT_TASKS, data_dir: str | None = None, label_smoothing: float = 0.1,
+             budget: str = "auto", steps: int | None = None, ats_steps: int | None = None, limit=None,
+             seed: int = 0) -> dict:
     """Run the demo; returns the report (also written to ``output_dir/report.json``)."""
     from .ats import ATSCalibrator
-    from .ats.training import load_instruction_records, train_ats
-    from .calibration.tasks import resolve_tasks
-    from .tokenizer import train_bpe_tokenizer
+    from .ats.training import train_ats
+    from .calibration import Task, paired_bootstrap, reliability_grid, score_task
+    from .calibration.tasks import parse_per_task, parse_task_names, resolve_tasks
+    from .checkpoints import resolve_model_path
+    from .data import load_instruction_records
 
-    if not 0 < label_smoothing <= 1:
-        raise ValueError(f"`label_smoothing` must lie in (0, 1]; got {label_smoothing} (the demo compares it to 0)")
-    if tiny:
-        steps, ats_steps, hidden = min(steps, 60), min(ats_steps, 40), min(hidden, 64)
-    os.makedirs(output_dir, exist_ok=True)
-    report_path = os.path.join(output_dir, "report.json")
-    facts = make_synthetic_facts(seed=seed)
-    if dataset is None:
-        train, calib_records = facts.train, facts.calibration
-    else:  # the last tenth of the user's records calibrates ATS / temperature scaling
-        records = load_instruction_records(dataset)
-        cut = max(1, len(records) // 10)
-        if len(records) < 2:
-            raise ValueError(f"--dataset {dataset} needs at least 2 records (training and calibration)")
-        train, calib_records = records[:-cut], records[-cut:]
-    test_tasks = [facts.test_task]
-    if eval_tasks:
-        test_tasks = resolve_tasks(eval_tasks, data_dir, limit=200)
+    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) or not 0 < label_smoothing <= 1:
+        raise ValueError(f"label_smoothing must lie in (0, 1]; got {label_smoothing!r} (the demo compares it to 0)")
+    plan = choose_budget(budget)
+    if steps is not None or ats_steps is not None:
+        for name, v in (("steps", steps), ("ats_steps", ats_steps)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name} must be a positive integer; got {v!r}")
+        plan = Budget(**{**asdict(plan), "sft_steps": steps or plan.sft_steps, "ats_steps": ats_steps or plan.ats_steps})
+    names = parse_task_names(eval_tasks)
+    limits = {n: plan.limits.get(n, 200 if plan.name != "tiny" else 8) for n in names}
+    if limit is not None:
+        limits.update({k: v for k, v in parse_per_task(limit, names, "limit", allow_zero=False).items() if v})
+    shots = {n: plan.shots.get(n, 0) for n in names}
+    t_start = time.perf_counter()
 
-    if model is None:
-        texts = [r["prompt"] + r["completion"] for r in train + calib_records]
-        texts += [it.context + c for t in test_tasks + [facts.calibration_task] for it in t.items for c in it.choices]
-        tokenizer = train_bpe_tokenizer(texts, vocab_size=1024, model_max_length=512)
-        factory = lambda: small_llama(tokenizer, hidden, layers)  # noqa: E731
-    else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+    # -------------------------------------------------------------------------- model and data
+    path = resolve_model_path(model)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(model)
-        if tokenizer.pad_token is None:
-            tokenizer.pad_token = tokenizer.eos_token
-        factory = lambda: AutoModelForCausalLM.from_pretrained(model, dtype="auto")  # noqa: E731
-    eval_steps = max(1, steps // 4)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    records = load_instruction_records(dataset or DEFAULT_DATA, data_dir=data_dir if dataset else None)
+    if plan.records is not None:
+        records = records[: plan.records + plan.calibration_records]
+    n_cal = min(plan.calibration_records, max(1, len(records) // 5))
+    if len(records) < 2 * n_cal:
+        raise ValueError(f"{dataset or DEFAULT_DATA} gives {len(records)} records; the demo needs at least "
+                         f"{2 * n_cal} (training and a held-out calibration split)")
+    train, calib = records[:-n_cal], records[-n_cal:]
+    tasks = resolve_tasks(names, data_dir, shots=shots, limit=limits)
+    dev = _device()
+    logger.info("demo on %s (%s budget, %s): %d SFT records, %d calibration records, tasks %s", model, plan.name, dev,
+                len(train), len(calib), {t.name: len(t) for t in tasks})
 
-    rows, history, models = {}, {}, {}
+    def score_all(m, label):
+        out = {}
+        for t in tasks:
+            logger.info("scoring %s on %s (%d items)", label, t.name, len(t))
+            out[t.name] = score_task(m, tokenizer, t, batch_size=16, n_bins=10, progress=True)
+        return out
+
+    # -------------------------------------------------------------------------- 1-2: the base
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(dev).eval()
+    scores = {"base": score_all(base, "the base model")}
+    with torch.no_grad():
+        diagnosis = _diagnosis(base, tokenizer, label_smoothing)
+    del base
+    gc.collect()
+
+    # -------------------------------------------------------------------------- 3: SFT, b = 0 and b
+    sft, trained = {}, {}
+    watch = next((t for t in tasks if t.name == "arc_easy"), tasks[0])  # logged during training: a cheap task
+    watch = Task(name=watch.name, kind=watch.kind, items=watch.items[:20], split=watch.split)
     for b in (0.0, label_smoothing):
-        key = f"smoothing {b:g}"
-        logger.info("fine-tuning with label smoothing %g", b)
-        m, hist = _sft(factory, tokenizer, train, calib_records[:64], test_tasks[0], label_smoothing=b, steps=steps,
-                       lr=lr, batch_size=batch_size, output_dir=os.path.join(output_dir, f"sft_b{b:g}"), seed=seed,
-                       eval_steps=eval_steps)
-        models[key], history[key] = m, hist
+        key = f"SFT b={b:g}"
+        logger.info("fine-tuning with label smoothing %g through the fused op", b)
+        m, info = _sft(path, tokenizer, train, calib[:32], watch, label_smoothing=b, budget=plan,
+                       output_dir=os.path.join(output_dir, f"sft_b{b:g}"), seed=seed)
+        trained[key], sft[key] = m.to(dev), info
+        scores[key] = score_all(trained[key], key)
+        if b != 0.0:
+            del trained[key]
+            gc.collect()
 
-    base = models["smoothing 0"]
-    for p in base.parameters():
+    # -------------------------------------------------------------------------- 4: ATS and temperature scaling
+    base0 = trained["SFT b=0"]
+    for p in base0.parameters():
         p.requires_grad_(False)
-    cals = {}
-    for name, head, loss, alr in (("smoothing 0 + ATS", "transformer", "selective", 2e-3),
-                                  ("smoothing 0 + temperature scaling", "scalar", "nll", 5e-2)):
-        logger.info("fitting %s", name)
-        cal = ATSCalibrator.from_base(base, head_type=head, loss_type=loss)
-        cals[name] = train_ats(base, tokenizer, calib_records, calibrator=cal, max_steps=ats_steps,
-                               learning_rate=alr, per_device_train_batch_size=batch_size, max_length=128,
-                               output_dir=os.path.join(output_dir, "ats" if head == "transformer" else "ts"),
-                               save_steps=max(ats_steps, 1), logging_steps=max(1, ats_steps // 5), seed=seed)
-    scorers = {**models, **cals}
-    for task in test_tasks:
-        rows[task.name] = {}
-        for name, m in scorers.items():
-            s = score_task(m, tokenizer, task, batch_size=32, n_bins=10, progress=False)
-            png = os.path.join(output_dir, f"reliability_{task.name}_{name.replace(' ', '_').replace('+', 'plus')}.png")
-            reliability_diagram(s.metrics, png, title=f"{task.name}: {name}")
-            rows[task.name][name] = {**s.summary(), "diagram": png}
-    report = {"output_dir": output_dir, "device": str(_device()), "steps": steps, "ats_steps": ats_steps,
-              "label_smoothing": label_smoothing, "model": model or f"Llama config, hidden {hidden}, {layers} layers",
-              "dataset": dataset or "synthetic facts (hf_lsce.demo.make_synthetic_facts)",
-              "results": rows, "calibration_during_training": history}
-    with open(report_path, "w") as f:
+    fitted = {}
+    for key, head, loss, lr in (("SFT b=0 + ATS", "transformer", "selective", 5e-4),
+                                ("SFT b=0 + temperature", "scalar", "nll", 5e-2)):
+        logger.info("fitting %s on %d held-out records", key, len(calib))
+        cal = ATSCalibrator.from_base(base0, head_type=head, loss_type=loss)
+        kw = {"bf16": True} if plan.bf16 and dev.type == "cuda" else {}
+        cal = train_ats(base0, tokenizer, calib, calibrator=cal, max_steps=plan.ats_steps, learning_rate=lr,
+                        per_device_train_batch_size=plan.batch_size, max_length=plan.max_length,
+                        output_dir=os.path.join(output_dir, "ats" if head == "transformer" else "temperature"),
+                        save_steps=max(plan.ats_steps, 1), logging_steps=max(1, plan.ats_steps // 5), seed=seed, **kw)
+        scores[key] = score_all(cal, key)
+        fitted[key] = cal
+
+    # -------------------------------------------------------------------------- 5: report
+    b_key = f"SFT b={label_smoothing:g}"
+    comparisons = [("base", "SFT b=0", "ece"), ("SFT b=0", b_key, "ece"), ("SFT b=0", b_key, "acc"),
+                   ("SFT b=0", "SFT b=0 + ATS", "ece"), ("SFT b=0", "SFT b=0 + ATS", "nll"),
+                   ("SFT b=0", "SFT b=0 + temperature", "ece")]
+    results, moved, diagrams = {}, {}, {}
+    for t in tasks:
+        results[t.name] = {k: {**v[t.name].summary(), "split": t.split} for k, v in scores.items()}
+        moved[t.name] = []
+        for a, b_, metric in comparisons:
+            d = paired_bootstrap(scores[a][t.name].probs, scores[b_][t.name].probs, scores[a][t.name].labels,
+                                 metric=metric, n_bins=10, seed=seed)
+            moved[t.name].append({**asdict(d), "from": a, "to": b_, "significant": d.significant,
+                                  "text": d.describe(a, b_)})
+        png = os.path.join(output_dir, f"reliability_{t.name}.png")
+        reliability_grid({k: v[t.name].metrics for k, v in scores.items()}, png,
+                         title=f"{model} on {t.name} ({len(t)} items, split {t.split})")
+        diagrams[t.name] = png
+    report = {"output_dir": output_dir, "model": model, "checkpoint": path, "device": str(dev), "budget": asdict(plan),
+              "label_smoothing": label_smoothing, "dataset": dataset or DEFAULT_DATA, "sft_records": len(train),
+              "calibration_records": len(calib), "tasks": {t.name: {"n": len(t), "split": t.split, "source": t.source,
+                                                                     "shots": shots[t.name]} for t in tasks},
+              "diagnosis": diagnosis, "sft": sft, "results": results, "what_moved": moved, "diagrams": diagrams,
+              "seconds": round(time.perf_counter() - t_start, 1)}
+    report["summary"] = _summary(report, label_smoothing)
+    with open(os.path.join(output_dir, "report.json"), "w") as f:
         json.dump(report, f, indent=1)
     return report
 
 
-def format_report(report: dict) -> str:
+def _summary(report: dict, b: float) -> list[str]:
+    """Plain sentences: what moved and what did not, and whether it matches the diagnosis."""
     lines = []
+    b_key = f"SFT b={b:g}"
+    for task, items in report["what_moved"].items():
+        for d in items:
+            if d["to"] == b_key and d["metric"] == "ece":
+                lines.append(f"{task}: smoothing {b:g} vs 0: {d['text'].split(': ', 1)[1]}")
+            if d["to"].endswith("ATS") and d["metric"] == "ece":
+                lines.append(f"{task}: ATS vs none: {d['text'].split(': ', 1)[1]}")
+    verdict = report["diagnosis"].get("verdict", "")
+    lines.append(f"diagnosis (before training): {verdict}")
+    return lines
+
+
+def format_report(report: dict) -> str:
+    lines = [f"hf-lsce demo: {report['model']} on {report['device']} ({report['budget']['name']} budget, "
+             f"{report['budget']['sft_steps']} SFT steps of {report['budget']['batch_size']}, "
+             f"{report['seconds']:.0f} s)"]
     for task, rows in report["results"].items():
-        lines.append(f"held-out {task} ({next(iter(rows.values()))['n']:.0f} questions):")
-        lines.append(f"  {'method':<36}{'acc':>8}{'ECE':>8}{'RMS':>8}{'NLL':>8}")
+        info = report["tasks"][task]
+        lines.append(f"{task} ({info['n']} items, split {info['split']}, {info['shots']}-shot):")
+        lines.append(f"  {'':<26}{'acc':>7}{'ECE':>7}{'RMS':>7}{'NLL':>7}")
         for name, r in rows.items():
-            lines.append(f"  {name:<36}{r['acc']:>8.3f}{r['ece']:>8.3f}{r['rms']:>8.3f}{r['nll']:>8.3f}")
-    lines.append(f"report: {os.path.join(report['output_dir'], 'report.json')}")
-    lines.append(f"reliability diagrams: {report['output_dir']}/reliability_*.png")
+            lines.append(f"  {name:<26}{r['acc']:>7.3f}{r['ece']:>7.3f}{r['rms']:>7.3f}{r['nll']:>7.3f}")
+    lines.append("what moved (paired bootstrap, 95% intervals over the items):")
+    lines += [f"  {s}" for s in report["summary"]]
+    lines.append(f"report: {os.path.join(report['output_dir'], 'report.json')}; reliability diagrams: "
+                 + ", ".join(report["diagrams"].values()))
     return "\n".join(lines)

@@ -6,6 +6,14 @@ import os
 from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# Under pytest-xdist each worker gets its share of the cores: 2 workers x 2 torch threads on 2 cores
+# oversubscribe them, and matmul-heavy tests (real checkpoints) ran 5-10 x slower than alone. Subprocesses
+# that tests start inherit the setting.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+if _WORKERS > 1:
+    _THREADS = str(max(1, (os.cpu_count() or 1) // _WORKERS))
+    for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ.setdefault(_var, _THREADS)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_EVALUATE_OFFLINE", "1")
@@ -13,6 +21,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_DISABLED", "true")
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
+
+if _WORKERS > 1:
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 

@@ -194,13 +194,13 @@ def test_task_errors(tmp_path):
     with pytest.raises(ValueError, match="unknown task names"):
         parse_task_names("mmlu,hella")
     assert parse_task_names("mmlu, arc") == ["mmlu", "arc_easy", "arc_challenge"]
-    with pytest.raises(FileNotFoundError, match="no MMLU files"):
+    with pytest.raises(FileNotFoundError, match="no MMLU data"):
         load_task("mmlu", str(tmp_path))
     with pytest.raises(FileNotFoundError, match="HellaSwag"):
         load_task("hellaswag", str(tmp_path))
     (tmp_path / "hellaswag").mkdir()
     (tmp_path / "hellaswag" / "hellaswag_val.jsonl").write_text('{"ctx_a": "x", "label": 0}\n')
-    with pytest.raises(ValueError, match="lacks the columns"):
+    with pytest.raises(ValueError, match=r"hellaswag_val.jsonl: line 1 lacks the field"):
         load_task("hellaswag", str(tmp_path))
     with pytest.raises(ValueError, match="no items"):
         Task("empty", "continuation", [])
@@ -317,10 +317,14 @@ def test_cli_eval_writes_table_json_and_diagrams(tiny_lm, tmp_path, shared_data,
     for r in rep["tasks"].values():
         assert r["n"] == 5 and all(math.isfinite(r[k]) for k in ("acc", "ece", "rms", "nll"))
         assert os.path.exists(r["diagram"])
-    with pytest.raises(SystemExit, match="--overwrite"):
-        main(argv)
-    with pytest.raises(ValueError, match="unknown task names"):
-        main(argv[:3] + ["--tasks", "mmlu,bogus"] + argv[5:] + ["--overwrite"])
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    capsys.readouterr()
+    assert main(argv) == 2  # earlier results are not replaced without --overwrite
+    err = capsys.readouterr().err
+    assert "--overwrite" in err and err.count("\n") == 1
+    assert main(argv[:3] + ["--tasks", "mmlu,bogus"] + argv[5:] + ["--overwrite"]) == 2
+    assert "unknown task names" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before  # nothing written or removed
 
 
 def test_two_processes_score_shards_and_gather(tiny_lm, tmp_path, shared_data):
@@ -343,3 +347,22 @@ def test_two_processes_score_shards_and_gather(tiny_lm, tmp_path, shared_data):
         assert res[name]["world"] == 2
         assert torch.allclose(torch.tensor(res[name]["probs"]), single.probs, atol=1e-5)
         assert res[name]["ece"] == pytest.approx(single.metrics.ece, abs=1e-5)
+
+
+def test_paired_bootstrap_against_direct_metrics():
+    """The two sides equal calibration_metrics on the same items; identical predictions give a zero interval;
+    flattening overconfident predictions is a clear ECE change, resampling noise is not."""
+    from hf_lsce.calibration import calibration_metrics, paired_bootstrap
+
+    g = torch.Generator().manual_seed(0)
+    logits = 3 * torch.randn(300, 4, generator=g)
+    y = torch.randint(0, 4, (300,), generator=g)
+    p = torch.softmax(logits, -1)
+    flat = torch.softmax(logits / 4, -1)
+    d = paired_bootstrap(p, flat, y, metric="ece", n_bins=15, n_boot=200)
+    assert d.a == pytest.approx(calibration_metrics(p, y).ece) and d.b == pytest.approx(calibration_metrics(flat, y).ece)
+    assert d.significant and d.diff < 0 and d.low <= d.diff <= d.high
+    same = paired_bootstrap(p, p, y, metric="acc", n_boot=50)
+    assert same.diff == 0 and same.low == same.high == 0 and not same.significant
+    with pytest.raises(ValueError, match="metric"):
+        paired_bootstrap(p, p, y, metric="auc")

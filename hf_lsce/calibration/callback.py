@@ -8,7 +8,7 @@ import os
 from transformers import TrainerCallback
 
 from .plots import reliability_diagram
-from .scoring import TaskScores, score_task
+from .scoring import TaskScores, check_scoring_args, score_task
 from .tasks import Task, resolve_tasks
 
 logger = logging.getLogger(__name__)
@@ -22,8 +22,11 @@ class CalibrationCallback(TrainerCallback):
             held-out split). Names are loaded now, so a missing file fails before training starts.
         data_dir: local data folder for named tasks (``None``: the Hugging Face hub).
         tokenizer: defaults to the trainer's ``processing_class``.
-        shots, limit: as :func:`~hf_lsce.calibration.load_task` (``limit`` items per task).
+        shots, limit: as :func:`~hf_lsce.calibration.tasks.resolve_tasks`: one value or per task
+            (``limit`` items per task; ``shots`` None: each task's default, MMLU 5, others 0).
+        split, subjects: as :func:`~hf_lsce.calibration.load_task`.
         n_bins, batch_size: binning and scoring batch size.
+        chat_template: score through the tokenizer's chat template (instruct models).
         prefix: metric key prefix; the default ``eval_calib`` groups the keys under ``eval/`` in
             W&B and TensorBoard.
         save_diagrams: write ``<output_dir>/calibration/<task>_step<N>.png`` and a JSON of every
@@ -36,11 +39,16 @@ class CalibrationCallback(TrainerCallback):
     Under several processes every rank scores a shard of each task and the results are gathered.
     """
 
-    def __init__(self, tasks, *, data_dir: str | None = None, tokenizer=None, shots: int = 5,
-                 limit: int | None = 200, n_bins: int = 15, batch_size: int = 8, prefix: str = "eval_calib",
-                 save_diagrams: bool = True, trainer=None, at_train_begin: bool = False):
-        self.tasks: list[Task] = resolve_tasks(tasks, data_dir, shots=shots, limit=limit)
+    def __init__(self, tasks, *, data_dir: str | None = None, tokenizer=None, shots=None,
+                 limit=200, n_bins: int = 15, batch_size: int = 8, prefix: str = "eval_calib",
+                 save_diagrams: bool = True, trainer=None, at_train_begin: bool = False, split: str | None = None,
+                 subjects=None, chat_template: bool = False):
+        check_scoring_args(batch_size=batch_size, n_bins=n_bins)  # now, not at the first evaluation
+        if not isinstance(prefix, str) or not prefix:
+            raise ValueError(f"`prefix` must be a non-empty string; got {prefix!r}")
+        self.tasks: list[Task] = resolve_tasks(tasks, data_dir, shots=shots, limit=limit, split=split, subjects=subjects)
         self.tokenizer, self.n_bins, self.batch_size = tokenizer, n_bins, batch_size
+        self.chat_template = bool(chat_template)
         self.prefix, self.save_diagrams, self.at_train_begin = prefix, save_diagrams, at_train_begin
         self.trainer = trainer
         self.history: list[dict] = []
@@ -75,7 +83,7 @@ class CalibrationCallback(TrainerCallback):
         results: dict[str, TaskScores] = {}
         for t in self.tasks:
             results[t.name] = score_task(model, tok, t, batch_size=self.batch_size, n_bins=self.n_bins,
-                                         progress=state.is_local_process_zero)
+                                         progress=state.is_local_process_zero, chat_template=self.chat_template)
         logs = {f"{self.prefix}/{name}_{k}": v for name, r in results.items() for k, v in r.summary().items()
                 if k not in ("n", "n_bins")}
         self.history.append({"step": state.global_step, **logs})

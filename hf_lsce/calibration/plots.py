@@ -62,3 +62,30 @@ def reliability_diagram(result: CalibrationResult | ReliabilityData, path: str |
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         fig.savefig(path, dpi=120)
     return fig
+
+
+def reliability_grid(results: dict, path: str | None = None, *, title: str | None = None):
+    """Reliability diagrams side by side, one per entry of ``{name: CalibrationResult}`` (e.g. a model
+    before and after smoothing, ATS, temperature scaling on one task), same axes. Returns the figure."""
+    from matplotlib.figure import Figure
+
+    if not results:
+        raise ValueError("results is empty: pass {name: CalibrationResult}")
+    n = len(results)
+    fig = Figure(figsize=(3.6 * n, 5.0))
+    axes = fig.subplots(2, n, sharex=True, squeeze=False, gridspec_kw={"height_ratios": [3, 1]})
+    for j, (name, res) in enumerate(results.items()):
+        reliability_diagram(res, ax=(axes[0][j], axes[1][j]), title=name)
+        if j:
+            axes[0][j].set_ylabel("")
+            axes[1][j].set_ylabel("")
+            leg = axes[0][j].get_legend()
+            if leg is not None:
+                leg.remove()
+    if title:
+        fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    if path is not None:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        fig.savefig(path, dpi=110)
+    return fig

@@ -10,8 +10,14 @@ Confidence, and so calibration, is the softmax over the choices of the model's s
 * letters tasks (MMLU): the next-token logits restricted to the answer letters;
 * continuation tasks (HellaSwag, ARC): the summed log-likelihood of each continuation, i.e. the
   model's joint probability of the choices renormalised over them. The prediction measured is
-  ``acc`` (argmax of that same score); ``acc_norm`` (length-normalised, per character of the
-  continuation, as lm-evaluation-harness) is reported beside it but does not enter the calibration.
+  ``acc`` (argmax of that same score); ``acc_norm`` (the log-likelihood divided by the number of
+  characters of the choice *without* its leading delimiter space, as lm-evaluation-harness computes it)
+  is reported beside it but does not enter the calibration. Items may have different numbers of choices.
+
+``chat_template=True`` renders each prompt (header, shots and question) as one user message through the
+tokenizer's chat template with the generation prompt, and the answer follows it without the delimiter
+space (`` A`` becomes ``A``). lm-evaluation-harness scores without it unless asked; so does this module,
+with a warning when the tokenizer has a chat template (an instruct model).
 """
 from __future__ import annotations
 
@@ -42,6 +48,7 @@ class TaskScores:
 
     def summary(self) -> dict[str, float]:
         d = {"acc": self.metrics.accuracy, **{k: v for k, v in self.metrics.scalars().items() if k != "accuracy"}}
+        d["n"] = int(self.metrics.n)
         if self.acc_norm is not None:
             d["acc_norm"] = self.acc_norm
         return d
@@ -58,19 +65,25 @@ def _model_max_length(model, tokenizer, max_length: int | None) -> int:
     return min(cands) if cands else 2048
 
 
-def _encode(tokenizer, text: str) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+def _encode(tokenizer, text: str, special: bool = True) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=special)["input_ids"])
 
 
-def _letter_ids(tokenizer, prompt: str, n: int) -> list[int]:
+def _chat(tokenizer, prompt: str) -> str:
+    """``prompt`` as one user turn through the chat template, ending with the assistant's generation prompt."""
+    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                         add_generation_prompt=True)
+
+
+def _letter_ids(tokenizer, prompt: str, n: int, delimiter: str = " ", special: bool = True) -> list[int]:
     """Token id of `` A``, `` B``, ... as they follow ``Answer:`` (the original MMLU protocol)."""
-    base = _encode(tokenizer, prompt)
+    base = _encode(tokenizer, prompt, special)
     ids = []
     for letter in LETTERS[:n]:
-        whole = _encode(tokenizer, prompt + " " + letter)
+        whole = _encode(tokenizer, prompt + delimiter + letter, special)
         if whole[: len(base)] != base or len(whole) != len(base) + 1:
-            raise ValueError(f"the tokenizer does not encode ' {letter}' after 'Answer:' as one token; the MMLU "
-                             "letter protocol needs single-token answer letters")
+            raise ValueError(f"the tokenizer does not encode {delimiter + letter!r} after the prompt as one token; the "
+                             "MMLU letter protocol needs single-token answer letters")
         ids.append(whole[-1])
     if len(set(ids)) != len(ids):
         raise ValueError("the tokenizer maps different answer letters to the same token")
@@ -123,18 +136,27 @@ def _shard(n: int, distributed: bool) -> tuple[list[int], int, int]:
 
 
 def score_task(model, tokenizer, task: Task, *, batch_size: int = 8, max_length: int | None = None,
-               n_bins: int = 15, progress: bool = True, distributed: bool = True) -> TaskScores:
+               n_bins: int = 15, progress: bool = True, distributed: bool = True,
+               chat_template: bool = False) -> TaskScores:
     """Score every item of ``task`` with ``model`` and measure calibration.
 
     Works with any causal LM returning ``.logits`` (patched or not; an ``ATSCalibrator`` returns
     calibrated logits). Few-shot prompts longer than the model's context drop shots from the end
     until they fit. Under ``torch.distributed`` each rank scores a shard and the results are
-    gathered, so every rank returns the same ``TaskScores``.
+    gathered, so every rank returns the same ``TaskScores``. ``chat_template``: see the module docstring.
     """
-    if not isinstance(task, Task):
-        raise TypeError(f"`task` must be a hf_lsce.calibration.Task (see load_task); got {type(task).__name__}")
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"`batch_size` must be a positive integer; got {batch_size!r}")
+    check_scoring_args(task=task, batch_size=batch_size, n_bins=n_bins, max_length=max_length)
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if chat_template and not has_template:
+        raise ValueError("chat_template=True but the tokenizer has no chat template (a base model?); score without it")
+    if has_template and not chat_template and not getattr(tokenizer, "_lsce_warned_template", False):
+        logger.warning("the tokenizer has a chat template (an instruct model?) but %s is scored without it, as "
+                       "lm-evaluation-harness does by default; pass chat_template=True (CLI: --chat-template) to "
+                       "score through it", task.name)
+        try:
+            tokenizer._lsce_warned_template = True
+        except AttributeError:  # pragma: no cover - a tokenizer that refuses attributes
+            pass
     device = _device_of(model)
     accepted = _forward_kwargs(model)
     max_len = _model_max_length(model, tokenizer, max_length)
@@ -144,18 +166,19 @@ def score_task(model, tokenizer, task: Task, *, batch_size: int = 8, max_length:
     # --- tokenise into requests: (item, choice, ids, n_continuation_tokens)
     requests, shots_used = [], {}
     letter_ids = None
+    special = not chat_template  # a chat-templated string carries its own special tokens
     for i in mine:
         it = task.items[i]
         k = len(it.shots)
         while True:
-            prompt = it.render(k)
-            ctx = _encode(tokenizer, prompt)
+            prompt = _chat(tokenizer, it.render(k)) if chat_template else it.render(k)
+            ctx = _encode(tokenizer, prompt, special)
             if task.kind == "letters":
                 full, conts = [ctx], [0]
             else:
                 full, conts = [], []
                 for c in it.choices:
-                    whole = _encode(tokenizer, prompt + c)
+                    whole = _encode(tokenizer, prompt + (c[1:] if chat_template and c.startswith(" ") else c), special)
                     n_cont = max(1, len(whole) - len(ctx))  # the harness's split: whole[len(ctx):]
                     full.append(whole)
                     conts.append(n_cont)
@@ -167,7 +190,8 @@ def score_task(model, tokenizer, task: Task, *, batch_size: int = 8, max_length:
                              f"shots; the model takes {max_len}. Raise `max_length` or drop the item")
         shots_used[i] = k
         if task.kind == "letters" and letter_ids is None:
-            letter_ids = _letter_ids(tokenizer, prompt, len(it.choices))
+            letter_ids = _letter_ids(tokenizer, prompt, max(len(x.choices) for x in task.items),
+                                     "" if chat_template else " ", special)
         for j, (ids, n_cont) in enumerate(zip(full, conts)):
             requests.append((i, j, ids, n_cont))
 
@@ -211,20 +235,41 @@ def score_task(model, tokenizer, task: Task, *, batch_size: int = 8, max_length:
     probs = torch.softmax(loglik, -1)  # -inf padding -> probability 0
     acc_norm = None
     if task.kind == "continuation":
-        lens = torch.full_like(loglik, float("inf"))
+        normed = torch.full_like(loglik, float("-inf"))  # padding (items with fewer choices) stays -inf, never NaN
         for row, r in enumerate(mine_rows):
             ch = task.items[r[0]].choices
-            lens[row, : len(ch)] = torch.tensor([float(max(1, len(c))) for c in ch], dtype=torch.float64)
-        acc_norm = float(((loglik / lens).argmax(-1) == labels).double().mean())
+            lens = torch.tensor([float(max(1, len(choice_length_text(c)))) for c in ch], dtype=torch.float64)
+            normed[row, : len(ch)] = loglik[row, : len(ch)] / lens
+        acc_norm = float((normed.argmax(-1) == labels).double().mean())
     metrics = calibration_metrics(probs, labels, n_bins=n_bins)
     return TaskScores(task=task.name, probs=probs.float(), labels=labels, loglik=loglik, acc_norm=acc_norm,
                       metrics=metrics, shots_used=[r[2] for r in mine_rows])
 
 
-def evaluate_calibration(model, tokenizer, tasks, *, data_dir: str | None = None, shots: int = 5,
-                         limit: int | None = None, batch_size: int = 8, n_bins: int = 15,
-                         progress: bool = True, max_length: int | None = None) -> dict[str, TaskScores]:
-    """Load (names) or take (``Task`` objects) each task, score it, and return ``{name: TaskScores}``."""
-    loaded = resolve_tasks(tasks, data_dir, shots=shots, limit=limit)
+def choice_length_text(choice: str) -> str:
+    """The text whose characters ``acc_norm`` divides by: the choice without its leading delimiter space
+    (lm-evaluation-harness measures ``doc_to_choice``, which excludes the target delimiter)."""
+    return choice[1:] if choice.startswith(" ") else choice
+
+
+def check_scoring_args(*, task=None, batch_size=8, n_bins=15, max_length=None) -> None:
+    """Validate scoring arguments before any work (a bad ``n_bins`` must not surface after a whole task)."""
+    if task is not None and not isinstance(task, Task):
+        raise TypeError(f"`task` must be a hf_lsce.calibration.Task (see load_task); got {type(task).__name__}")
+    for name, v in (("batch_size", batch_size), ("n_bins", n_bins)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"`{name}` must be a positive integer; got {v!r}")
+    if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2):
+        raise ValueError(f"`max_length` must be an integer >= 2 or None; got {max_length!r}")
+
+
+def evaluate_calibration(model, tokenizer, tasks, *, data_dir: str | None = None, shots=None,
+                         limit=None, batch_size: int = 8, n_bins: int = 15, progress: bool = True,
+                         max_length: int | None = None, split: str | None = None, subjects=None,
+                         chat_template: bool = False) -> dict[str, TaskScores]:
+    """Load (names) or take (``Task`` objects) each task, score it, and return ``{name: TaskScores}``.
+    ``shots`` / ``limit``: one value or per task (see :func:`~hf_lsce.calibration.tasks.resolve_tasks`)."""
+    check_scoring_args(batch_size=batch_size, n_bins=n_bins, max_length=max_length)
+    loaded = resolve_tasks(tasks, data_dir, shots=shots, limit=limit, split=split, subjects=subjects)
     return {t.name: score_task(model, tokenizer, t, batch_size=batch_size, n_bins=n_bins, progress=progress,
-                               max_length=max_length) for t in loaded}
+                               max_length=max_length, chat_template=chat_template) for t in loaded}

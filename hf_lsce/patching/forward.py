@@ -218,11 +218,13 @@ def lsce_forward(self, *args, **kwargs):
     tok, stats = result
     targets = targets.to(tok.device)
     loss = divide_summed_loss(tok.sum(), num_items, stats.valid.sum())
+    # TRL's alignment: position t scores the label at t + 1 (labels[:, 1:]) unless shift_labels were given
     cut = (slice(None), slice(None, -1)) if shift else (slice(None), slice(None))
+    nxt = targets[:, 1:] if shift else targets
     mask = stats.valid[cut]
     return FusedCausalLMOutput(
         loss=loss, log_probs=-tok[cut], entropy=stats.entropy[cut] * mask, label_mask=mask,
-        is_top1=(stats.argmax[cut] == targets[cut]) & mask,
+        is_top1=(stats.argmax[cut] == nxt) & mask,
         past_key_values=None, hidden_states=backbone_out.hidden_states, attentions=backbone_out.attentions)
 
 
