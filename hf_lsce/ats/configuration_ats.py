@@ -1,6 +1,8 @@
 """``ATSConfig``: the configuration of an adaptive-temperature-scaling head (the base LM is not in it)."""
 from __future__ import annotations
 
+import math
+
 from transformers import PretrainedConfig
 
 HEAD_TYPES = ("transformer", "mlp", "linear", "scalar")
@@ -36,9 +38,13 @@ class ATSConfig(PretrainedConfig):
                  max_scale: float = 10.0, min_scale: float = 1e-4, loss_alpha: float = 0.5, mlp_hidden_size: int | None = None,
                  base_hidden_size: int | None = None, base_vocab_size: int | None = None,
                  base_model_type: str | None = None, base_config: dict | None = None,
-                 head_dtype: str = "float32", loss_type: str = "selective", **kwargs):
+                 head_dtype: str = "float32", loss_type: str = "selective", base_fingerprint: dict | None = None,
+                 **kwargs):
         if head_type not in HEAD_TYPES:
             raise ValueError(f"`head_type` must be one of {HEAD_TYPES}; got {head_type!r}")
+        for name, v in (("max_scale", max_scale), ("min_scale", min_scale), ("loss_alpha", loss_alpha)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"`{name}` must be a finite number; got {v!r}")
         if not max_scale > 1:
             raise ValueError(f"`max_scale` must exceed 1; got {max_scale}")
         if not 0 < min_scale < 1:
@@ -61,4 +67,6 @@ class ATSConfig(PretrainedConfig):
         self.base_config = base_config
         self.head_dtype = head_dtype
         self.loss_type = loss_type
+        # the base's architecture (model type, sizes, layer and head counts) the head was trained on
+        self.base_fingerprint = base_fingerprint
         super().__init__(**kwargs)

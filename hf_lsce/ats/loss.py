@@ -75,6 +75,18 @@ def selective_smoothing_loss(logits: torch.Tensor, labels: torch.Tensor, *, alph
     return _combine(per_token, correct, valid, alpha)
 
 
+_FP32_HEAD: dict = {}
+
+
+def _fp32_copy(weight: torch.Tensor) -> torch.Tensor:
+    """An fp32 copy of a frozen fp16 head, kept while the head is unchanged (one entry)."""
+    key = (weight.data_ptr(), weight._version, tuple(weight.shape), weight.device)
+    if _FP32_HEAD.get("key") != key:
+        _FP32_HEAD.clear()
+        _FP32_HEAD.update(key=key, value=weight.detach().float())
+    return _FP32_HEAD["value"]
+
+
 def fused_selective_smoothing_loss(hidden: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor,
                                    labels: torch.Tensor, *, alpha: float | None = 0.5, ignore_index: int = -100,
                                    shift: bool = True, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -99,7 +111,13 @@ def fused_selective_smoothing_loss(hidden: torch.Tensor, scale: torch.Tensor, we
                                             ignore_index=ignore_index)
         correct = valid & (stats.argmax == y)
     acc = torch.promote_types(h.dtype, torch.float32)  # scale in fp32 (fp64 stays fp64), then the op's dtype
-    scaled = (h.to(acc) * s.to(acc)[:, None]).to(weight.dtype)
+    scaled = h.to(acc) * s.to(acc)[:, None]
+    if weight.dtype == torch.float16:
+        # fp16 tops out at 65504: a base's large hidden states times an inverse temperature up to max_scale
+        # overflow it (an inf, then a NaN loss). The op then runs in fp32, on an fp32 copy of the frozen head.
+        weight = _fp32_copy(weight) if not weight.requires_grad else weight.float()
+    else:
+        scaled = scaled.to(weight.dtype)
     smoothing = 0.0 if alpha is None else (~correct).float()
     per_token = linear_cross_entropy(scaled, weight, y, label_smoothing=smoothing, reduction="none",
                                      ignore_index=ignore_index)

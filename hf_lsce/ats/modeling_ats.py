@@ -112,6 +112,18 @@ class _ScalarHead(nn.Module):
         return self.log_scale.expand(hidden.shape[:-1])
 
 
+_FINGERPRINT_KEYS = ("model_type", "hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "intermediate_size", "head_dim")
+
+
+def base_fingerprint(base_model) -> dict:
+    """The base's architecture as far as a head trained on its hidden states depends on it."""
+    tc = text_config(base_model)
+    out = {k: getattr(tc, k, None) for k in _FINGERPRINT_KEYS}
+    out["vocab_size"] = output_head(base_model).weight.shape[0]
+    return {k: v for k, v in out.items() if v is not None}
+
+
 class ATSCalibrator(PreTrainedModel):
     """A frozen causal LM plus a head predicting a per-token inverse temperature.
 
@@ -159,7 +171,8 @@ class ATSCalibrator(PreTrainedModel):
         cfg = ATSConfig(base_model_name_or_path=getattr(base.config, "_name_or_path", None) or None,
                         head_type=head_type, base_hidden_size=tc.hidden_size,
                         base_vocab_size=output_head(base).weight.shape[0], base_model_type=base.config.model_type,
-                        base_config=tc.to_dict() if head_type == "transformer" else None, **config_kwargs)
+                        base_config=tc.to_dict() if head_type == "transformer" else None,
+                        base_fingerprint=base_fingerprint(base), **config_kwargs)
         return cls(cfg, base)
 
     @classmethod
@@ -169,6 +182,9 @@ class ATSCalibrator(PreTrainedModel):
         from safetensors.torch import load_file
         from transformers.utils import cached_file
 
+        from ..outputs import require_complete
+
+        require_complete(pretrained_model_name_or_path)  # a head whose training did not finish is refused
         if config is None or not isinstance(config, ATSConfig):
             config = ATSConfig.from_pretrained(pretrained_model_name_or_path)
         if base_model is None:
@@ -192,6 +208,8 @@ class ATSCalibrator(PreTrainedModel):
         v = output_head(base_model).weight.shape[0]
         checks = [("base_hidden_size", cfg.base_hidden_size, tc.hidden_size), ("base_vocab_size", cfg.base_vocab_size, v),
                   ("base_model_type", cfg.base_model_type, base_model.config.model_type)]
+        have = base_fingerprint(base_model)
+        checks += [(k, want, have.get(k)) for k, want in (getattr(cfg, "base_fingerprint", None) or {}).items()]
         bad = [(n, want, got) for n, want, got in checks if want is not None and want != got]
         if bad:
             raise ValueError("this ATS head was trained for a different base model: " +

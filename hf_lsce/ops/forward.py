@@ -106,9 +106,13 @@ def _fold_tile(z, v0, offs_v, mask_v, y, m, s, t_acc, sz, zy, am, STATS: tl.cons
     # exp(z - m) as exp2(z log2(e) - m log2(e)): one fused multiply-add per element before exp2.
     alpha = tl.math.exp2((m - new_m) * 1.4426950408889634)
     e = tl.math.exp2(z_m * 1.4426950408889634 - (new_m * 1.4426950408889634)[:, None])
-    s = s * alpha + tl.sum(e, axis=1)
     if STATS:
-        t_acc = t_acc * alpha + tl.sum(e * z_valid, axis=1)
+        # t = sum exp(z - m) (z - m), kept relative to the running maximum (entropy = log s - t / s): the plain
+        # sum exp(z - m) z loses its digits to cancellation when the logits are large. A new maximum m' turns
+        # t into alpha (t + s (m - m')).
+        shift = tl.where(m == float("-inf"), 0.0, m - new_m)
+        t_acc = alpha * (t_acc + s * shift) + tl.sum(e * (z_valid - new_m[:, None]), axis=1)
+    s = s * alpha + tl.sum(e, axis=1)
     return new_m, s, t_acc, sz, zy, am
 
 
@@ -225,7 +229,10 @@ def merge_splits(m, s, t, sz, zy, am, stats: bool = True):
     s_tot = (s * scale).sum(0)
     lse = m_max + torch.log(s_tot)
     if stats:
-        entropy = lse - (t * scale).sum(0) / s_tot
+        # each split's t is relative to its own maximum m_k: sum_k exp(m_k - M) (t_k + s_k (m_k - M)), M the max
+        rel = torch.where(torch.isfinite(m), m - m_max[None, :], torch.zeros_like(m))
+        t_tot = (scale * (t + s * rel)).sum(0)
+        entropy = torch.log(s_tot) - t_tot / s_tot
         argmax = am.gather(0, best[None, :])[0].long()
     else:
         entropy, argmax = torch.zeros_like(lse), torch.zeros_like(best)

@@ -64,10 +64,13 @@ def _resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
+_INT64 = (-(2 ** 63), 2 ** 63 - 1)
+
+
 def _validate(hidden, weight, targets, bias, label_smoothing, ignore_index, reduction, softcap,
-              num_items_in_batch, backend, filter_eps):
-    """Check every argument but the target values (``_check_targets``); raise ValueError / TypeError
-    naming it."""
+              num_items_in_batch, backend, filter_eps, shift=False, return_stats=False):
+    """Check every argument but the values that live on the device (``_check_on_host``); raise
+    ValueError / TypeError naming the argument, before any work."""
     if not isinstance(hidden, torch.Tensor):
         raise TypeError(f"hidden must be a torch.Tensor, got {type(hidden).__name__}.")
     if not isinstance(weight, torch.Tensor):
@@ -85,6 +88,8 @@ def _validate(hidden, weight, targets, bias, label_smoothing, ignore_index, redu
         raise ValueError("hidden must have shape (..., D); got a 0-d tensor.")
     if weight.dim() != 2:
         raise ValueError(f"weight must have shape (V, D); got {tuple(weight.shape)}.")
+    if hidden.shape[-1] == 0:
+        raise ValueError("hidden has a last dimension of 0: the hidden size D must be at least 1.")
     if weight.shape[1] != hidden.shape[-1]:
         raise ValueError(
             f"hidden's last dimension ({hidden.shape[-1]}) must equal weight.shape[1] ({weight.shape[1]})."
@@ -109,30 +114,39 @@ def _validate(hidden, weight, targets, bias, label_smoothing, ignore_index, redu
             raise TypeError(f"bias dtype {bias.dtype} differs from hidden dtype {hidden.dtype}.")
         if bias.device != hidden.device:
             raise ValueError(f"bias is on {bias.device} but hidden is on {hidden.device}.")
-    if reduction not in _REDUCTIONS:
+    if not isinstance(reduction, str) or reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}.")
-    if backend not in _BACKENDS:
+    if not isinstance(backend, str) or backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}.")
     if not isinstance(ignore_index, numbers.Integral) or isinstance(ignore_index, bool):
         raise TypeError(f"ignore_index must be an int, got {ignore_index!r}.")
+    if not _INT64[0] <= int(ignore_index) <= _INT64[1]:
+        raise ValueError(f"ignore_index must fit in int64 (the dtype of token ids), got {ignore_index}.")
+    if not isinstance(shift, bool):
+        raise TypeError(f"shift must be True or False (shift by one position, as HF causal LMs), got {shift!r}.")
+    if not isinstance(return_stats, bool):
+        raise TypeError(f"return_stats must be True or False, got {return_stats!r}.")
     if softcap is not None:
-        if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not softcap > 0:
-            raise ValueError(f"softcap must be None or a positive number, got {softcap!r}.")
+        if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not (
+                math.isfinite(float(softcap)) and softcap > 0):
+            raise ValueError(f"softcap must be None or a finite positive number, got {softcap!r}.")
     if filter_eps != "auto":
-        if isinstance(filter_eps, bool) or not isinstance(filter_eps, numbers.Real) or not filter_eps >= 0:
-            raise ValueError(f"filter_eps must be 'auto' or a number >= 0, got {filter_eps!r}.")
+        if isinstance(filter_eps, bool) or not isinstance(filter_eps, numbers.Real) or not (
+                math.isfinite(float(filter_eps)) and filter_eps >= 0):
+            raise ValueError(f"filter_eps must be 'auto' or a finite number >= 0, got {filter_eps!r}.")
     if num_items_in_batch is not None:
         if reduction == "none":
             raise ValueError("num_items_in_batch divides the summed loss; it cannot be used with reduction='none'.")
         if isinstance(num_items_in_batch, torch.Tensor):
             if num_items_in_batch.numel() != 1:
-                raise ValueError("num_items_in_batch must be a number or a one-element tensor.")
-            if num_items_in_batch.item() < 0:
-                raise ValueError(f"num_items_in_batch must be >= 0, got {num_items_in_batch.item()}.")
+                raise ValueError("num_items_in_batch must be a number or a one-element tensor, got a tensor of shape "
+                                 f"{tuple(num_items_in_batch.shape)}.")
+            if num_items_in_batch.dtype == torch.bool or num_items_in_batch.is_complex():
+                raise TypeError(f"num_items_in_batch must hold a count, got dtype {num_items_in_batch.dtype}.")
         elif isinstance(num_items_in_batch, bool) or not isinstance(num_items_in_batch, numbers.Real):
             raise TypeError(f"num_items_in_batch must be a number or a tensor, got {num_items_in_batch!r}.")
-        elif num_items_in_batch < 0:
-            raise ValueError(f"num_items_in_batch must be >= 0, got {num_items_in_batch}.")
+        else:
+            _check_num_items(float(num_items_in_batch))
 
     if isinstance(label_smoothing, torch.Tensor):
         if not label_smoothing.dtype.is_floating_point:
@@ -153,19 +167,46 @@ def _validate(hidden, weight, targets, bias, label_smoothing, ignore_index, redu
         raise TypeError(f"label_smoothing must be a float in [0, 1] or a tensor, got {label_smoothing!r}.")
 
 
-def _check_targets(targets, vocab_size: int, ignore_index: int) -> None:
-    """The last of ``_validate``'s checks: every target in [0, V) or ``ignore_index``. It reads the targets
-    on the host (one synchronisation), so the op calls it last, right before launching the kernels: the
-    GPU then idles only for the launch, not for the op's Python set-up (a bad target must give this
-    ValueError, never an out-of-bounds access)."""
+def _check_num_items(value: float, valid_tokens: int | None = None) -> None:
+    """``num_items_in_batch`` is a count of loss tokens: finite, a whole number, >= 0, and not 0 when there are
+    tokens to divide (HF's Trainer passes the count over the accumulated micro-batches)."""
+    if not math.isfinite(value):
+        raise ValueError(f"num_items_in_batch must be a finite count of loss tokens, got {value}.")
+    if value < 0 or value != math.floor(value):
+        raise ValueError(f"num_items_in_batch must be a whole number >= 0 (a count of loss tokens), got {value}.")
+    if valid_tokens is not None and value == 0 and valid_tokens > 0:
+        raise ValueError(f"num_items_in_batch is 0 but {valid_tokens} tokens carry a loss: the loss would be divided "
+                         "by zero. Pass the number of loss tokens (over all accumulated micro-batches), or None.")
+
+
+def _check_on_host(targets, vocab_size: int, ignore_index: int, num_items_in_batch, valid_count) -> None:
+    """The checks that need values living on the device, read in one synchronisation and run last, right before
+    the kernels launch (the GPU then idles only for the launch, not for the op's Python set-up): every target
+    in [0, V) or ``ignore_index`` (a bad target must give a ValueError, never an out-of-bounds access), and a
+    tensor ``num_items_in_batch`` a valid count (a number is checked by ``_validate``)."""
+    parts = []
     if targets.numel():
-        bad = ~(((targets >= 0) & (targets < vocab_size)) | (targets == ignore_index))
-        if bool(bad.any()):
-            first = targets[bad].flatten()[0].item()
-            raise ValueError(
-                f"targets must be in [0, {vocab_size}) or equal ignore_index={ignore_index}; found {first} "
-                f"({int(bad.sum())} bad entries). Check the tokenizer matches the model's vocabulary."
-            )
+        flat = targets.flatten()
+        bad = ~(((flat >= 0) & (flat < vocab_size)) | (flat == ignore_index))
+        parts += [bad.sum().to(torch.float64), flat[bad.int().argmax()].to(torch.float64)]
+    tensor_items = isinstance(num_items_in_batch, torch.Tensor)
+    zero_items = not tensor_items and num_items_in_batch is not None and float(num_items_in_batch) == 0
+    if tensor_items:
+        parts += [num_items_in_batch.detach().reshape(()).to(device=targets.device, dtype=torch.float64)]
+    if tensor_items or zero_items:  # a count of 0 is wrong only if some token carries a loss
+        parts += [valid_count.to(device=targets.device, dtype=torch.float64)]
+    if not parts:
+        return
+    values = torch.stack(parts).tolist()
+    if targets.numel() and values[0] > 0:
+        raise ValueError(
+            f"targets must be in [0, {vocab_size}) or equal ignore_index={ignore_index}; found {int(values[1])} "
+            f"({int(values[0])} bad entries). Check the tokenizer matches the model's vocabulary."
+        )
+    if tensor_items:
+        _check_num_items(values[-2], int(values[-1]))
+    elif zero_items:
+        _check_num_items(0.0, int(values[-1]))
 
 
 def loss_denominator(num_items_in_batch, valid_count: torch.Tensor, dtype=torch.float32):
@@ -173,7 +214,7 @@ def loss_denominator(num_items_in_batch, valid_count: torch.Tensor, dtype=torch.
     of valid tokens; clamped to >= 1 so an all-ignored batch gives 0, never NaN (a tensor or a float)."""
     denom = valid_count if num_items_in_batch is None else num_items_in_batch
     if torch.is_tensor(denom):
-        return denom.to(device=valid_count.device, dtype=dtype).clamp_min(1)
+        return denom.detach().reshape(()).to(device=valid_count.device, dtype=dtype).clamp_min(1)
     return max(float(denom), 1.0)
 
 
@@ -246,10 +287,25 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, *unused):
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "linear_cross_entropy does not support double backward (backward with create_graph=True, or "
+                "torch.autograd.grad(..., create_graph=True) through it): its gradients are computed by kernels, "
+                "not by differentiable torch ops. Compute second-order terms on materialised logits instead.")
         hidden, weight, bias, targets, lse, smoothing, token_weight = ctx.saved_tensors
         need_dh, need_dw, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         kept, ctx.kept = ctx.kept, None
         n, v = hidden.shape[0], weight.shape[0]
+        if kept is None and token_weight is not None and n:
+            # A second backward through the same graph (retain_graph=True): the first took the gradients the
+            # forward kept. Compute them again the same way (the one-pass path is deterministic), so that every
+            # backward returns the same gradients.
+            from .train_pass import triton_train_pass
+
+            nb = need_db and bias is not None
+            _, dh_, dw_, db_ = triton_train_pass(hidden, weight, bias, targets, smoothing, token_weight, ctx.softcap,
+                                                 need_dh=need_dh, need_dw=need_dw, need_db=nb)
+            kept = (dh_, dw_, db_)
         if n == 0 or grad_loss is None:
             return (torch.zeros_like(hidden) if need_dh else None, torch.zeros_like(weight) if need_dw else None,
                     torch.zeros_like(bias) if need_db and bias is not None else None) + (None,) * 7
@@ -385,7 +441,7 @@ def linear_cross_entropy(
 
         shard = vocab_shard(weight, process_group, return_stats, filter_eps)
     _validate(hidden, weight, targets, bias, label_smoothing, ignore_index, reduction, softcap,
-              num_items_in_batch, backend, filter_eps)
+              num_items_in_batch, backend, filter_eps, shift, return_stats)
     backend = _resolve_backend(backend, hidden.device)
     targets_given = targets
     v, d = weight.shape
@@ -415,7 +471,7 @@ def linear_cross_entropy(
     if reduction == "mean" or (reduction == "sum" and num_items_in_batch is not None):
         denom = loss_denominator(num_items_in_batch, valid1.sum(),
                                  torch.float64 if hidden.dtype == torch.float64 else torch.float32)
-    _check_targets(targets_given, shard.vocab_size if shard else v, ignore_index)
+    _check_on_host(targets_given, shard.vocab_size if shard else v, ignore_index, num_items_in_batch, valid1.sum())
     with torch.autocast(hidden.device.type, enabled=False):
         if shard is not None:
             from .vocab_parallel import vocab_parallel_token_losses

@@ -63,10 +63,15 @@ def torch_forward(
     for s in range(0, n, step):
         e = min(n, s + step)
         z, _ = _logits(hidden[s:e].to(cd), w, b, softcap)
-        lse_c = torch.logsumexp(z, dim=-1)
-        p = torch.exp(z - lse_c[:, None])
-        lse[s:e] = lse_c
-        ent[s:e] = lse_c - (p * z).sum(-1)
+        # everything from the logits shifted by the row maximum: entropy = log s - sum e (z - m) / s with
+        # e = exp(z - m), s = sum e. Going through lse = m + log s instead loses digits at large logits
+        # (one ulp of lse at |z| ~ 1e3 is 1e-4)
+        zmax = z.max(-1, keepdim=True).values
+        zs = z - zmax
+        ez = torch.exp(zs)
+        s_c = ez.sum(-1)
+        lse[s:e] = zmax[:, 0] + torch.log(s_c)
+        ent[s:e] = torch.log(s_c) - (ez * zs).sum(-1) / s_c
         sz[s:e] = z.sum(-1)
         am[s:e] = z.argmax(-1)
         y = targets[s:e]

@@ -65,14 +65,16 @@ def _lce_rows_kernel(
         alpha = tl.where(new_m == float("-inf"), 1.0, tl.exp(m_l - new_m))
         e = tl.where(mask, tl.exp(z_m - new_m), 0.0)
         z_valid = tl.where(mask, z, 0.0)
+        # t = sum exp(z - m) (z - m) relative to the lane's running maximum (see forward._fold_tile)
+        shift = tl.where(m_l == float("-inf"), 0.0, m_l - new_m)
+        t_l = alpha * (t_l + s_l * shift) + tl.where(mask, e * (z - new_m), 0.0)
         s_l = s_l * alpha + e
-        t_l = t_l * alpha + e * z_valid
         sz_l += z_valid
         m_l = new_m
     m = tl.max(m_l, axis=0)
     scale = tl.where(m_l == float("-inf"), 0.0, tl.exp(m_l - m))
     s = tl.sum(s_l * scale, axis=0)
-    t_acc = tl.sum(t_l * scale, axis=0)
+    t_acc = tl.sum(scale * (t_l + s_l * tl.where(m_l == float("-inf"), 0.0, m_l - m)), axis=0)
     am = tl.min(tl.where(m_l == m, am_l, V), axis=0)  # first index of the maximum, as torch.argmax
     lse = m + tl.log(s)
     # The target logit: one load (0 for an ignored token, whose loss is masked anyway).
@@ -87,7 +89,7 @@ def _lce_rows_kernel(
     tl.store(ZY_OUT + row, zy)
     tl.store(SZ_OUT + row, tl.sum(sz_l, axis=0))
     tl.store(AM_OUT + row, am)
-    tl.store(ENT_OUT + row, lse - t_acc / s)
+    tl.store(ENT_OUT + row, tl.log(s) - t_acc / s)
 
     if WRITE_G:
         b = tl.load(SMOOTH + row)

@@ -78,6 +78,8 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
+        if torch.is_grad_enabled():
+            raise RuntimeError("linear_cross_entropy does not support double backward (create_graph=True).")
         hidden, weight, bias, local_t, here, lse, zy, smoothing = ctx.saved_tensors
         v_r, v = weight.shape[0], ctx.shard.vocab_size
         grad = torch.where(local_t >= 0, grad_loss.float(), torch.zeros_like(grad_loss, dtype=torch.float32))
@@ -92,11 +94,12 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
                 t = zy[rows].float() / ctx.softcap
                 c = c * (1.0 - t * t)
             cols = local_t[rows]
-            c = c.to(dh.dtype)
-            dh.index_add_(0, rows, c[:, None] * weight[cols].to(dh.dtype))
-            dw.index_add_(0, cols, c[:, None] * hidden[rows].to(dw.dtype))
+            # The mend in fp32 and cast once to each buffer's dtype (the backends return dh / dW in the inputs'
+            # dtype and db in fp32: with a half-precision bias they differ).
+            dh.index_add_(0, rows, (c[:, None] * weight[cols].float()).to(dh.dtype))
+            dw.index_add_(0, cols, (c[:, None] * hidden[rows].float()).to(dw.dtype))
             if db is not None:
-                db.index_add_(0, cols, c)
+                db.index_add_(0, cols, c.to(db.dtype))
         dist.all_reduce(dh, group=ctx.shard.group)  # every shard's part of dL/dh
         return (dh.to(hidden.dtype), dw.to(weight.dtype), db.to(bias.dtype) if db is not None else None,
                 None, None, None, None, None)

@@ -49,7 +49,11 @@ def oracle(h, w, bias, y, b, softcap, reduction, num_items):
 results = []
 cases = [dict(b=0.0), dict(b=0.1), dict(b=0.1, softcap=2.0), dict(b=0.3, bias=True), dict(b="per_token"),
          dict(b=0.1, reduction="sum"), dict(b=0.1, reduction="none"), dict(b=0.2, num_items=31),
-         dict(b=0.1, softcap=3.0, bias=True, reduction="none")]
+         dict(b=0.1, softcap=3.0, bias=True, reduction="none"),
+         # half precision with a bias: the backends return dh / dW in the inputs' dtype and db in fp32
+         dict(b=0.3, bias=True, dtype="bf16"), dict(b=0.1, bias=True, dtype="fp16", softcap=3.0)]
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+TOLERANCE = {"bf16": 2e-2, "fp16": 4e-3}  # rounding of the inputs and of the returned gradients
 for i, case in enumerate(cases):
     g = torch.Generator().manual_seed(i)
     h = torch.randn(N, D, generator=g) * 2
@@ -57,12 +61,16 @@ for i, case in enumerate(cases):
     bias = torch.randn(V, generator=g) if case.get("bias") else None
     y = torch.randint(0, V, (N,), generator=g)
     y[::5] = -100
+    dt = DTYPES.get(case.get("dtype"))
+    if dt is not None:  # the oracle sees the same rounded values
+        h, w = h.to(dt).float(), w.to(dt).float()
+        bias = bias.to(dt).float() if bias is not None else None
     b = torch.rand(N, generator=g) * 0.5 if case["b"] == "per_token" else case["b"]
     reduction, softcap, num_items = case.get("reduction", "mean"), case.get("softcap"), case.get("num_items")
     lo, hi = bounds[rank], bounds[rank + 1]
-    hs = h.clone().requires_grad_()
-    ws = w[lo:hi].clone().requires_grad_()
-    bs = bias[lo:hi].clone().requires_grad_() if bias is not None else None
+    hs = h.clone().to(dt or torch.float32).requires_grad_()
+    ws = w[lo:hi].clone().to(dt or torch.float32).requires_grad_()
+    bs = bias[lo:hi].clone().to(dt or torch.float32).requires_grad_() if bias is not None else None
     if dev == "cuda":
         hs, ws, y = hs.detach().cuda().requires_grad_(), ws.detach().cuda().requires_grad_(), y.cuda()
         bs = bs.detach().cuda().requires_grad_() if bs is not None else None
@@ -76,7 +84,8 @@ for i, case in enumerate(cases):
     y, b = y.cpu(), b.cpu() if torch.is_tensor(b) else b
     ref_loss, ref_dh, ref_dw, ref_db = oracle(h, w, bias, y, b, softcap, reduction, num_items)
     rel = lambda a, r: float((a.detach().cpu().double() - r).norm() / r.norm().clamp_min(1e-30))  # noqa: E731
-    results.append(dict(case=str(case), loss=rel(loss.detach(), ref_loss), dh=rel(hs.grad, ref_dh),
+    results.append(dict(case=str(case), tol=TOLERANCE.get(case.get("dtype"), 1e-5),
+                        loss=rel(loss.detach(), ref_loss), dh=rel(hs.grad, ref_dh),
                         dw=rel(ws.grad, ref_dw[lo:hi]),
                         db=rel(bs.grad, ref_db[lo:hi]) if bias is not None else 0.0))
 with open(f"{out_path}.{rank}", "w") as f:
