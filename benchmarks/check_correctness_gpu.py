@@ -38,8 +38,10 @@ def make_inputs(n, d, v, *, peaked, bias, ignore_frac, seed, dtype=torch.bfloat1
     return h.to(dtype), w.to(dtype), y, (b.to(dtype) if b is not None else None)
 
 
-def chunked_reference(h, w, y, b, smoothing, softcap, reduction, num_items, compute_dtype, chunk=1024):
-    """Loss and gradients through materialised logits in `compute_dtype` (chunks of rows)."""
+def chunked_reference(h, w, y, b, smoothing, softcap, reduction, num_items, compute_dtype, chunk=1024, z_loss=0.0,
+                      lse_weight=0.0):
+    """Loss and gradients through materialised logits in `compute_dtype` (chunks of rows); ``z_loss`` adds
+    z_loss * lse^2 per token, ``lse_weight`` adds lse_weight * sum of the lse (a loss on the lse output)."""
     n = h.shape[0]
     hh = h.detach().to(compute_dtype)
     ww = w.detach().to(compute_dtype).requires_grad_()
@@ -64,11 +66,16 @@ def chunked_reference(h, w, y, b, smoothing, softcap, reduction, num_items, comp
             lt = torch.where(yc != -100, (1 - sm) * nll - sm * logp.mean(-1), 0.0)
         else:
             lt = F.cross_entropy(z, yc, label_smoothing=smoothing, reduction="none")
+        if z_loss:
+            lse = torch.logsumexp(z, -1)
+            lt = lt + z_loss * torch.where(yc != -100, lse * lse, torch.zeros_like(lse))
         tok[s:s + chunk] = lt.detach()
         if reduction == "none":
             part = lt.sum()
         else:
             part = lt.sum() / (count if reduction == "mean" or num_items is not None else 1)
+        if lse_weight:
+            part = part + lse_weight * torch.logsumexp(z, -1).sum()
         part.backward()
         dh[s:s + chunk] = hc.grad.float()
     loss = tok if reduction == "none" else tok.sum() / (count if reduction == "mean" or num_items is not None else 1)
@@ -140,6 +147,79 @@ def eval_check(sname, n, d, v, softcap, bias, dtype=torch.bfloat16):
                 finite=bool(torch.isfinite(loss) and torch.isfinite(st.lse).all()))
 
 
+def new_paths_check(sname, n, d, v, params):
+    """The training paths added for real inputs, on the fitted realistic generator (benchmarks/real_inputs.py),
+    bf16 against the fp32 reference, beside torch in bf16: the default (filtering, 2**-16, vocabulary sorted,
+    with the fraction of tiles skipped), no filtering, memory='low', fp32 dW accumulation, larger thresholds,
+    z-loss, a loss on the lse output; a second backward (retain_graph) bit for bit; double backward refused."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    import hf_lsce.ops.train_pass as tp
+    from real_inputs import realistic_batch
+
+    h, w, y = realistic_batch(n, d, v, seed=3, device="cuda", **params)
+    y = y.masked_fill(torch.rand(n, device="cuda", generator=torch.Generator("cuda").manual_seed(1)) < 0.2, -100)
+    out = []
+    ref = chunked_reference(h, w, y, None, 0.1, None, "mean", None, torch.float32)
+    same = chunked_reference(h, w, y, None, 0.1, None, "mean", None, torch.bfloat16)
+    base = dict(shape=sname, inputs="realistic (fitted)", loss_err_torch_bf16=rel(same[0], ref[0]),
+                dh_err_torch_bf16=rel(same[1], ref[1]), dw_err_torch_bf16=rel(same[2], ref[2]))
+    info, real_pass = {}, tp.triton_train_pass
+
+    def reporting_pass(*a, **k):  # the same pass, asked for its filtering report
+        k["info"] = info
+        return real_pass(*a, **k)
+    variants = [("default (auto: filtering 2^-16, sorted)", {}), ("no filtering", dict(filter_eps=0.0)),
+                ("memory=low", dict(memory="low")), ("accum_dtype=fp32", dict(accum_dtype=torch.float32)),
+                ("filtering 2^-14", dict(filter_eps=2.0 ** -14)), ("filtering 2^-12", dict(filter_eps=2.0 ** -12)),
+                ("filtering 2^-16, natural order", dict(filter_eps=2.0 ** -16, sort_vocab=False))]
+    for name, kw in variants:
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        info.clear()
+        tp.triton_train_pass = reporting_pass
+        try:
+            loss = linear_cross_entropy(hh, ww, y, label_smoothing=0.1, **kw)
+            loss.backward()
+        finally:
+            tp.triton_train_pass = real_pass
+        out.append(dict(base, check=name, loss_err=rel(loss.detach().float(), ref[0]), dh_err=rel(hh.grad, ref[1]),
+                        dw_err=rel(ww.grad, ref[2]), skipped_tiles=info.get("skipped_tiles"),
+                        row_mass_bound=info.get("row_mass_bound")))
+        print(json.dumps(out[-1]), flush=True)
+    zref = chunked_reference(h, w, y, None, 0.1, None, "mean", None, torch.float32, z_loss=1e-4)
+    hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+    loss = linear_cross_entropy(hh, ww, y, label_smoothing=0.1, z_loss=1e-4)
+    loss.backward()
+    out.append(dict(shape=sname, check="z_loss 1e-4", loss_err=rel(loss.detach().float(), zref[0]),
+                    dh_err=rel(hh.grad, zref[1]), dw_err=rel(ww.grad, zref[2])))
+    lref = chunked_reference(h, w, y, None, 0.1, None, "mean", None, torch.float32, lse_weight=1e-5)
+    hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+    loss, lse = linear_cross_entropy(hh, ww, y, label_smoothing=0.1, return_lse=True)
+    (loss + 1e-5 * lse.sum()).backward()
+    out.append(dict(shape=sname, check="loss on the lse output", dh_err=rel(hh.grad, lref[1]),
+                    dw_err=rel(ww.grad, lref[2])))
+    hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+    loss = linear_cross_entropy(hh, ww, y, label_smoothing=0.1)
+    loss.backward(retain_graph=True)
+    g1 = (hh.grad.clone(), ww.grad.clone())
+    loss.backward()
+    out.append(dict(shape=sname, check="second backward (retain_graph) identical",
+                    identical=bool(torch.equal(hh.grad, 2 * g1[0]) and torch.equal(ww.grad, 2 * g1[1]))))
+    hh = h.clone().requires_grad_()
+    loss = linear_cross_entropy(hh, w, y)
+    try:
+        torch.autograd.grad(loss, hh, create_graph=True)
+        refused, message = False, ""
+    except RuntimeError as e:
+        refused, message = "double backward" in str(e), str(e)[:120]
+    out.append(dict(shape=sname, check="double backward refused", refused=refused, message=message))
+    for r in out[-4:]:
+        print(json.dumps(r), flush=True)
+    return out
+
+
 EDGE_SHAPES = [(1, 64, 100), (7, 2304, 256000), (100, 40, 1000), (300, 4096, 32001), (129, 2048, 257)]
 
 
@@ -167,12 +247,18 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="correctness_gpu.json")
     ap.add_argument("--quick", action="store_true", help="first shape, first three cases")
+    ap.add_argument("--sections", default="cases,repeat,edge,eval,new",
+                    help="comma-separated: cases, repeat, edge, eval, new (the paths for real inputs)")
+    ap.add_argument("--case-shapes", default=None, help="shapes for the cases section (default: all)")
     args = ap.parse_args()
+    sections = set(args.sections.split(","))
     assert torch.cuda.is_available(), "this check needs a CUDA GPU"
     results = []
     shapes = list(SHAPES.items())[:1] if args.quick else list(SHAPES.items())
-    cases = CASES[:3] if args.quick else CASES
-    for sname, (n, d, v) in shapes:
+    if args.case_shapes:
+        shapes = [(k, SHAPES[k]) for k in args.case_shapes.split(",")]
+    cases = (CASES[:3] if args.quick else CASES) if "cases" in sections else []
+    for sname, (n, d, v) in (shapes if cases else []):
         for i, (cname, ik, lk) in enumerate(cases):
             ik = dict(dict(bias=False, ignore_frac=0.2, seed=i), **ik)
             h, w, y, b = make_inputs(n, d, v, **ik)
@@ -205,13 +291,21 @@ def main():
             print(json.dumps(row), flush=True)
             del h, w, y, b, hh, ww, bb, ref, same, loss
             torch.cuda.empty_cache()
-    repeat = repeat_check(*shapes[0][1])
+    repeat = repeat_check(*shapes[0][1]) if "repeat" in sections else None
     print(json.dumps(repeat), flush=True)
-    edges = edge_check()
+    edges = edge_check() if "edge" in sections else []
     for e in edges:
         print(json.dumps(e), flush=True)
+    new = []
+    if "new" in sections:
+        import sys
+
+        sys.path.insert(0, __import__("os").path.dirname(__file__))
+        from real_inputs import fitted_params
+
+        new = new_paths_check("gemma2-2b", *SHAPES["gemma2-2b"], fitted_params())
     evals = []
-    for sname, (n, d, v) in shapes:
+    for sname, (n, d, v) in (shapes if "eval" in sections else []):
         for softcap, bias, dt in ((None, False, torch.bfloat16), (30.0, True, torch.bfloat16),
                                   (None, False, torch.float16)):
             evals.append(eval_check(sname, n, d, v, softcap, bias, dt))
@@ -220,8 +314,8 @@ def main():
     with open(args.out, "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                        triton=__import__("triton").__version__, results=results, repeat=repeat,
-                       evaluation=evals, edge_shapes=edges), f, indent=1)
-    hdr = f"| shape | case | loss err (ours / torch bf16) | dh err | dW err | db err | finite |"
+                       evaluation=evals, edge_shapes=edges, new_paths=new), f, indent=1)
+    hdr = "| shape | case | loss err (ours / torch bf16) | dh err | dW err | db err | finite |"
     print("\n" + hdr + "\n|---|---|---|---|---|---|---|")
     for r in results:
         f2 = lambda a, b: f"{r[a]:.1e} / {r[b]:.1e}"  # noqa: E731

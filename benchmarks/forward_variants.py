@@ -29,7 +29,6 @@ import json
 import math
 import os
 import sys
-import traceback
 
 import torch
 import triton

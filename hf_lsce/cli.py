@@ -246,7 +246,9 @@ def _cmd_demo(args) -> int:
 
     if not 0 < args.label_smoothing <= 1:
         raise ValueError(f"--label-smoothing must lie in (0, 1] (the demo compares it with 0); got {args.label_smoothing}")
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from .run import ConsoleHandler
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s", handlers=[ConsoleHandler()])
     for noisy in ("httpx", "urllib3", "datasets", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     with output_folder(args.output_dir, command="demo", overwrite=args.overwrite):

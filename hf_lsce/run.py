@@ -19,10 +19,26 @@ import sys
 USAGE = "usage: hf-lsce run SCRIPT.py [ARGS...]  |  hf-lsce run -m MODULE [ARGS...]"
 
 
+class ConsoleHandler(logging.StreamHandler):
+    """A stream handler that writes to whatever ``sys.stderr`` is when a record is emitted (not the stream of
+    the moment it was made, which a caller that swaps stderr, e.g. a test harness, may have closed since)."""
+
+    def __init__(self):
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):  # StreamHandler.__init__ assigns it; the live sys.stderr wins
+        pass
+
+
 def _setup_logging() -> None:
     log = logging.getLogger("hf_lsce")
     if not log.handlers:
-        h = logging.StreamHandler()
+        h = ConsoleHandler()
         h.setFormatter(logging.Formatter("[hf_lsce] %(message)s"))
         log.addHandler(h)
         log.setLevel(logging.INFO)
@@ -44,7 +60,6 @@ def run_script(script: str, args: list[str], module: bool = False) -> None:
     ``__main__`` with ``args`` as its command line."""
     from .patching import apply_lsce_patch
 
-    _setup_logging()
     if module:
         import importlib.util
 
@@ -61,6 +76,7 @@ def run_script(script: str, args: list[str], module: bool = False) -> None:
         apply_lsce_patch(label_smoothing=b)
     except (TypeError, ValueError) as e:
         raise SystemExit(f"hf-lsce run: HF_LSCE_LABEL_SMOOTHING: {e}") from None
+    _setup_logging()  # only once the run goes ahead: the process's logging is the script's from here on
     src = f"HF_LSCE_LABEL_SMOOTHING={b}" if b is not None else "the script's --label_smoothing_factor"
     logging.getLogger("hf_lsce").info("patched every supported model class; %s drives the fused op", src)
     if module:

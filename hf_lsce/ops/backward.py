@@ -35,12 +35,12 @@ from .forward import _dot, _logit_tile, _tile_offsets
 
 @triton.jit
 def _lce_backward_kernel(
-    H, W, B, Y, LSE, GRAD, SMOOTH,
+    H, W, B, Y, LSE, GRAD, SMOOTH, EXTRA,
     DH, DW, DB, SKIPPED,
     N, V, D,
     stride_hn, stride_hd, stride_wv, stride_wd,
     softcap, inv_v, filter_eps,
-    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, FILTER: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, FILTER: tl.constexpr, HAS_EXTRA: tl.constexpr,
     NEED_DH: tl.constexpr, NEED_DW: tl.constexpr,
     COUNT_SKIPPED: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -48,8 +48,11 @@ def _lce_backward_kernel(
     offs_n, offs_v, mask_n, mask_v = _tile_offsets(N, V, BLOCK_N, BLOCK_V)
 
     grad = tl.load(GRAD + offs_n, mask=mask_n, other=0.0)
+    extra = grad * 0.0
+    if HAS_EXTRA:
+        extra = tl.load(EXTRA + offs_n, mask=mask_n, other=0.0)
     # Rows with no upstream gradient (ignored tokens, padding) contribute nothing.
-    active = mask_n & (grad != 0.0)
+    active = mask_n & ((grad != 0.0) | (extra != 0.0))
     if tl.max(active.to(tl.int32), axis=0) == 0:
         if COUNT_SKIPPED:
             tl.atomic_add(SKIPPED, 1)
@@ -68,14 +71,22 @@ def _lce_backward_kernel(
         t2 = t * t
         g = g * (1.0 - t2) + (b * inv_v)[:, None] * t2
     g = tl.where(active[:, None] & mask_v[None, :], g, 0.0)
+    gg = g * grad[:, None]
+    if HAS_EXTRA:  # + extra_n p_nv (z-loss, an lse output's gradient); never filtered away from its tile
+        pe = p
+        if SOFTCAP:
+            pe = p * (1.0 - t * t)
+        gg += tl.where(active[:, None] & mask_v[None, :], extra[:, None] * pe, 0.0)
 
     keep = True
     if FILTER:
         keep = tl.max(tl.max(tl.abs(g), axis=1), axis=0) >= filter_eps
+        if HAS_EXTRA:
+            keep = keep | (tl.max(tl.max(tl.abs(gg), axis=1), axis=0) >= filter_eps)
     if keep:
-        gc = (g * grad[:, None]).to(H.dtype.element_ty)
+        gc = gg.to(H.dtype.element_ty)
         if HAS_BIAS:
-            tl.atomic_add(DB + offs_v, tl.sum(g * grad[:, None], axis=0), mask=mask_v)
+            tl.atomic_add(DB + offs_v, tl.sum(gg, axis=0), mask=mask_v)
         for d0 in range(0, D, BLOCK_D):
             offs_d = d0 + tl.arange(0, BLOCK_D)
             mask_d = offs_d < D
@@ -97,14 +108,15 @@ def _lce_backward_kernel(
 
 @triton.jit
 def _lce_grad_logits_kernel(
-    H, W, B, Y, LSE, GRAD, SMOOTH, G,
+    H, W, B, Y, LSE, GRAD, SMOOTH, EXTRA, G,
     N, V, D,
     stride_hn, stride_hd, stride_wv, stride_wd, stride_gn,
     softcap, inv_v,
-    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_EXTRA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """G[n, v] = grad_n * dloss_n / dz_nv, the full gradient (smoothing term included), input dtype."""
+    """G[n, v] = grad_n * dloss_n / dz_nv (+ extra_n p_nv: z-loss, an lse output's gradient), the full
+    gradient (smoothing term included), input dtype."""
     offs_n, offs_v, mask_n, mask_v = _tile_offsets(N, V, BLOCK_N, BLOCK_V)
     z, t = _logit_tile(H, W, B, offs_n, offs_v, mask_n, mask_v, D, stride_hn, stride_hd,
                        stride_wv, stride_wd, softcap, HAS_BIAS, SOFTCAP, BLOCK_D,
@@ -113,11 +125,12 @@ def _lce_grad_logits_kernel(
     y = tl.load(Y + offs_n, mask=mask_n, other=-1)
     b = tl.load(SMOOTH + offs_n, mask=mask_n, other=0.0)
     grad = tl.load(GRAD + offs_n, mask=mask_n, other=0.0)
-    g = tl.exp(z - lse[:, None]) - (b * inv_v)[:, None]
-    g -= tl.where(offs_v[None, :] == y[:, None], 1.0 - b[:, None], 0.0)
+    p = tl.exp(z - lse[:, None])
+    g = (p - (b * inv_v)[:, None] - tl.where(offs_v[None, :] == y[:, None], 1.0 - b[:, None], 0.0)) * grad[:, None]
+    if HAS_EXTRA:
+        g += tl.load(EXTRA + offs_n, mask=mask_n, other=0.0)[:, None] * p
     if SOFTCAP:
         g = g * (1.0 - t * t)
-    g = g * grad[:, None]
     tl.store(G + offs_n[:, None] * stride_gn + offs_v[None, :], g.to(G.dtype.element_ty),
              mask=mask_n[:, None] & mask_v[None, :])
 
@@ -143,7 +156,8 @@ def add_chunk_gradients(g, hidden_chunk, weight, dh_chunk, dw, db, first: bool) 
 
 
 def triton_backward_dense(hidden, weight, bias, targets, lse, grad, smoothing, softcap, config,
-                          need_dh: bool = True, need_dw: bool = True, chunk_bytes: int | None = None):
+                          need_dh: bool = True, need_dw: bool = True, chunk_bytes: int | None = None,
+                          extra: torch.Tensor | None = None):
     """Full gradients (dh in hidden's dtype, dW in weight's dtype, db fp32) through chunks of G."""
     from .config import GRAD_CHUNK_BYTES
 
@@ -155,13 +169,13 @@ def triton_backward_dense(hidden, weight, bias, targets, lse, grad, smoothing, s
     dh = torch.empty(n, d, dtype=hidden.dtype, device=dev) if need_dh else None
     dw = torch.empty(v, d, dtype=weight.dtype, device=dev) if need_dw else None
     db = torch.zeros(v, dtype=torch.float32, device=dev) if bias is not None else None
-    flags = dict(HAS_BIAS=bias is not None, SOFTCAP=softcap is not None,
+    flags = dict(HAS_BIAS=bias is not None, SOFTCAP=softcap is not None, HAS_EXTRA=extra is not None,
                  DOT_PRECISION=config.dot_precision, UPCAST=config.upcast_dot)
     for s in range(0, n, rows):
         e = min(n, s + rows)
         gc = g[: e - s]
         args = (hidden[s:e], weight, bias if bias is not None else weight, targets[s:e], lse[s:e],
-                grad[s:e], smoothing[s:e], gc, e - s, v, d,
+                grad[s:e], smoothing[s:e], extra[s:e] if extra is not None else grad[s:e], gc, e - s, v, d,
                 hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), gc.stride(0),
                 float(softcap) if softcap is not None else 1.0, 1.0 / v)
         rows_c = e - s
@@ -173,7 +187,7 @@ def triton_backward_dense(hidden, weight, bias, targets, lse, grad, smoothing, s
 
 def triton_backward(hidden, weight, bias, targets, lse, grad, smoothing, softcap, config,
                     filter_eps: float, need_dh: bool = True, need_dw: bool = True,
-                    count_skipped: bool = False):
+                    count_skipped: bool = False, extra: torch.Tensor | None = None):
     """Softmax-part gradients (fp32) for 2-D ``hidden``; returns (dh, dw, db, skipped_tiles).
 
     The rank-one smoothing term is not included: the caller adds it (see module docstring).
@@ -186,11 +200,11 @@ def triton_backward(hidden, weight, bias, targets, lse, grad, smoothing, softcap
     db = torch.zeros(v, dtype=torch.float32, device=dev) if bias is not None else None
     skipped = torch.zeros(1, dtype=torch.int32, device=dev)
     args = (hidden, weight, bias if bias is not None else weight, targets, lse, grad, smoothing,
-            dh, dw, db if db is not None else dw, skipped, n, v, d,
+            extra if extra is not None else grad, dh, dw, db if db is not None else dw, skipped, n, v, d,
             hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
             float(softcap) if softcap is not None else 1.0, 1.0 / v, float(filter_eps))
     flags = dict(HAS_BIAS=bias is not None, SOFTCAP=softcap is not None, FILTER=filter_eps > 0,
-                 NEED_DH=need_dh, NEED_DW=need_dw, COUNT_SKIPPED=count_skipped,
+                 HAS_EXTRA=extra is not None, NEED_DH=need_dh, NEED_DW=need_dw, COUNT_SKIPPED=count_skipped,
                  DOT_PRECISION=config.dot_precision, UPCAST=config.upcast_dot)
     # No autotuned twin: autotuning re-runs the kernel, and its atomics would accumulate each run.
     launch(_lce_backward_kernel, None, config,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -235,16 +236,33 @@ def forward_stats(hidden, weight, bias, targets, softcap, backend, stats=True):
     return reference.torch_forward(hidden, weight, bias, targets, softcap)
 
 
-def dense_backward(hidden, weight, bias, targets, lse, grad, smoothing, softcap, backend, need_dh=True, need_dw=True):
-    """(dh, dw, db) of ``sum_n grad_n loss_n`` without tile skipping, from the chosen backend."""
+def dense_backward(hidden, weight, bias, targets, lse, grad, smoothing, softcap, backend, need_dh=True, need_dw=True,
+                   extra=None):
+    """(dh, dw, db) of ``sum_n grad_n loss_n`` (+ ``extra_n p_n`` on the logits' gradient) without tile skipping,
+    from the chosen backend."""
     if backend == "triton":
         from .backward import triton_backward_dense
         from .config import backward_config
 
         return triton_backward_dense(hidden, weight, bias, targets, lse, grad, smoothing, softcap,
-                                     backward_config(hidden.dtype, hidden.device), need_dh=need_dh, need_dw=need_dw)
+                                     backward_config(hidden.dtype, hidden.device), need_dh=need_dh, need_dw=need_dw,
+                                     extra=extra)
     return reference.torch_backward(hidden, weight, bias, targets, lse, grad, smoothing, softcap,
-                                    need_dh=need_dh, need_dw=need_dw)
+                                    need_dh=need_dh, need_dw=need_dw, extra=extra)
+
+
+@dataclass(frozen=True)
+class _Options:
+    """How the op runs (resolved by ``linear_cross_entropy``)."""
+
+    softcap: float | None
+    backend: str
+    filter_eps: float = 0.0
+    sort_vocab: bool = False
+    z_loss: float = 0.0
+    memory: str = "fast"
+    accum_dtype: torch.dtype | None = None
+    need_stats: bool = False
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -254,79 +272,99 @@ class _LinearCrossEntropy(torch.autograd.Function):
     ``sum_n token_weight_n loss_n`` in the forward. Backward then checks that the upstream gradient is
     that weighting times one constant c over the valid tokens (what a mean, a sum or
     ``/ num_items_in_batch`` of the per-token losses gives, and TRL's ``-log_probs.sum() / n``) and
-    returns the kept gradients times c; any other upstream gradient is served by the recomputing
-    backward, so the result is exact either way.
+    returns the kept gradients times c; any other upstream gradient (or one reaching the lse output) is served
+    by the recomputing backward, so the result is exact either way.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, smoothing, softcap, backend, filter_eps, token_weight,
-                need_stats):
+    def forward(ctx, hidden, weight, bias, targets, smoothing, token_weight, opts: _Options):
         n, v = hidden.shape[0], weight.shape[0]
         valid = targets >= 0
         ctx.kept = None
+        ctx.set_materialize_grads(False)  # an unused output (the lse) sends None, not zeros
+        ctx.filter_info = {}
         if n == 0:
             e = torch.zeros(0, dtype=torch.float32, device=hidden.device)
             stats = (e, e, e, torch.zeros(0, dtype=torch.long, device=hidden.device), e)
         elif token_weight is not None:
-            from .train_pass import triton_train_pass
+            from .train_pass import triton_train_pass, triton_train_pass_low_memory
 
             nd, nw, nb = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2] and bias is not None
-            stats, dh, dw, db = triton_train_pass(hidden, weight, bias, targets, smoothing, token_weight, softcap,
-                                                  need_dh=nd, need_dw=nw, need_db=nb)
-            ctx.kept = (dh, dw, db)
+            if opts.memory == "low":
+                stats = forward_stats(hidden, weight, bias, targets, opts.softcap, opts.backend, stats=True)
+                ctx.kept = triton_train_pass_low_memory(hidden, weight, bias, targets, smoothing, token_weight,
+                                                        opts.softcap, stats, need_dh=nd, need_dw=nw, need_db=nb,
+                                                        z_loss=opts.z_loss)
+            else:
+                stats, dh, dw, db = triton_train_pass(
+                    hidden, weight, bias, targets, smoothing, token_weight, opts.softcap, need_dh=nd, need_dw=nw,
+                    need_db=nb, z_loss=opts.z_loss, filter_eps=opts.filter_eps, sort_vocab=opts.sort_vocab,
+                    accum_dtype=opts.accum_dtype, info=ctx.filter_info)
+                ctx.kept = (dh, dw, db)
         else:
-            stats = forward_stats(hidden, weight, bias, targets, softcap, backend, stats=need_stats)
+            stats = forward_stats(hidden, weight, bias, targets, opts.softcap, opts.backend, stats=opts.need_stats)
         lse, zy, sz, argmax, entropy = stats
         b = smoothing.to(lse.dtype)
-        loss = torch.where(valid, lse - (1.0 - b) * zy - b * sz / v, torch.zeros_like(lse))
+        per = lse - (1.0 - b) * zy - b * sz / v
+        if opts.z_loss:
+            per = per + opts.z_loss * lse * lse
+        loss = torch.where(valid, per, torch.zeros_like(lse))
         nll = torch.where(valid, lse - zy, torch.zeros_like(lse))
         ctx.save_for_backward(hidden, weight, bias, targets, lse, smoothing, token_weight)
-        ctx.softcap, ctx.backend, ctx.filter_eps = softcap, backend, filter_eps
-        ctx.mark_non_differentiable(lse, argmax, nll, entropy)
-        return loss, lse, argmax, nll, entropy
+        ctx.opts = opts
+        ctx.mark_non_differentiable(argmax, nll, entropy)
+        return loss, lse.clone(), argmax, nll, entropy
 
     @staticmethod
-    def backward(ctx, grad_loss, *unused):
+    def backward(ctx, grad_loss, grad_lse, *unused):
         if torch.is_grad_enabled():
             raise RuntimeError(
                 "linear_cross_entropy does not support double backward (backward with create_graph=True, or "
                 "torch.autograd.grad(..., create_graph=True) through it): its gradients are computed by kernels, "
                 "not by differentiable torch ops. Compute second-order terms on materialised logits instead.")
         hidden, weight, bias, targets, lse, smoothing, token_weight = ctx.saved_tensors
+        opts = ctx.opts
         need_dh, need_dw, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         kept, ctx.kept = ctx.kept, None
         n, v = hidden.shape[0], weight.shape[0]
-        if kept is None and token_weight is not None and n:
-            # A second backward through the same graph (retain_graph=True): the first took the gradients the
-            # forward kept. Compute them again the same way (the one-pass path is deterministic), so that every
-            # backward returns the same gradients.
-            from .train_pass import triton_train_pass
-
-            nb = need_db and bias is not None
-            _, dh_, dw_, db_ = triton_train_pass(hidden, weight, bias, targets, smoothing, token_weight, ctx.softcap,
-                                                 need_dh=need_dh, need_dw=need_dw, need_db=nb)
-            kept = (dh_, dw_, db_)
-        if n == 0 or grad_loss is None:
+        none7 = (None,) * 4
+        if n == 0 or (grad_loss is None and grad_lse is None):
             return (torch.zeros_like(hidden) if need_dh else None, torch.zeros_like(weight) if need_dw else None,
-                    torch.zeros_like(bias) if need_db and bias is not None else None) + (None,) * 7
-        grad = torch.where(targets >= 0, grad_loss.float(), torch.zeros_like(grad_loss, dtype=torch.float32))
-        if kept is not None:
+                    torch.zeros_like(bias) if need_db and bias is not None else None) + none7
+        valid = targets >= 0
+        zeros = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+        grad = torch.where(valid, grad_loss.float(), zeros) if grad_loss is not None else zeros
+        if grad_lse is None and token_weight is not None:
+            if kept is None:
+                # A second backward through the same graph (retain_graph=True): the first took the gradients the
+                # forward kept. Compute them again the same way (deterministic), so every backward agrees.
+                kept = _recompute_kept(hidden, weight, bias, targets, smoothing, token_weight, lse, opts,
+                                       need_dh, need_dw, need_db and bias is not None)
             c = _uniform_ratio(grad, token_weight)
             if c is not None:
                 dh, dw, db = kept
                 if not math.isclose(c, 1.0, rel_tol=1e-6, abs_tol=0.0):
                     dh, dw, db = (t.mul_(c) if t is not None else None for t in kept)
-                return dh, dw, db.to(bias.dtype) if db is not None else None, *(None,) * 7
-            del kept  # an upstream gradient the kept one cannot be scaled to: recompute below
+                return dh, dw, db.to(bias.dtype) if db is not None else None, *none7
+        del kept  # an upstream gradient the kept one cannot be scaled to: recompute below
         b = smoothing.float()
-        if ctx.backend == "triton" and ctx.filter_eps > 0 and not (ctx.softcap is not None and bool((b > 0).any())):
-            # Tile-skipping backward (the soft-cap remainder b/V tanh^2 is dense: never with it).
+        extra = None
+        if opts.z_loss or grad_lse is not None:  # extra_n p_n on the logits' gradient
+            extra = torch.zeros_like(grad)
+            if opts.z_loss:
+                extra = extra + grad * (2.0 * opts.z_loss) * lse.float()
+            if grad_lse is not None:
+                extra = extra + grad_lse.float()
+            extra = extra.contiguous()
+        if opts.backend == "triton" and opts.filter_eps > 0 and not (opts.softcap is not None and bool((b > 0).any())):
+            # Tile-skipping recomputing backward (the soft-cap remainder b/V tanh^2 is dense: never with it).
             from .backward import triton_backward
             from .config import backward_config
 
             dh, dw, db, _ = triton_backward(
-                hidden, weight, bias, targets, lse, grad.contiguous(), b.contiguous(), ctx.softcap,
-                backward_config(hidden.dtype, hidden.device), ctx.filter_eps, need_dh=need_dh, need_dw=need_dw)
+                hidden, weight, bias, targets, lse, grad.contiguous(), b.contiguous(), opts.softcap,
+                backward_config(hidden.dtype, hidden.device), opts.filter_eps, need_dh=need_dh, need_dw=need_dw,
+                extra=extra)
             # The rank-one smoothing term -b_n/V, exact (see backward.py).
             c = grad * b / v
             if need_dh:
@@ -337,9 +375,24 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 db -= c.sum()
         else:
             dh, dw, db = dense_backward(hidden, weight, bias, targets, lse, grad.contiguous(), b.contiguous(),
-                                        ctx.softcap, ctx.backend, need_dh=need_dh, need_dw=need_dw)
+                                        opts.softcap, opts.backend, need_dh=need_dh, need_dw=need_dw, extra=extra)
         return (dh.to(hidden.dtype) if need_dh else None, dw.to(weight.dtype) if need_dw else None,
-                db.to(bias.dtype) if need_db and db is not None else None) + (None,) * 7
+                db.to(bias.dtype) if need_db and db is not None else None) + none7
+
+
+def _recompute_kept(hidden, weight, bias, targets, smoothing, token_weight, lse, opts, need_dh, need_dw, need_db):
+    """The one-pass gradients again, by the same computation as the forward's (for a second backward)."""
+    from .train_pass import triton_train_pass, triton_train_pass_low_memory
+
+    if opts.memory == "low":
+        return triton_train_pass_low_memory(hidden, weight, bias, targets, smoothing, token_weight, opts.softcap,
+                                            (lse,), need_dh=need_dh, need_dw=need_dw, need_db=need_db,
+                                            z_loss=opts.z_loss)
+    _, dh, dw, db = triton_train_pass(hidden, weight, bias, targets, smoothing, token_weight, opts.softcap,
+                                      need_dh=need_dh, need_dw=need_dw, need_db=need_db, z_loss=opts.z_loss,
+                                      filter_eps=opts.filter_eps, sort_vocab=opts.sort_vocab,
+                                      accum_dtype=opts.accum_dtype)
+    return dh, dw, db
 
 
 def _uniform_ratio(grad: torch.Tensor, token_weight: torch.Tensor) -> float | None:
@@ -355,16 +408,60 @@ def _uniform_ratio(grad: torch.Tensor, token_weight: torch.Tensor) -> float | No
     return lo if lo == hi else None
 
 
-def _use_train_pass(hidden, weight, bias, backend, filter_eps) -> bool:
-    """The one-pass training path: Triton backend, gradients needed, no tile skipping asked for, and fp32
-    logits obtainable from cuBLAS (see ``train_pass.supported``)."""
-    if backend != "triton" or filter_eps > 0 or hidden.shape[0] == 0:
+# Gradient filtering chosen by filter_eps="auto": on CUDA, half-precision inputs, vocabularies of at least
+# AUTO_FILTER_MIN_VOCAB tokens. 2**-16: on Gemma-3-270m's real softmax (64 x 128 tiles), filtering then adds an
+# error to dh of a quarter of what storing G in bf16 already costs (4.3e-4 against 1.6e-3; 2**-14 adds as much
+# as bf16, 2**-12 three times as much), while 42% of the tiles (64% with the vocabulary sorted) are skipped
+# (benchmarks/real_inputs.py, docs/how_it_works.md).
+AUTO_FILTER_EPS = 2.0 ** -16
+AUTO_FILTER_MIN_VOCAB = 16384
+_MEMORY = ("auto", "fast", "low")
+
+
+def _use_train_pass(hidden, weight, bias, backend) -> bool:
+    """The one-pass training path: Triton backend, gradients needed, and fp32 logits obtainable from cuBLAS
+    (see ``train_pass.supported``)."""
+    if backend != "triton" or hidden.shape[0] == 0:
         return False
     if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))):
         return False
     from .train_pass import supported
 
     return supported(hidden)
+
+
+def _validate_options(z_loss, return_lse, memory, accum_dtype, sort_vocab, weight, process_group) -> None:
+    if isinstance(z_loss, bool) or not isinstance(z_loss, numbers.Real) or not (
+            math.isfinite(float(z_loss)) and z_loss >= 0):
+        raise ValueError(f"z_loss must be a finite number >= 0 (the coefficient of lse^2), got {z_loss!r}.")
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be True or False, got {return_lse!r}.")
+    if not isinstance(memory, str) or memory not in _MEMORY:
+        raise ValueError(f"memory must be one of {_MEMORY}, got {memory!r}.")
+    if accum_dtype is not None and accum_dtype not in (torch.float32, weight.dtype):
+        raise ValueError(f"accum_dtype must be None, torch.float32 or the weight's dtype, got {accum_dtype!r}.")
+    if sort_vocab != "auto" and not isinstance(sort_vocab, bool):
+        raise TypeError(f"sort_vocab must be 'auto', True or False, got {sort_vocab!r}.")
+    if process_group is not None and (return_lse or memory == "low" or sort_vocab is True):
+        raise ValueError("return_lse, memory='low' and sort_vocab=True are not available with process_group.")
+
+
+def _resolve_memory(memory, one_pass, hidden, weight, accum_dtype, sort) -> str:
+    """'auto': the low-memory path when CUDA's free memory cannot hold the fast path's buffers."""
+    if memory != "auto":
+        return memory
+    if not one_pass or hidden.device.type != "cuda":
+        return "fast"
+    from .config import TRAIN_CHUNK_BYTES
+
+    n, (v, d) = hidden.shape[0], weight.shape
+    need = min(n, max(1, TRAIN_CHUNK_BYTES // (v * 4))) * v * 4  # one chunk of fp32 logits
+    if sort:
+        need += v * d * weight.element_size()  # the sorted copy of W
+    if accum_dtype == torch.float32 and weight.dtype != torch.float32:
+        need += v * d * 4
+    free, _ = torch.cuda.mem_get_info(hidden.device)
+    return "low" if free < 1.25 * need else "fast"
 
 
 def linear_cross_entropy(
@@ -383,11 +480,17 @@ def linear_cross_entropy(
     backend: str = "auto",
     filter_eps: float | str = "auto",
     process_group=None,
+    z_loss: float = 0.0,
+    return_lse: bool = False,
+    memory: str = "auto",
+    accum_dtype: torch.dtype | None = None,
+    sort_vocab: bool | str = "auto",
 ):
     """Label-smoothed cross-entropy of ``hidden @ weight.T (+ bias)`` without materialising logits.
 
     Equals ``F.cross_entropy(z.float(), targets, label_smoothing=b, ignore_index=..., reduction=...)``
-    with ``z = hidden @ weight.T + bias`` (soft-capped as ``softcap * tanh(z / softcap)`` if given).
+    with ``z = hidden @ weight.T + bias`` (soft-capped as ``softcap * tanh(z / softcap)`` if given), plus
+    ``z_loss * lse^2`` per token when asked.
 
     Args:
         hidden: (..., D) float16 / bfloat16 / float32 / float64 hidden states.
@@ -402,30 +505,40 @@ def linear_cross_entropy(
         shift: shift like Hugging Face causal LMs: position t predicts ``targets[..., t + 1]``
             (the last position is ignored). The sequence is the second-to-last dimension of hidden.
         num_items_in_batch: if given, the loss is ``sum / num_items_in_batch`` (Hugging Face's
-            convention under gradient accumulation).
-        return_stats: also return :class:`LCEStats` (per-token lse, argmax, nll, entropy, valid).
+            convention under gradient accumulation): a whole number, not 0 when some token carries a loss.
+        return_stats: also return :class:`LCEStats` (per-token lse, argmax, nll, entropy, valid; no gradient).
         backend: ``"auto"`` (Triton kernels on CUDA, chunked torch elsewhere), ``"triton"``
             (also on CPU under ``TRITON_INTERPRET=1``) or ``"torch"``.
-        filter_eps: gradient filtering of the Triton backward. 0 (``"auto"``): no filtering; with
-            gradients enabled the one-pass training path runs (fp32 logits from cuBLAS a chunk of rows
-            at a time, the gradients computed in the forward, three matmuls; backward scales them, or
-            recomputes them for an upstream gradient that is not uniform over the valid tokens).
-            > 0: the tile-skipping backward: a (BLOCK_N x BLOCK_V) tile of the softmax gradient
-            whose entries are all below ``filter_eps`` is skipped; the skipped probability mass of
-            a row is at most ``V * filter_eps`` (so ``2**-10 / V`` keeps it under bf16 resolution).
-            Pays off when most tiles are negligible (a sharply peaked softmax). Ignored under
-            soft-cap with smoothing (whose gradient is dense) and by the torch backend.
+        filter_eps: gradient filtering in training. A tile of 64 rows x 128 vocabulary columns of the gradient
+            with respect to the logits whose every entry (before the token weights, without the smoothing's
+            uniform term, which stays exact) is below ``filter_eps`` is skipped in the products that give dh
+            and dW. ``"auto"``: ``AUTO_FILTER_EPS`` (2**-16) for half-precision inputs on CUDA with a vocabulary
+            of at least 16,384, else 0 (none). Never with soft-cap and smoothing (that gradient is dense). See
+            ``train_pass.py`` and ``sparse.py``; the torch backend ignores it.
         process_group: vocabulary-parallel (tensor-parallel) LM head. ``weight`` (and ``bias``) is
             this rank's contiguous shard of the vocabulary, shards in rank order (what
             ``ColwiseParallel`` / ``torch.chunk(dim=0)`` gives); ``hidden`` and ``targets`` (full
             vocabulary ids) are the same on every rank. The log-sum-exp, target logit and sum of
             logits are reduced across the group (max and sum all-reduces); every rank returns the
-            full loss, ``dW`` is its shard's, and ``dhidden`` is all-reduced. ``return_stats`` and
-            ``filter_eps > 0`` are not available with it.
+            full loss, ``dW`` is its shard's, and ``dhidden`` is all-reduced. ``return_stats``,
+            ``return_lse``, ``memory="low"`` and ``filter_eps > 0`` are not available with it.
+        z_loss: coefficient lam of the z-loss ``lam * lse^2`` added to each token's loss (PaLM; Liger's
+            ``lse_square_scale``), with its gradient ``2 lam lse p``.
+        return_lse: also return the per-token log-sum-exp (shape of targets, fp32), differentiable: a loss
+            built on it back-propagates (through the recomputing backward).
+        memory: ``"fast"`` (the one-pass path: a chunk of up to 2 GiB of fp32 logits), ``"low"`` (the
+            statistics first, then vocabulary chunks of 32 MiB with an fp32 dh accumulator: about ``4 N D``
+            bytes plus 32 MiB of extra memory, 1% of a materialising torch.compile loss at the Gemma2-2B shape,
+            at the cost of one more logits matmul), ``"auto"``: ``"low"`` when CUDA's free memory cannot hold
+            the fast path's buffers.
+        accum_dtype: dtype of dW's accumulation across the training path's row chunks (``torch.float32``: an
+            fp32 buffer of V x D, cast once at the end; default: the weight's dtype, one rounding per chunk).
+        sort_vocab: with filtering, sort the vocabulary by mean logit first (tokens likely everywhere share
+            tiles; more tiles are skippable). ``"auto"``: when filtering.
 
     Returns:
-        The loss (float32; float64 for float64 inputs), and the stats if ``return_stats``. All-ignored or
-        empty inputs give a loss of 0 and zero gradients, never NaN.
+        The loss (float32; float64 for float64 inputs), then the stats if ``return_stats``, then the lse if
+        ``return_lse``. All-ignored or empty inputs give a loss of 0 and zero gradients, never NaN.
     """
     if torch.is_tensor(hidden) and torch.is_autocast_enabled(hidden.device.type):
         # What F.linear would do under autocast: compute in the autocast dtype.
@@ -442,6 +555,7 @@ def linear_cross_entropy(
         shard = vocab_shard(weight, process_group, return_stats, filter_eps)
     _validate(hidden, weight, targets, bias, label_smoothing, ignore_index, reduction, softcap,
               num_items_in_batch, backend, filter_eps, shift, return_stats)
+    _validate_options(z_loss, return_lse, memory, accum_dtype, sort_vocab, weight, process_group)
     backend = _resolve_backend(backend, hidden.device)
     targets_given = targets
     v, d = weight.shape
@@ -460,10 +574,23 @@ def linear_cross_entropy(
     n = h2.shape[0]
     if torch.is_tensor(smoothing):
         b1 = smoothing.detach().to(torch.float32).expand(out_shape).reshape(-1).contiguous()
+        smoothed = bool((b1 > 0).any()) if softcap is not None else True
     else:
         b1 = torch.full((n,), float(smoothing), dtype=torch.float32, device=hidden.device)
+        smoothed = float(smoothing) > 0
+
+    one_pass = shard is None and _use_train_pass(h2, weight, bias, backend)
     if filter_eps == "auto":
-        filter_eps = 0.0
+        filter_eps = AUTO_FILTER_EPS if (one_pass and h2.device.type == "cuda" and v >= AUTO_FILTER_MIN_VOCAB
+                                         and h2.dtype in (torch.float16, torch.bfloat16)) else 0.0
+    filter_eps = float(filter_eps)
+    if softcap is not None and smoothed:
+        filter_eps = 0.0  # the smoothing's gradient through the cap is dense
+    sort = bool(filter_eps > 0 and (sort_vocab is True or sort_vocab == "auto"))
+    mem = _resolve_memory(memory, one_pass, h2, weight, accum_dtype, sort)
+    opts = _Options(softcap=softcap, backend=backend, filter_eps=filter_eps if mem != "low" else 0.0,
+                    sort_vocab=sort and mem != "low", z_loss=float(z_loss), memory=mem, accum_dtype=accum_dtype,
+                    need_stats=return_stats)
 
     valid1 = t1 >= 0
     # The divisor of the summed token losses (None: the sum itself, or no reduction).
@@ -476,23 +603,25 @@ def linear_cross_entropy(
         if shard is not None:
             from .vocab_parallel import vocab_parallel_token_losses
 
-            loss_tok = vocab_parallel_token_losses(h2, weight, bias, t1, b1, softcap, backend, shard)
+            loss_tok = vocab_parallel_token_losses(h2, weight, bias, t1, b1, softcap, backend, shard,
+                                                   z_loss=float(z_loss))
         else:
             token_weight = None
-            if _use_train_pass(h2, weight, bias, backend, float(filter_eps)):
+            if one_pass:
                 # The weighting the reduction below will give each token's loss, up to one constant.
                 token_weight = valid1.float() if denom is None else valid1.float() / denom
-            loss_tok, lse, argmax, nll, entropy = _LinearCrossEntropy.apply(
-                h2, weight, bias, t1, b1, softcap, backend, float(filter_eps), token_weight, return_stats)
+            loss_tok, lse, argmax, nll, entropy = _LinearCrossEntropy.apply(h2, weight, bias, t1, b1, token_weight,
+                                                                            opts)
         if reduction == "none":
             loss = loss_tok.reshape(out_shape)
         elif denom is None:
             loss = loss_tok.sum()
         else:
             loss = loss_tok.sum() / denom
-    if not return_stats:
-        return loss
-    valid = valid1.reshape(out_shape)
-    stats = LCEStats(lse.reshape(out_shape), argmax.reshape(out_shape), nll.reshape(out_shape),
-                     entropy.reshape(out_shape), valid)
-    return loss, stats
+    out = [loss]
+    if return_stats:
+        out.append(LCEStats(lse.detach().reshape(out_shape), argmax.reshape(out_shape), nll.reshape(out_shape),
+                            entropy.reshape(out_shape), valid1.reshape(out_shape)))
+    if return_lse:
+        out.append(lse.reshape(out_shape))
+    return out[0] if len(out) == 1 else tuple(out)

@@ -92,12 +92,14 @@ def torch_backward(
     chunk_elements: int | None = None,
     need_dh: bool = True,
     need_dw: bool = True,
+    extra: torch.Tensor | None = None,
 ):
-    """Gradients of ``sum_n grad_n * loss_n`` with respect to hidden, weight and bias.
+    """Gradients of ``sum_n grad_n * loss_n (+ extra-term)`` with respect to hidden, weight and bias.
 
     ``grad`` (N,) is the upstream gradient of each token's loss (0 for ignored tokens),
-    ``smoothing`` (N,) each token's smoothing factor. Returns fp32 (fp64) gradients; ``dh`` / ``dw`` are
-    None when not needed (a frozen LM head computes no dW).
+    ``smoothing`` (N,) each token's smoothing factor; ``extra`` (N,) adds ``extra_n * p_nv`` to the gradient with
+    respect to the logits (the z-loss term, the gradient of an lse output). Returns fp32 (fp64) gradients;
+    ``dh`` / ``dw`` are None when not needed (a frozen LM head computes no dW).
     """
     n, v = hidden.shape[0], weight.shape[0]
     cd = _compute_dtype(hidden)
@@ -111,16 +113,19 @@ def torch_backward(
         e = min(n, s + step)
         h = hidden[s:e].to(cd)
         z, t = _logits(h, w, b, softcap)
-        g = torch.exp(z - lse[s:e, None].to(cd))
+        p = torch.exp(z - lse[s:e, None].to(cd))
+        g = p.clone() if extra is not None else p
         y = targets[s:e]
         bs = smoothing[s:e].to(cd)
         valid = (y >= 0) & (y < v)
         rows = torch.nonzero(valid)[:, 0]
         g[rows, y[rows]] -= 1.0 - bs[rows]
         g -= (bs / v)[:, None]
+        g *= grad[s:e, None].to(cd)
+        if extra is not None:
+            g += extra[s:e, None].to(cd) * p
         if t is not None:
             g *= 1.0 - t * t
-        g *= grad[s:e, None].to(cd)
         if need_dh:
             dh[s:e] = g @ w
         if need_dw:

@@ -7,19 +7,27 @@ with N):
 
 1. cuBLAS: ``Z = h_chunk @ W^T`` in fp32 (bf16/fp16 tensor cores, fp32 accumulate and output);
 2. ``_lce_rows_kernel`` (Triton, one program per row): a first read of the row gives the online
-   softmax statistics (max, sum of exp, sum of exp * z, sum of logits, target logit, argmax); a second
+   softmax statistics (max, sum of exp, entropy term, sum of logits, target logit, argmax); a second
    read writes the gradient of the loss with respect to the logits,
 
-       G_nv = s_n * (p_nv - b_n / V - (1 - b_n) [v == y_n]) * (1 - tanh^2)     (last factor: soft-cap)
+       G_nv = s_n * (p_nv (1 + 2 lam lse_n) - b_n / V - (1 - b_n) [v == y_n]) * (1 - tanh^2)
 
-   with s_n the reduction's weight of token n (1/#valid for the mean, 0 where ignored). G is stored
-   in the input dtype *in place over Z*: element v of row n goes to byte ``4 V n + size * v``, which
-   only overwrites values of that row already read by every warp (a barrier per block makes sure).
-   A 2-byte G is then a (rows, V) view of row stride 2V.
-3. cuBLAS: ``dh_chunk = G @ W`` and ``dW += G^T h_chunk`` (and ``db += sum_n G``).
+   (last factor: soft-cap; ``lam``: the z-loss ``lam * lse^2``), with s_n the reduction's weight of token n
+   (1/#valid for the mean, 0 where ignored). G is stored in the input dtype *in place over Z*: element v of row
+   n goes to byte ``4 V n + size * v``, which only overwrites values of that row already read by every warp
+   (a barrier per block makes sure). A 2-byte G is then a (rows, V) view of row stride 2V.
+3. cuBLAS: ``dh_chunk = G @ W`` and ``dW += G^T h_chunk`` (and ``db += sum_n G``); with gradient filtering
+   (``filter_eps > 0``) the two products run over the tiles of G that matter instead (``sparse.py``), G is
+   written without the uniform term ``-s_n b_n / V`` (applied exactly as a rank-one correction), and the
+   vocabulary may be sorted by mean logit first so that negligible tiles are more often entirely negligible.
 
 The autograd function keeps dh and dW until backward, which only scales them by the upstream
 gradient (a no-op for the usual 1). The statistics are those of the forward kernel.
+
+``triton_train_pass_low_memory`` gives the same gradients with about ``4 N D`` bytes of extra memory plus a
+small chunk (``LOW_MEMORY_CHUNK_BYTES``): the statistics from the fused forward kernel first, then chunks of
+*vocabulary* columns, each giving its rows of dW completely (written once, one rounding) and adding its part
+of dh into an fp32 accumulator.
 """
 from __future__ import annotations
 
@@ -28,16 +36,18 @@ import triton
 import triton.language as tl
 
 from .backward import add_chunk_gradients
-from .config import TRAIN_CHUNK_BYTES, interpreting
+from .config import LOW_MEMORY_CHUNK_BYTES, TRAIN_CHUNK_BYTES, interpreting
 from .forward import _tanh
+from .sparse import TILE_V, sparse_dh, sparse_dw, tile_mask
 
 
 @triton.jit
 def _lce_rows_kernel(
-    Z, BIAS, Y, SMOOTH, SCALE, G,
+    Z, BIAS, Y, SMOOTH, SCALE, G, TMAX,
     LSE_OUT, ZY_OUT, SZ_OUT, AM_OUT, ENT_OUT,
-    V, stride_z, stride_g, softcap, inv_v,
-    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, WRITE_G: tl.constexpr, BLOCK: tl.constexpr,
+    V, stride_z, stride_g, stride_t, softcap, inv_v, z_loss,
+    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, WRITE_G: tl.constexpr, SPARSE: tl.constexpr,
+    HAS_ZLOSS: tl.constexpr, TV: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
     y = tl.load(Y + row)
@@ -94,7 +104,14 @@ def _lce_rows_kernel(
     if WRITE_G:
         b = tl.load(SMOOTH + row)
         scale = tl.load(SCALE + row)
+        p_mult = 1.0
+        if HAS_ZLOSS:  # d(lam lse^2)/dz = 2 lam lse p
+            p_mult = 1.0 + 2.0 * z_loss * lse
+        uniform = b * inv_v
+        if SPARSE:  # the uniform term leaves G: a rank-one correction applied exactly by the products
+            uniform = 0.0
         g_row = G + row.to(tl.int64) * stride_g
+        t_row = TMAX + row.to(tl.int64) * stride_t
         for v0 in range(0, V, BLOCK):
             offs = v0 + tl.arange(0, BLOCK)
             mask = offs < V
@@ -107,10 +124,50 @@ def _lce_rows_kernel(
             if SOFTCAP:
                 tc = _tanh(z / softcap)
                 z = softcap * tc
-            g = tl.exp(z - lse) - b * inv_v - tl.where(offs == y, 1.0 - b, 0.0)
+            g = tl.exp(z - lse) * p_mult - uniform - tl.where(offs == y, 1.0 - b, 0.0)
             if SOFTCAP:
                 g = g * (1.0 - tc * tc)
             tl.store(g_row + offs, (g * scale).to(G.dtype.element_ty), mask=mask)
+            if SPARSE:
+                # per TV columns, the largest |g| before the token weight (0 for a row without weight)
+                gm = tl.where(mask, tl.abs(g), 0.0) * tl.where(scale != 0.0, 1.0, 0.0)
+                seg = tl.max(tl.reshape(gm, (BLOCK // TV, TV)), axis=1)
+                t_offs = v0 // TV + tl.arange(0, BLOCK // TV)
+                tl.store(t_row + t_offs, seg, mask=t_offs * TV < V)
+
+
+@triton.jit
+def _lce_grad_rows_kernel(
+    Z, BIAS, Y, SMOOTH, SCALE, LSE, G,
+    V_CHUNK, v0, stride_z, stride_g, softcap, inv_v, z_loss,
+    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ZLOSS: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """G over columns [v0, v0 + V_CHUNK) of one row, from its logits there and its known lse (in place, as
+    ``_lce_rows_kernel``'s second read): the low-memory path's vocabulary chunks."""
+    row = tl.program_id(0)
+    y = tl.load(Y + row) - v0
+    lse = tl.load(LSE + row)
+    b = tl.load(SMOOTH + row)
+    scale = tl.load(SCALE + row)
+    p_mult = 1.0
+    if HAS_ZLOSS:
+        p_mult = 1.0 + 2.0 * z_loss * lse
+    z_row = Z + row.to(tl.int64) * stride_z
+    g_row = G + row.to(tl.int64) * stride_g
+    for c0 in range(0, V_CHUNK, BLOCK):
+        offs = c0 + tl.arange(0, BLOCK)
+        mask = offs < V_CHUNK
+        z = tl.load(z_row + offs, mask=mask, other=0.0)
+        tl.debug_barrier()
+        if HAS_BIAS:
+            z += tl.load(BIAS + v0 + offs, mask=mask, other=0.0).to(tl.float32)
+        if SOFTCAP:
+            tc = _tanh(z / softcap)
+            z = softcap * tc
+        g = tl.exp(z - lse) * p_mult - b * inv_v - tl.where(offs == y, 1.0 - b, 0.0)
+        if SOFTCAP:
+            g = g * (1.0 - tc * tc)
+        tl.store(g_row + offs, (g * scale).to(G.dtype.element_ty), mask=mask)
 
 
 def supported(hidden: torch.Tensor) -> bool:
@@ -123,25 +180,71 @@ def supported(hidden: torch.Tensor) -> bool:
     return "dtype_out" in torch.ops.aten.mm.overloads()
 
 
-def _rows_launch_config(v: int) -> tuple[int, int]:
-    """(BLOCK, num_warps) of the row kernel."""
+def _rows_launch_config(v: int, sparse: bool = False) -> tuple[int, int]:
+    """(BLOCK, num_warps) of the row kernel (a sparse pass needs whole TILE_V segments per block)."""
     if interpreting():
-        return min(64, triton.next_power_of_2(v)), 1
-    return min(4096, triton.next_power_of_2(v)), 8
+        return max(TILE_V if sparse else 1, min(64, triton.next_power_of_2(v))), 1
+    return max(TILE_V if sparse else 1, min(4096, triton.next_power_of_2(v))), 8
+
+
+def _mm_f32(a, b, out):
+    """out (fp32) = a @ b from half or fp32 operands: cuBLAS with fp32 output on CUDA, fp32 math elsewhere."""
+    if a.device.type != "cuda":
+        torch.mm(a.float(), b.float(), out=out)
+    elif a.dtype == torch.float32:
+        torch.mm(a, b, out=out)
+    else:
+        torch.mm(a, b, out_dtype=torch.float32, out=out)
+
+
+def _addmm_f32(acc, a, b):
+    """acc (fp32) += a @ b for half operands, without a temporary where cuBLAS can accumulate into fp32."""
+    if a.device.type == "cuda" and a.dtype != torch.float32 and "dtype_out" in torch.ops.aten.addmm.overloads():
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        acc += a.float() @ b.float()
+
+
+def vocabulary_order(hidden: torch.Tensor, weight: torch.Tensor):
+    """(order, inverse): the vocabulary sorted by mean logit over the rows, ``(mean_n h_n) . W_v`` (one
+    matrix-vector product). Tokens likely everywhere come first and share tiles."""
+    mean_logit = weight.float() @ hidden.float().mean(0)
+    order = torch.argsort(mean_logit, descending=True)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return order, inverse
 
 
 def triton_train_pass(hidden, weight, bias, targets, smoothing, scale, softcap,
-                      need_dh=True, need_dw=True, need_db=True, chunk_bytes: int | None = None):
+                      need_dh=True, need_dw=True, need_db=True, chunk_bytes: int | None = None,
+                      z_loss: float = 0.0, filter_eps: float = 0.0, sort_vocab: bool = False,
+                      accum_dtype: torch.dtype | None = None, info: dict | None = None):
     """Statistics and gradients of ``sum_n scale_n loss_n`` for 2-D ``hidden`` (N, D).
 
     Returns ``(lse, zy, sz, argmax, entropy), dh, dw, db``; dh in hidden's dtype, dw in weight's,
     db fp32 (None where not needed). ``targets``: ids with -1 for ignored tokens; ``smoothing`` and
-    ``scale``: fp32 per token.
+    ``scale``: fp32 per token. ``z_loss``: the coefficient of ``lse^2`` in each token's loss.
+    ``filter_eps > 0``: gradient filtering (see the module docstring; not with soft-cap and smoothing, whose
+    uniform term is dense), on the vocabulary sorted by mean logit when ``sort_vocab``. ``accum_dtype``: the
+    dtype dW is accumulated in across chunks (default: the weight's). ``info`` (a dict) receives the fraction
+    of tiles skipped and a bound on the largest per-row skipped mass ``sum |G|`` (before the token weights):
+    the skipped tiles' maxima times their width.
     """
     n, d = hidden.shape
     v = weight.shape[0]
     dev = hidden.device
+    sparse = filter_eps > 0
+    if sparse and softcap is not None and bool((smoothing > 0).any()):
+        raise ValueError("gradient filtering with soft-cap and smoothing: the uniform term times (1 - tanh^2) is "
+                         "dense; use filter_eps=0")
     bias = bias.contiguous() if bias is not None else None  # the row kernel reads it with unit stride
+    order = inverse = None
+    w_mm, b_mm, t_mm = weight, bias, targets
+    if sparse and sort_vocab:
+        order, inverse = vocabulary_order(hidden, weight)
+        w_mm = weight.index_select(0, order)
+        b_mm = bias.index_select(0, order) if bias is not None else None
+        t_mm = torch.where(targets >= 0, inverse[targets.clamp(min=0)], targets).contiguous()
     f32 = dict(dtype=torch.float32, device=dev)
     lse, zy, sz, ent = (torch.empty(n, **f32) for _ in range(4))
     am = torch.empty(n, dtype=torch.int32, device=dev)
@@ -151,25 +254,111 @@ def triton_train_pass(hidden, weight, bias, targets, smoothing, scale, softcap,
     # G in hidden's dtype, in place over the fp32 logits (row stride 4V bytes).
     g_all = buf.view(hidden.dtype)[:, :v]
     on_cpu = dev.type != "cuda"
-    w_mm = weight.float() if on_cpu and weight.dtype != torch.float32 else weight
+    w_cpu = w_mm.float() if on_cpu and w_mm.dtype != torch.float32 else w_mm
     dh = torch.empty(n, d, dtype=hidden.dtype, device=dev) if need_dh else None
-    dw = torch.empty(v, d, dtype=weight.dtype, device=dev) if need_dw else None
+    acc_dt = accum_dtype or weight.dtype
+    dw = torch.empty(v, d, dtype=acc_dt, device=dev) if need_dw else None
     db = torch.zeros(v, **f32) if need_db else None
-    block, warps = _rows_launch_config(v)
+    n_vt = triton.cdiv(v, TILE_V)
+    tmax = torch.empty(rows, n_vt, **f32) if sparse else buf
+    colsum = w_mm.sum(0, dtype=torch.float32) if sparse and need_dh else None
+    block, warps = _rows_launch_config(v, sparse)
+    any_smoothing = sparse and bool((smoothing > 0).any())
+    skipped_tiles = total_tiles = 0
+    worst_mass = 0.0
     for s in range(0, n, rows):
         e = min(n, s + rows)
         z, g, h = buf[: e - s], g_all[: e - s], hidden[s:e]
         if on_cpu:
-            torch.mm(h.to(w_mm.dtype), w_mm.T, out=z)
+            torch.mm(h.to(w_cpu.dtype), w_cpu.T, out=z)
         elif hidden.dtype == torch.float32:
-            torch.mm(h, weight.T, out=z)
+            torch.mm(h, w_mm.T, out=z)
         else:
-            torch.mm(h, weight.T, out_dtype=torch.float32, out=z)
+            torch.mm(h, w_mm.T, out_dtype=torch.float32, out=z)
         _lce_rows_kernel[(e - s,)](
-            z, bias if bias is not None else z, targets[s:e], smoothing[s:e], scale[s:e], g,
+            z, b_mm if b_mm is not None else z, t_mm[s:e], smoothing[s:e], scale[s:e], g, tmax,
             lse[s:e], zy[s:e], sz[s:e], am[s:e], ent[s:e],
-            v, z.stride(0), g.stride(0), float(softcap) if softcap is not None else 1.0, 1.0 / v,
-            HAS_BIAS=bias is not None, SOFTCAP=softcap is not None, WRITE_G=write_g, BLOCK=block,
-            num_warps=warps)
-        add_chunk_gradients(g, h, weight, dh[s:e] if need_dh else None, dw, db, first=s == 0)
+            v, z.stride(0), g.stride(0), tmax.stride(0), float(softcap) if softcap is not None else 1.0, 1.0 / v,
+            float(z_loss), HAS_BIAS=b_mm is not None, SOFTCAP=softcap is not None, WRITE_G=write_g,
+            SPARSE=sparse and write_g, HAS_ZLOSS=z_loss != 0, TV=TILE_V, BLOCK=block, num_warps=warps)
+        if not write_g:
+            continue
+        if not sparse:
+            if acc_dt != weight.dtype and dw is not None:  # fp32 accumulation across chunks
+                if s == 0:
+                    _mm_f32(g.T, h, dw)
+                else:
+                    _addmm_f32(dw, g.T, h)
+                add_chunk_gradients(g, h, w_mm, dh[s:e] if need_dh else None, None, db, first=s == 0)
+            else:
+                add_chunk_gradients(g, h, w_mm, dh[s:e] if need_dh else None, dw, db, first=s == 0)
+            continue
+        rowmax = tmax[: e - s]
+        active = tile_mask(rowmax, filter_eps)
+        skipped_tiles += int((~active).sum())
+        total_tiles += active.numel()
+        if info is not None:  # a bound on the |G| mass a row loses (skipped tiles' maxima x width), for the report
+            lost = torch.where(active.repeat_interleave(64, 0)[: e - s], 0.0, rowmax).sum(1) * TILE_V
+            worst_mass = max(worst_mass, float(lost.max()))
+        c = scale[s:e] * smoothing[s:e] / v if any_smoothing else None
+        if need_dh:
+            sparse_dh(g, w_mm, active, dh[s:e], rank1=c, colsum=colsum if c is not None else None)
+        if need_dw:
+            rvec = (c[:, None] * h.float()).sum(0) if c is not None else None
+            sparse_dw(g, h, active, dw, first=s == 0, rvec=rvec, perm=order)
+        if need_db:
+            db += g.sum(0, dtype=torch.float32)
+            if c is not None:
+                db -= c.sum()
+    if order is not None:
+        am = order[am.long()].to(torch.int32)
+        if db is not None:
+            db = torch.empty_like(db).index_copy_(0, order, db)
+    if info is not None and sparse:
+        info.update(skipped_tiles=skipped_tiles / max(total_tiles, 1), row_mass_bound=worst_mass,
+                    tile=(64, TILE_V), eps=filter_eps, sorted=order is not None)
+    if dw is not None and dw.dtype != weight.dtype:
+        dw = dw.to(weight.dtype)
     return (lse, zy, sz, am.long(), ent), dh, dw, db
+
+
+def triton_train_pass_low_memory(hidden, weight, bias, targets, smoothing, scale, softcap, stats,
+                                 need_dh=True, need_dw=True, need_db=True, chunk_bytes: int | None = None,
+                                 z_loss: float = 0.0):
+    """The gradients of ``triton_train_pass`` with little extra memory, given the statistics ``stats`` =
+    (lse, ...) from the forward kernel: chunks of vocabulary columns of ``chunk_bytes`` fp32 logits each give
+    their rows of dW whole (one rounding) and add their part of dh into an fp32 accumulator (``4 N D`` bytes).
+    Returns ``dh, dw, db``."""
+    n, d = hidden.shape
+    v = weight.shape[0]
+    dev = hidden.device
+    lse = stats[0]
+    bias = bias.contiguous() if bias is not None else None
+    cols = max(1, min(v, (chunk_bytes or LOW_MEMORY_CHUNK_BYTES) // (max(n, 1) * 4)))
+    buf = torch.empty(n, cols, dtype=torch.float32, device=dev)
+    dh_acc = torch.zeros(n, d, dtype=torch.float32, device=dev) if need_dh else None
+    dw = torch.empty(v, d, dtype=weight.dtype, device=dev) if need_dw else None
+    db = torch.empty(v, dtype=torch.float32, device=dev) if need_db else None
+    block = 64 if interpreting() else min(4096, triton.next_power_of_2(cols))
+    warps = 1 if interpreting() else 4
+    for c0 in range(0, v, cols):
+        c1 = min(v, c0 + cols)
+        w_c = weight[c0:c1]
+        z = buf[:, : c1 - c0]
+        _mm_f32(hidden, w_c.T, z)
+        g = buf.view(hidden.dtype)[:, : c1 - c0] if hidden.dtype != torch.float32 else z
+        _lce_grad_rows_kernel[(n,)](
+            z, bias if bias is not None else z, targets, smoothing, scale, lse, g,
+            c1 - c0, c0, z.stride(0), g.stride(0), float(softcap) if softcap is not None else 1.0, 1.0 / v,
+            float(z_loss), HAS_BIAS=bias is not None, SOFTCAP=softcap is not None, HAS_ZLOSS=z_loss != 0,
+            BLOCK=block, num_warps=warps)
+        if need_dw:
+            if dev.type == "cuda":
+                torch.mm(g.T, hidden, out=dw[c0:c1])
+            else:
+                dw[c0:c1] = (g.float().T @ hidden.float()).to(dw.dtype)
+        if need_dh:
+            _addmm_f32(dh_acc, g, w_c)
+        if need_db:
+            db[c0:c1] = g.sum(0, dtype=torch.float32)
+    return (dh_acc.to(hidden.dtype) if need_dh else None), dw, db

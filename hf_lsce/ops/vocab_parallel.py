@@ -55,7 +55,7 @@ def vocab_shard(weight: torch.Tensor, group, return_stats: bool, filter_eps) -> 
 
 class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, smoothing, softcap, backend, shard):
+    def forward(ctx, hidden, weight, bias, targets, smoothing, softcap, backend, shard, z_loss=0.0):
         group, v_r, v = shard.group, weight.shape[0], shard.vocab_size
         valid = targets >= 0
         # local target ids; a valid token whose target lives on another rank gets v_r (matches no column)
@@ -71,9 +71,12 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
         lse = m + torch.log(stacked[0])
         zy, sz = stacked[1], stacked[2]
         b = smoothing.to(lse.dtype)
-        loss = torch.where(valid, lse - (1.0 - b) * zy - b * sz / v, torch.zeros_like(lse))
+        per = lse - (1.0 - b) * zy - b * sz / v
+        if z_loss:
+            per = per + z_loss * lse * lse
+        loss = torch.where(valid, per, torch.zeros_like(lse))
         ctx.save_for_backward(hidden, weight, bias, local_t, here, lse, zy, smoothing)
-        ctx.softcap, ctx.backend, ctx.shard = softcap, backend, shard
+        ctx.softcap, ctx.backend, ctx.shard, ctx.z_loss = softcap, backend, shard, z_loss
         return loss
 
     @staticmethod
@@ -85,8 +88,9 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
         grad = torch.where(local_t >= 0, grad_loss.float(), torch.zeros_like(grad_loss, dtype=torch.float32))
         b = smoothing.float()
         b_local = b * (v_r / v)  # the backend's uniform term b'/V_r is then exactly b/V
+        extra = (grad * (2.0 * ctx.z_loss) * lse.float()).contiguous() if ctx.z_loss else None
         dh, dw, db = dense_backward(hidden, weight, bias, local_t, lse, grad.contiguous(), b_local.contiguous(),
-                                    ctx.softcap, ctx.backend)
+                                    ctx.softcap, ctx.backend, extra=extra)
         rows = torch.nonzero(here)[:, 0]
         if rows.numel():  # the one-hot coefficient: (1 - b) where the backend used (1 - b')
             c = grad[rows] * (b[rows] - b_local[rows])
@@ -102,9 +106,11 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
                 db.index_add_(0, cols, c.to(db.dtype))
         dist.all_reduce(dh, group=ctx.shard.group)  # every shard's part of dL/dh
         return (dh.to(hidden.dtype), dw.to(weight.dtype), db.to(bias.dtype) if db is not None else None,
-                None, None, None, None, None)
+                None, None, None, None, None, None)
 
 
-def vocab_parallel_token_losses(hidden, weight, bias, targets, smoothing, softcap, backend, shard: VocabShard):
+def vocab_parallel_token_losses(hidden, weight, bias, targets, smoothing, softcap, backend, shard: VocabShard,
+                                z_loss: float = 0.0):
     """Per-token smoothed losses (N,) of 2-D inputs over a vocabulary shard (see the module docstring)."""
-    return _VocabParallelLinearCrossEntropy.apply(hidden, weight, bias, targets, smoothing, softcap, backend, shard)
+    return _VocabParallelLinearCrossEntropy.apply(hidden, weight, bias, targets, smoothing, softcap, backend, shard,
+                                                  z_loss)

@@ -1,0 +1,282 @@
+"""Fine-tuning throughput through the Hugging Face Trainer with bf16=True (the set-up users run), one process.
+
+For each model, the same data (real instruction text packed into sequences) and the same Trainer arguments
+(bf16 mixed precision, AdamW fused, no gradient checkpointing unless it runs out of memory):
+
+  hf        b=0.1  the unpatched model, the Trainer's --label_smoothing_factor 0.1 (its LabelSmoother on logits)
+  hf_lsce   b=0.1  apply_lsce_patch(model), the same flag
+  hf        b=0    the unpatched model
+  hf_lsce   b=0
+  liger     b=0    the Trainer's own use_liger_kernel=True (Liger-Kernel's fused linear cross-entropy; it drops
+                   the Trainer's smoothing, so only b = 0)
+
+Every row records tokens/s (steps after two warm-up steps, timed by a callback), peak memory, the number of
+lm_head calls and of fused calls (evidence that the patch engaged: 0 and one per micro-batch), and, with
+--search, the largest batch that fits (doubling then bisection, one step each).
+
+Models: gemma-3-270m and smollm2-135m-instruct (real weights, by name or a .gguf file: hf_lsce.checkpoints),
+and the Llama-3.2-1B / Gemma2-2B configurations with random weights.
+
+    python benchmarks/bench_trainer.py --models gemma-3-270m,llama3.2-1b --out-dir results [--search]
+    python benchmarks/bench_trainer.py --smoke   (CPU, a tiny model: the code path)
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = {
+    "llama3.2-1b": dict(model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                        num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                        tie_word_embeddings=True, rope_theta=500000.0, max_position_embeddings=8192),
+    "gemma2-2b": dict(model_type="gemma2", vocab_size=256000, hidden_size=2304, intermediate_size=9216,
+                      num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                      final_logit_softcapping=30.0, attn_logit_softcapping=50.0, query_pre_attn_scalar=256,
+                      sliding_window=4096, tie_word_embeddings=True, max_position_embeddings=8192),
+    "smoke": dict(model_type="llama", vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512),
+}
+METHODS = [("hf", 0.1), ("hf_lsce", 0.1), ("hf", 0.0), ("hf_lsce", 0.0), ("liger", 0.0)]
+
+
+def _text_ids(tok, n_tokens):
+    sys.path.insert(0, ROOT)
+    from hf_lsce.data import load_instruction_records
+
+    path = os.environ.get("HF_LSCE_ALPACA", os.path.join(os.path.dirname(ROOT), "shared", "data", "alpaca",
+                                                         "alpaca_en_demo.json"))
+    recs = load_instruction_records(path if os.path.exists(path) else "trivia_qa,sciq,openbookqa")
+    ids = []
+    for r in recs:
+        ids += tok(r["prompt"] + r["completion"])["input_ids"]
+        if len(ids) >= n_tokens:
+            break
+    while len(ids) < n_tokens:  # repeat the text if there is not enough of it
+        ids = ids + ids
+    return torch.tensor(ids[:n_tokens])
+
+
+def load(name, device):
+    """(model in fp32 on device, tokenizer or None)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if name in CONFIGS:
+        spec = dict(CONFIGS[name])
+        cfg = AutoConfig.for_model(spec.pop("model_type"), **spec)
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(cfg).to(device), None
+    sys.path.insert(0, ROOT)
+    from hf_lsce.checkpoints import load_model_and_tokenizer
+
+    return load_model_and_tokenizer(name, dtype="fp32", device=device)
+
+
+class _Data(torch.utils.data.Dataset):
+    def __init__(self, ids, seq):
+        self.rows = ids[: (len(ids) // seq) * seq].view(-1, seq)
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.rows[i], "labels": self.rows[i].clone()}
+
+
+class _Timer:
+    def __init__(self, warmup):
+        from transformers import TrainerCallback
+
+        outer = self
+
+        class CB(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kw):
+                if state.global_step == warmup:
+                    if torch.cuda.is_available():
+                        torch.cuda.synchronize()
+                    outer.t0 = time.perf_counter()
+
+            def on_train_end(self, args, state, control, **kw):
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                outer.t1 = time.perf_counter()
+        self.cb = CB()
+        self.t0 = self.t1 = None
+
+
+def run_one(name, method, b, batch, seq, steps, out_dir, device, warmup=2, checkpointing=False):
+    """One Trainer run; returns a row (tokens/s, peak memory, lm_head calls, fused calls)."""
+    from transformers import Trainer, TrainingArguments
+
+    from hf_lsce import apply_lsce_patch, revert_lsce_patch
+    from hf_lsce.patching import ENGAGEMENT
+
+    model, tok = load(name, device)
+    v = model.config.get_text_config().vocab_size
+    ids = _text_ids(tok, batch * seq * (steps + warmup) + 1) if tok is not None else \
+        torch.randint(0, v, (batch * seq * (steps + warmup) + 1,), generator=torch.Generator().manual_seed(0))
+    if method == "hf_lsce":
+        apply_lsce_patch(model)
+    calls = []
+    model.get_output_embeddings().register_forward_hook(lambda *a: calls.append(1))
+    cuda = device == "cuda"
+    args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=batch, max_steps=steps + warmup,
+                             learning_rate=1e-5, lr_scheduler_type="constant", label_smoothing_factor=b,
+                             bf16=cuda, use_cpu=not cuda, report_to=[], save_strategy="no", logging_steps=10 ** 6,
+                             optim="adamw_torch_fused" if cuda else "adamw_torch", seed=0, disable_tqdm=True,
+                             dataloader_drop_last=True, gradient_checkpointing=checkpointing,
+                             use_liger_kernel=method == "liger")
+    timer = _Timer(warmup)
+    trainer = Trainer(model=model, args=args, train_dataset=_Data(ids, seq), callbacks=[timer.cb])
+    before = ENGAGEMENT.fused_calls
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    trainer.train()
+    dt = (timer.t1 - timer.t0) / steps
+    row = dict(model=name, method=method, label_smoothing=b, batch=batch, seq=seq, tokens_per_s=batch * seq / dt,
+               step_s=dt, peak_gib=torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None,
+               lm_head_calls=len(calls), fused_calls=ENGAGEMENT.fused_calls - before, checkpointing=checkpointing,
+               loss=trainer.state.log_history[-1].get("train_loss"))
+    if method == "hf_lsce":
+        row["engaged"] = row["lm_head_calls"] == 0 and row["fused_calls"] == steps + warmup
+        revert_lsce_patch(model)
+    del trainer, model
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return row
+
+
+def fits(name, method, b, batch, seq, out_dir, device):
+    try:
+        run_one(name, method, b, batch, seq, 1, out_dir, device, warmup=0)
+        return True
+    except torch.OutOfMemoryError:
+        gc.collect()
+        torch.cuda.empty_cache()
+        return False
+
+
+def largest_batch(name, method, b, seq, out_dir, device, start=8, cap=512):
+    lo, hi, bs = 0, None, start
+    while bs <= cap:
+        if fits(name, method, b, bs, seq, out_dir, device):
+            lo, bs = bs, bs * 2
+        else:
+            hi = bs
+            break
+    if hi is None:
+        return lo, True
+    while hi - lo > max(1, lo // 8):
+        mid = (lo + hi) // 2
+        if fits(name, method, b, mid, seq, out_dir, device):
+            lo = mid
+        else:
+            hi = mid
+    return lo, False
+
+
+def table(rows):
+    lines = ["| model | method | b | batch x seq | tokens/s | vs HF (same b) | peak GiB | lm_head calls | fused calls | "
+             "largest batch |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r['method']} | {r['label_smoothing']} | {r.get('batch')} | {r['error']} |||||")
+            continue
+        ref = next((x for x in rows if x["model"] == r["model"] and x["method"] == "hf" and "error" not in x
+                    and x["label_smoothing"] == r["label_smoothing"] and x["batch"] == r["batch"]), None)
+        sp = f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}x" if ref else "-"
+        mb = f"{r['max_batch']}{'+' if r.get('max_batch_capped') else ''}" if "max_batch" in r else "-"
+        pk = f"{r['peak_gib']:.1f}" if r.get("peak_gib") is not None else "-"
+        lines.append(f"| {r['model']} | {r['method']} | {r['label_smoothing']} | {r['batch']} x {r['seq']} | "
+                     f"{r['tokens_per_s']:,.0f} | {sp} | {pk} | {r['lm_head_calls']} | {r['fused_calls']} | {mb} |")
+    return "\n".join(lines)
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if "error" not in r]
+    groups = list(dict.fromkeys((r["model"], r["batch"]) for r in ok))
+    if not groups:
+        return
+    fig, ax = plt.subplots(figsize=(max(8, 2.2 * len(groups)), 4.5))
+    w = 0.8 / len(METHODS)
+    for j, (m, b) in enumerate(METHODS):
+        for i, (mo, bs) in enumerate(groups):
+            r = next((x for x in ok if x["model"] == mo and x["batch"] == bs and x["method"] == m
+                      and x["label_smoothing"] == b), None)
+            if r is not None:
+                ax.bar(i + j * w, r["tokens_per_s"], width=w, color=f"C{j}", label=f"{m} b={b}" if i == 0 else None)
+    ax.set_xticks([i + 0.4 - w / 2 for i in range(len(groups))])
+    ax.set_xticklabels([f"{mo}\nbatch {bs}" for mo, bs in groups], fontsize=8)
+    ax.set_ylabel("tokens / s (Trainer, bf16)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="gemma-3-270m,smollm2-135m-instruct,llama3.2-1b")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--search", default="", help="models to search the largest batch for (comma-separated)")
+    ap.add_argument("--no-liger", action="store_true")
+    ap.add_argument("--out-dir", default="bench_out")
+    ap.add_argument("--deadline-s", type=float, default=None)
+    ap.add_argument("--smoke", action="store_true", help="CPU, a tiny model, two steps")
+    args = ap.parse_args()
+    start = time.time()
+    device = "cpu" if args.smoke else "cuda"
+    if args.smoke:
+        args.models, args.batch, args.seq, args.steps, args.no_liger = "smoke", 2, 32, 2, True
+    os.makedirs(args.out_dir, exist_ok=True)
+    path = os.path.join(args.out_dir, "bench_trainer.json")
+    rows = []
+    for name in args.models.split(","):
+        for method, b in METHODS:
+            if method == "liger" and args.no_liger:
+                continue
+            if args.deadline_s is not None and time.time() - start > args.deadline_s:
+                print(f"deadline: skipping {name} {method} b={b}", flush=True)
+                continue
+            row = dict(model=name, method=method, label_smoothing=b, batch=args.batch, seq=args.seq)
+            try:
+                try:
+                    row = run_one(name, method, b, args.batch, args.seq, args.steps, args.out_dir, device)
+                except torch.OutOfMemoryError:
+                    gc.collect()
+                    torch.cuda.empty_cache()
+                    row = run_one(name, method, b, args.batch, args.seq, args.steps, args.out_dir, device,
+                                  checkpointing=True)
+                if name in args.search.split(",") and b == 0.1:
+                    row["max_batch"], row["max_batch_capped"] = largest_batch(name, method, b, args.seq,
+                                                                              args.out_dir, device)
+            except Exception as e:  # noqa: BLE001 - report, never drop silently
+                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            with open(path, "w") as f:
+                json.dump(dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu", torch=torch.__version__,
+                               rows=rows), f, indent=1)
+    md = table(rows)
+    print(md)
+    with open(os.path.join(args.out_dir, "bench_trainer.md"), "w") as f:
+        f.write(md + "\n")
+    plot(rows, os.path.join(args.out_dir, "bench_trainer.png"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,380 @@
+"""The paper's Table 1 in miniature on real checkpoints, and ATS on a real instruct model (one GPU).
+
+Table 1 ("Calibrated Language Models and How to Find Them with Label Smoothing", Lu, Huang, Zeng 2025): full
+SFT of base models on instruction data with label smoothing b = 0 and b = 0.1, then accuracy, ECE and RMS on
+MMLU, HellaSwag and ARC-Easy, all 5-shot. Here: Gemma-3-270m (base) and SmolLM2-135M-Instruct, real weights;
+SFT through ``apply_lsce_patch`` with the Trainer's ``label_smoothing_factor`` (bf16), one epoch, AdamW,
+linear decay; the package's scoring (hf_lsce.calibration, lm-evaluation-harness prompts) with 5 shots for
+every task. Runs go in priority order until ``--deadline-s``: the base models, then b in {0, 0.1} for seed 0,
+the other seeds, a sweep to b = 0.3, a second learning rate, the second instruction set. Each run's results
+are written as they come (``table1.json``), then a table laid out like the paper's (mean and spread over
+seeds) with ``hf-lsce diagnose``'s verdict per model.
+
+ATS (``--ats``; "Calibrating Language Models with Adaptive Temperature Scaling", Xie et al. 2024): on
+SmolLM2-135M-Instruct, an ATSCalibrator (transformer head, selective smoothing loss) and scalar temperature
+scaling (NLL) fitted on instruction data that excludes the evaluation sets (Alpaca, SciQ, OpenBookQA), against
+no calibration, on MMLU (letters), TruthfulQA MC1 and TriviaQA (free-form: the base's greedy answer, correct
+when its normalised text equals one of the normalised aliases, confidence = the answer's probability under
+each model; ATS never changes the greedy answer).
+
+    python benchmarks/table1.py --models gemma-3-270m,smollm2-135m-instruct --data-dir ../shared/data --out-dir r
+    python benchmarks/table1.py --ats --out-dir r
+    python benchmarks/table1.py --smoke --out-dir /tmp/t1   (CPU, a tiny model: the code path)
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import re
+import string
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+SHARED = os.environ.get("HF_LSCE_SHARED_DATA", os.path.join(os.path.dirname(ROOT), "shared", "data"))
+TASKS = ("mmlu", "hellaswag", "arc_easy")
+
+
+# ------------------------------------------------------------------------------------------------ data
+def instruction_data(name: str, limit: int | None = None) -> list[dict]:
+    from hf_lsce.data import load_instruction_records
+
+    if name == "alpaca":
+        return load_instruction_records(os.path.join(SHARED, "alpaca", "alpaca_en_demo.json"), limit)
+    if name == "qa":  # real QA sets as instructions, disjoint from the evaluation tasks
+        return load_instruction_records("sciq,openbookqa,trivia_qa", limit)
+    if name == "ats":  # for the calibrators: no TriviaQA (an ATS evaluation set)
+        return load_instruction_records(os.path.join(SHARED, "alpaca", "alpaca_en_demo.json")) + \
+            load_instruction_records("sciq,openbookqa")
+    raise ValueError(f"unknown instruction data {name!r}")
+
+
+def eval_tasks(limits: dict, shots: int):
+    from hf_lsce.calibration.tasks import resolve_tasks
+
+    return resolve_tasks(list(limits), SHARED if os.path.isdir(SHARED) else None, shots=shots,
+                         limit={k: v for k, v in limits.items() if v})
+
+
+# ------------------------------------------------------------------------------------------------ SFT
+def sft(path, records, b, lr, seed, out_dir, epochs=1.0, batch=16, max_length=512, max_steps=-1):
+    """Full SFT through the patch; returns the trained model (eval mode) and the Trainer's log."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
+    from trl import SFTConfig, SFTTrainer
+
+    from hf_lsce import apply_lsce_patch
+
+    set_seed(seed)
+    cuda = torch.cuda.is_available()
+    tok = AutoTokenizer.from_pretrained(path)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    model = apply_lsce_patch(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
+    args = SFTConfig(output_dir=out_dir, num_train_epochs=epochs, max_steps=max_steps, per_device_train_batch_size=batch,
+                     learning_rate=lr, lr_scheduler_type="linear", warmup_steps=0.03, weight_decay=0.0,
+                     label_smoothing_factor=b, bf16=cuda, use_cpu=not cuda, report_to=[], save_strategy="no",
+                     logging_steps=10, seed=seed, max_length=max_length, completion_only_loss=True, disable_tqdm=True)
+    trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(records), processing_class=tok)
+    trainer.train()
+    return trainer.model.eval(), tok, trainer.state.log_history
+
+
+def evaluate(model, tok, tasks, batch_size=32):
+    from hf_lsce.calibration import score_task
+
+    out = {}
+    for t in tasks:
+        s = score_task(model, tok, t, batch_size=batch_size, n_bins=15, progress=False)
+        out[t.name] = {**s.summary(), "split": t.split}
+        out[t.name]["_probs"], out[t.name]["_labels"] = s.probs, s.labels
+    return out
+
+
+def _public(res):
+    return {t: {k: v for k, v in r.items() if not k.startswith("_")} for t, r in res.items()}
+
+
+def diagnosis(model, tok, b=0.1) -> dict:
+    from hf_lsce import theory
+    from hf_lsce.patching.models import softcap_of, text_config
+
+    cfg = text_config(model)
+    with torch.no_grad():
+        m = theory.measure_rho(model, tok)
+    rho = m.pop("rho")
+    d = theory.diagnose(int(cfg.hidden_size), int(cfg.vocab_size), rho, b, softcap=softcap_of(model), observed=m)
+    return {"verdict": d.verdict, "entropy_bound": d.entropy_bound, "smoothed_target_entropy": d.smoothed_target_entropy,
+            "normalized_gap": d.normalized_gap, "rho": rho, **{k: v for k, v in m.items() if isinstance(v, float)}}
+
+
+def plan(models, datasets, seeds, lrs, smoothing, sweep):
+    """Runs in priority order: (model, dataset, b, lr, seed) or (model, "base")."""
+    runs = [(m, "base", None, None, None) for m in models]
+    runs += [(m, datasets[0], b, lrs[0], seeds[0]) for m in models for b in smoothing]
+    runs += [(m, datasets[0], b, lrs[0], s) for s in seeds[1:] for m in models for b in smoothing]
+    runs += [(m, datasets[0], b, lrs[0], seeds[0]) for m in models for b in sweep]
+    runs += [(m, datasets[0], b, lr, seeds[0]) for lr in lrs[1:] for m in models for b in smoothing]
+    runs += [(m, d, b, lrs[0], seeds[0]) for d in datasets[1:] for m in models for b in smoothing]
+    return runs
+
+
+def run_table(args):
+    from hf_lsce.calibration import paired_bootstrap
+    from hf_lsce.checkpoints import resolve_model_path
+
+    start = time.time()
+    out_path = os.path.join(args.out_dir, "table1.json")
+    results = json.load(open(out_path)) if os.path.exists(out_path) and args.resume else {"runs": [], "diagnosis": {}}
+    done = {(r["model"], r["dataset"], r["b"], r["lr"], r["seed"]) for r in results["runs"]}
+    tasks = eval_tasks({t: args.limits.get(t) for t in TASKS}, args.shots)
+    probs = {}
+    paths = {m: resolve_model_path(m) for m in args.models}
+    records = {d: instruction_data(d, args.records) for d in args.datasets}
+    for model_name, dataset, b, lr, seed in plan(args.models, args.datasets, args.seeds, args.lrs, args.smoothing,
+                                                 args.sweep):
+        if (model_name, dataset, b, lr, seed) in done:
+            continue
+        if args.deadline_s is not None and time.time() - start > args.deadline_s:
+            print(f"deadline: not run: {model_name} {dataset} b={b} lr={lr} seed={seed}", flush=True)
+            results.setdefault("not_run", []).append([model_name, dataset, b, lr, seed])
+            continue
+        t0 = time.time()
+        if dataset == "base":
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(paths[model_name])
+            if tok.pad_token is None:
+                tok.pad_token = tok.eos_token
+            model = AutoModelForCausalLM.from_pretrained(paths[model_name], dtype=torch.float32)
+            model = model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
+            results["diagnosis"][model_name] = diagnosis(model, tok)
+            log = []
+        else:
+            model, tok, log = sft(paths[model_name], records[dataset], b, lr, seed,
+                                  os.path.join(args.out_dir, "sft_tmp"), max_steps=args.max_steps, batch=args.batch)
+        res = evaluate(model, tok, tasks)
+        probs[(model_name, dataset, b, lr, seed)] = res
+        row = dict(model=model_name, dataset=dataset, b=b, lr=lr, seed=seed, results=_public(res),
+                   train_loss=[h["loss"] for h in log if "loss" in h], seconds=round(time.time() - t0, 1))
+        if b:  # the paired change against b = 0 with the same seed, lr and data (items resampled jointly)
+            ref = probs.get((model_name, dataset, 0.0, lr, seed))
+            if ref is not None:
+                row["vs_b0"] = {t: {m: paired_bootstrap(ref[t]["_probs"], res[t]["_probs"], res[t]["_labels"],
+                                                        metric=m, n_boot=300).__dict__ for m in ("ece", "acc")}
+                                for t in res}
+        results["runs"].append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "vs_b0"}), flush=True)
+        with open(out_path, "w") as f:
+            json.dump(results, f, indent=1)
+        del model
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    md = table_markdown(results)
+    with open(os.path.join(args.out_dir, "table1.md"), "w") as f:
+        f.write(md + "\n")
+    print(md)
+    return results
+
+
+def table_markdown(results) -> str:
+    """Rows: model x (base | SFT b) averaged over seeds (mean +- std) for the first dataset and lr."""
+    runs = results["runs"]
+    groups = {}
+    for r in runs:
+        key = (r["model"], r["dataset"], r["b"], r["lr"])
+        groups.setdefault(key, []).append(r)
+    lines = ["| SFT data | model | b | lr | seeds | " + " | ".join(f"{t} acc | {t} ECE | {t} RMS" for t in TASKS) + " |",
+             "|---|---|---|---|---|" + "---|" * (3 * len(TASKS))]
+    for (model, dataset, b, lr), rs in groups.items():
+        cells = []
+        for t in TASKS:
+            for k in ("acc", "ece", "rms"):
+                vals = [r["results"][t][k] for r in rs if t in r["results"]]
+                if not vals:
+                    cells.append("-")
+                    continue
+                m = sum(vals) / len(vals)
+                sd = math.sqrt(sum((x - m) ** 2 for x in vals) / (len(vals) - 1)) if len(vals) > 1 else None
+                cells.append(f"{m:.3f}" + (f" ± {sd:.3f}" if sd is not None else ""))
+        lines.append(f"| {dataset} | {model} | {'-' if b is None else b} | {'-' if lr is None else lr} | {len(rs)} | "
+                     + " | ".join(cells) + " |")
+    lines += ["", "hf-lsce diagnose (before fine-tuning, b = 0.1):"]
+    for m, d in results.get("diagnosis", {}).items():
+        lines.append(f"- {m}: entropy bound {d['entropy_bound']:.3g} nats vs smoothed target "
+                     f"{d['smoothed_target_entropy']:.3g}; {d['verdict']}")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------ ATS
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+
+
+def normalize_answer(s: str) -> str:
+    """Lower case, no punctuation, no articles, single spaces (the usual TriviaQA / SQuAD normalisation)."""
+    s = s.lower()
+    s = "".join(ch for ch in s if ch not in set(string.punctuation))
+    return " ".join(_ARTICLES.sub(" ", s).split())
+
+
+@torch.no_grad()
+def triviaqa_calibration(base, models: dict, tok, limit=500, max_new_tokens=24, batch=32, n_bins=15):
+    """Free-form TriviaQA: the base's greedy answers; per model, the answer's probability and the ECE."""
+    from hf_lsce.calibration import calibration_metrics
+    from hf_lsce.data import load_hub_split
+
+    rows = load_hub_split("mandarjoshi/trivia_qa", "rc.wikipedia.nocontext", "validation", local_repo="trivia_qa")
+    rows = rows.select(range(min(limit, len(rows))))
+    dev = next(base.parameters()).device
+    prompts = [f"Question: {r['question'].strip()}\nAnswer:" for r in rows]
+    aliases = [set(r["answer"]["normalized_aliases"]) | {normalize_answer(r["answer"]["value"])} for r in rows]
+    tok.padding_side = "left"
+    answers, correct = [], []
+    for s in range(0, len(prompts), batch):
+        enc = tok(prompts[s:s + batch], return_tensors="pt", padding=True).to(dev)
+        gen = base.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
+        for i, g in enumerate(gen[:, enc.input_ids.shape[1]:]):
+            text = tok.decode(g, skip_special_tokens=True).split("\n")[0]
+            ids = tok(" " + text.strip(), add_special_tokens=False)["input_ids"] if text.strip() else []
+            answers.append(ids)
+            correct.append(normalize_answer(text) in aliases[s + i])
+    out = {}
+    for name, m in models.items():
+        conf = []
+        for p, a in zip(prompts, answers):
+            if not a:
+                conf.append(0.0)
+                continue
+            ctx = tok(p)["input_ids"]
+            ids = torch.tensor([ctx + a], device=dev)
+            logits = m(input_ids=ids).logits[0, len(ctx) - 1:-1].float()
+            conf.append(float(torch.log_softmax(logits, -1).gather(1, torch.tensor(a, device=dev)[:, None]).sum().exp()))
+        res = calibration_metrics(confidences=torch.tensor(conf), correct=torch.tensor(correct), n_bins=n_bins)
+        out[name] = {"acc": res.accuracy, "ece": res.ece, "rms": res.rms, "mean_confidence": res.mean_confidence,
+                     "n": res.n}
+    return out
+
+
+def run_ats(args):
+    from hf_lsce.ats import ATSCalibrator
+    from hf_lsce.ats.training import train_ats
+    from hf_lsce.calibration import score_task
+    from hf_lsce.calibration.tasks import load_task
+    from hf_lsce.checkpoints import load_model_and_tokenizer
+
+    start = time.time()
+    base, tok = load_model_and_tokenizer(args.ats_model, dtype="fp32")
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    base.eval()
+    for p in base.parameters():
+        p.requires_grad_(False)
+    records = instruction_data("ats")[: args.records] if args.records else instruction_data("ats")
+    cuda = torch.cuda.is_available()
+    kw = {"bf16": True} if cuda else {}
+    models = {"none": base}
+    for name, head, loss, lr in (("ATS", "transformer", "selective", 5e-4), ("temperature", "scalar", "nll", 5e-2)):
+        cal = ATSCalibrator.from_base(base, head_type=head, loss_type=loss)
+        models[name] = train_ats(base, tok, records, calibrator=cal, max_steps=args.ats_steps, learning_rate=lr,
+                                 per_device_train_batch_size=args.batch, max_length=512,
+                                 output_dir=os.path.join(args.out_dir, f"ats_{name}"), save_steps=args.ats_steps,
+                                 logging_steps=max(1, args.ats_steps // 5), overwrite=True, **kw)
+    data_dir = SHARED if os.path.isdir(SHARED) else None
+    tasks = [load_task("mmlu", data_dir, shots=args.ats_shots, limit=args.limits.get("mmlu")),
+             load_task("truthfulqa_mc1", data_dir, limit=args.limits.get("truthfulqa_mc1"))]
+    report = {"model": args.ats_model, "records": len(records), "steps": args.ats_steps, "tasks": {}}
+    for t in tasks:
+        report["tasks"][t.name] = {}
+        for name, m in models.items():
+            s = score_task(m, tok, t, batch_size=32, progress=False)
+            report["tasks"][t.name][name] = {k: v for k, v in s.summary().items()}
+        print(t.name, json.dumps(report["tasks"][t.name]), flush=True)
+    if args.deadline_s is None or time.time() - start < args.deadline_s:
+        report["tasks"]["triviaqa"] = triviaqa_calibration(base, models, tok, limit=args.trivia_limit)
+        print("triviaqa", json.dumps(report["tasks"]["triviaqa"]), flush=True)
+    report["seconds"] = round(time.time() - start, 1)
+    with open(os.path.join(args.out_dir, "ats_real.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    lines = ["| task | calibration | acc | ECE | RMS |", "|---|---|---|---|---|"]
+    for t, rows in report["tasks"].items():
+        for name, r in rows.items():
+            lines.append(f"| {t} | {name} | {r['acc']:.3f} | {r['ece']:.3f} | {r['rms']:.3f} |")
+    md = "\n".join(lines)
+    with open(os.path.join(args.out_dir, "ats_real.md"), "w") as f:
+        f.write(md + "\n")
+    print(md)
+    return report
+
+
+def _smoke_model(out_dir):
+    """A tiny Llama with a BPE tokenizer trained on the instruction data, saved as a checkpoint (CPU smoke)."""
+    from hf_lsce.synthetic import small_llama
+    from hf_lsce.tokenizer import train_bpe_tokenizer
+
+    recs = instruction_data("alpaca", 200)
+    tok = train_bpe_tokenizer([r["prompt"] + r["completion"] for r in recs] + ["Answer: A B C D"] * 20,
+                              vocab_size=600, model_max_length=4096)
+    torch.manual_seed(0)
+    model = small_llama(tok, hidden=32, layers=1, max_positions=4096)
+    path = os.path.join(out_dir, "smoke_model")
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def _limits(text):
+    return {k: (int(v) if v else None) for k, v in (p.split("=") for p in text.split(","))}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="gemma-3-270m,smollm2-135m-instruct")
+    ap.add_argument("--datasets", default="alpaca,qa")
+    ap.add_argument("--smoothing", default="0,0.1")
+    ap.add_argument("--sweep", default="0.2,0.3")
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--lrs", default="2e-5,5e-5")
+    ap.add_argument("--limits", default="mmlu=1000,hellaswag=1000,arc_easy=1000")
+    ap.add_argument("--shots", type=int, default=5)
+    ap.add_argument("--records", type=int, default=None, help="instruction records used (default: all)")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--max-steps", type=int, default=-1)
+    ap.add_argument("--ats", action="store_true", help="the ATS experiment instead of the table")
+    ap.add_argument("--ats-model", default="smollm2-135m-instruct")
+    ap.add_argument("--ats-steps", type=int, default=300)
+    ap.add_argument("--ats-shots", type=int, default=5)
+    ap.add_argument("--trivia-limit", type=int, default=500)
+    ap.add_argument("--deadline-s", type=float, default=None)
+    ap.add_argument("--resume", action="store_true", help="keep the runs already in table1.json")
+    ap.add_argument("--out-dir", default="table1_out")
+    ap.add_argument("--smoke", action="store_true", help="CPU, a tiny model, two steps, a few items")
+    args = ap.parse_args()
+    os.makedirs(args.out_dir, exist_ok=True)
+    args.smoothing = [float(x) for x in args.smoothing.split(",")]
+    args.sweep = [float(x) for x in args.sweep.split(",") if x]
+    args.seeds = [int(x) for x in args.seeds.split(",")]
+    args.lrs = [float(x) for x in args.lrs.split(",")]
+    args.datasets = args.datasets.split(",")
+    args.limits = _limits(args.limits)
+    if args.smoke:
+        path = _smoke_model(args.out_dir)
+        args.models, args.seeds, args.lrs, args.sweep, args.datasets = [path], [0], [1e-3], [], ["alpaca"]
+        args.limits, args.records, args.max_steps, args.batch, args.shots = (
+            {"mmlu": 4, "hellaswag": 4, "arc_easy": 4, "truthfulqa_mc1": 4}, 24, 2, 4, 1)
+        args.ats_model, args.ats_steps, args.trivia_limit, args.ats_shots = path, 2, 4, 1
+    else:
+        args.models = args.models.split(",")
+    if args.ats:
+        return run_ats(args)
+    return run_table(args)
+
+
+if __name__ == "__main__":
+    main()

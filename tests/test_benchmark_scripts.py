@@ -1,0 +1,85 @@
+"""The GPU scripts' CPU smoke modes run (the code paths, not the figures), and the staging of large files to the
+device machine survives its own checks."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "benchmarks"
+
+
+def _run(args, tmp_path, timeout=600, env_extra=None):
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT), **(env_extra or {}))
+    res = subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=tmp_path, env=env,
+                         timeout=timeout)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res.stdout
+
+
+def test_staging_splits_checks_and_joins(tmp_path):
+    sys.path.insert(0, str(BENCH))
+    import gpu_stage
+
+    data = os.urandom(3 * 1024 * 1024 + 123)
+    src = tmp_path / "model.gguf"
+    src.write_bytes(data)
+    gpu_stage.split([str(src)], str(tmp_path / "stage"), part_mb=1)
+    parts = sorted((tmp_path / "stage").glob("model.gguf.part*"))
+    assert len(parts) == 4
+    for p in parts[:-1]:
+        gpu_stage.put(str(p), str(tmp_path / "dev"))
+    with pytest.raises(SystemExit):  # a part missing: the machine went cold
+        gpu_stage.join("model.gguf", str(tmp_path / "dev"))
+    gpu_stage.put(str(parts[-1]), str(tmp_path / "dev"))
+    assert Path(gpu_stage.join("model.gguf", str(tmp_path / "dev"))).read_bytes() == data
+    parts[0].write_bytes(b"broken")
+    with pytest.raises(SystemExit, match="checksum"):
+        gpu_stage.put(str(parts[0]), str(tmp_path / "dev2"))
+
+
+def test_realistic_generator_follows_its_parameters():
+    """A stronger shared prior or a higher peak makes more tiles negligible; sorting by mean logit never less."""
+    sys.path.insert(0, str(BENCH))
+    from real_inputs import realistic_batch, softmax_statistics
+
+    def skip(**p):
+        h, w, y = realistic_batch(256, 32, 8192, dtype=torch.float32, **p)
+        st = softmax_statistics(h, w, y, tiles=[(64, 128)], eps=[2.0 ** -12])["skippable_tiles"]["64x128"]
+        return st["natural"]["2^-12"], st["sorted"]["2^-12"]
+
+    weak, strong = skip(prior=2.0, peak=12, noise=0.5), skip(prior=3.0, peak=14, noise=0.3)
+    assert strong[0] > weak[0] > 0 and strong[1] > strong[0] and weak[1] > weak[0]
+
+
+def test_kernel_benchmark_smoke(tmp_path):
+    out = _run([str(BENCH / "bench_linear_cross_entropy.py"), "--suite", "smoke", "--out-dir", str(tmp_path)], tmp_path)
+    rep = json.loads((tmp_path / "bench_linear_cross_entropy.json").read_text())
+    ours = [r for r in rep["rows"] if r["method"] == "hf_lsce" and r["regime"] == "realistic"]
+    assert ours and ours[0]["dh_err"] < 1e-2 and "| realistic |" in out
+
+
+def test_trainer_benchmark_smoke_proves_engagement(tmp_path):
+    _run([str(BENCH / "bench_trainer.py"), "--smoke", "--out-dir", str(tmp_path)], tmp_path)
+    rows = json.loads((tmp_path / "bench_trainer.json").read_text())["rows"]
+    ours = [r for r in rows if r["method"] == "hf_lsce"]
+    assert ours and all(r["engaged"] and r["lm_head_calls"] == 0 for r in ours)
+    assert all(r["lm_head_calls"] > 0 for r in rows if r["method"] == "hf")
+
+
+def test_table1_and_ats_smoke(tmp_path, shared_data):
+    env = {"HF_LSCE_SHARED_DATA": shared_data}
+    _run([str(BENCH / "table1.py"), "--smoke", "--out-dir", str(tmp_path)], tmp_path, env_extra=env)
+    table = json.loads((tmp_path / "table1.json").read_text())
+    assert {(r["dataset"], r["b"]) for r in table["runs"]} == {("base", None), ("alpaca", 0.0), ("alpaca", 0.1)}
+    assert "vs_b0" in table["runs"][-1] and (tmp_path / "table1.md").exists()
+    _run([str(BENCH / "table1.py"), "--smoke", "--ats", "--out-dir", str(tmp_path)], tmp_path, env_extra=env)
+    ats = json.loads((tmp_path / "ats_real.json").read_text())
+    assert set(ats["tasks"]) >= {"mmlu", "truthfulqa_mc1"}
+    assert set(ats["tasks"]["mmlu"]) == {"none", "ATS", "temperature"}
