@@ -13,9 +13,9 @@ case $STEP in
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$R/device.txt"
     python3 -c "import torch, triton, transformers, pyarrow, fsspec; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'pyarrow', pyarrow.__version__, 'fsspec', fsspec.__version__)" | tee -a "$R/device.txt"
     python3 -c "import datasets, trl, liger_kernel, cut_cross_entropy, gguf; print('datasets', datasets.__version__, 'trl', trl.__version__)" 2>&1 | tail -1 | tee -a "$R/device.txt"
-    timeout 170 python3 benchmarks/check_correctness_gpu.py --sections new,cases,repeat,edge --case-shapes gemma2-2b \
+    timeout 150 python3 benchmarks/check_correctness_gpu.py --sections new,cases,repeat,edge --case-shapes gemma2-2b \
       --out "$R/correctness_gpu.json" 2>&1 | tee "$R/correctness_gpu.log"
-    timeout 330 python3 benchmarks/bench_linear_cross_entropy.py --suite main --deadline-s 250 --out-dir "$R" 2>&1 | tee "$R/bench.log"
+    timeout 240 python3 benchmarks/bench_linear_cross_entropy.py --suite main --deadline-s 180 --out-dir "$R" 2>&1 | tee "$R/bench.log"
     ;;
   trainer-config)  # Trainer bf16 throughput on a real configuration with random weights
     timeout 280 python3 benchmarks/bench_trainer.py --models llama3.2-1b --batch 8 --seq 1024 --steps 6 --deadline-s 200 \
@@ -27,17 +27,17 @@ case $STEP in
   real)  # Gemma-3-270m from the staged GGUF: real hidden states, the kernel benchmark on them, Trainer throughput
     G=$(python3 benchmarks/gpu_stage.py join gemma-3-270m-q4_k_m.gguf --to /tmp/stage | tail -1) || exit 3
     python3 benchmarks/real_inputs.py capture --model "$G" --tokens 8192 --out /tmp/gemma_real.pt --with-head 2>&1 | tail -3
-    timeout 200 python3 benchmarks/bench_linear_cross_entropy.py --suite real --real-inputs /tmp/gemma_real.pt \
+    timeout 170 python3 benchmarks/bench_linear_cross_entropy.py --suite real --real-inputs /tmp/gemma_real.pt \
       --stem bench_real --out-dir "$R" 2>&1 | tee "$R/bench_real.log"
-    timeout 250 python3 benchmarks/bench_trainer.py --models "$G" --batch 8 --seq 1024 --steps 6 --search "$G" \
-      --deadline-s 200 --out-dir "$R" 2>&1 | tee "$R/trainer_real.log"
+    timeout 200 python3 benchmarks/bench_trainer.py --models "$G" --batch 8 --seq 1024 --steps 6 --search "$G" \
+      --deadline-s 160 --out-dir "$R" 2>&1 | tee "$R/trainer_real.log"
     ;;
   table1)  # the paper's Table 1 in miniature, then ATS
     G=$(python3 benchmarks/gpu_stage.py join gemma-3-270m-q4_k_m.gguf --to /tmp/stage | tail -1) || exit 3
     S=$(python3 benchmarks/gpu_stage.py join SmolLM2-135M-Instruct.Q4_1.gguf --to /tmp/stage | tail -1) || exit 3
-    timeout ${TABLE1_S:-380} python3 benchmarks/table1.py --models "$G,$S" --deadline-s $(( ${TABLE1_S:-380} - 60 )) \
+    timeout ${TABLE1_S:-300} python3 benchmarks/table1.py --models "$G,$S" --deadline-s $(( ${TABLE1_S:-300} - 60 )) \
       --out-dir "$R" 2>&1 | tee "$R/table1.log"
-    timeout ${ATS_S:-150} python3 benchmarks/table1.py --ats --ats-model "$S" --deadline-s $(( ${ATS_S:-150} - 40 )) \
+    timeout ${ATS_S:-120} python3 benchmarks/table1.py --ats --ats-model "$S" --deadline-s $(( ${ATS_S:-120} - 40 )) \
       --out-dir "$R" 2>&1 | tee "$R/ats.log"
     ;;
   *) echo "unknown step $STEP"; exit 2 ;;
