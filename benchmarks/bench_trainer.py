@@ -114,7 +114,7 @@ def run_one(name, method, b, batch, seq, steps, out_dir, device, warmup=2, check
     """One Trainer run; returns a row (tokens/s, peak memory, lm_head calls, fused calls)."""
     from transformers import Trainer, TrainingArguments
 
-    from hf_lsce import apply_lsce_patch, revert_lsce_patch
+    from hf_lsce import apply_lsce_patch
     from hf_lsce.patching import ENGAGEMENT
 
     model, tok = load(name, device)
@@ -145,7 +145,7 @@ def run_one(name, method, b, batch, seq, steps, out_dir, device, warmup=2, check
                loss=trainer.state.log_history[-1].get("train_loss"))
     if method == "hf_lsce":
         row["engaged"] = row["lm_head_calls"] == 0 and row["fused_calls"] == steps + warmup
-        revert_lsce_patch(model)
+    # no revert: the Trainer's accelerate wrapper now wraps the patched forward, and the model is dropped anyway
     del trainer, model
     gc.collect()
     if cuda:

@@ -24,20 +24,26 @@ case $STEP in
   stage-only)
     ls -la /tmp/stage | tee "$R/stage.txt"
     ;;
-  real)  # Gemma-3-270m from the staged GGUF: real hidden states, the kernel benchmark on them, Trainer throughput
+  real)  # Gemma-3-270m from the staged GGUF: real hidden states, the kernel benchmark on them; Trainer throughput
     G=$(python3 benchmarks/gpu_stage.py join gemma-3-270m-q4_k_m.gguf --to /tmp/stage | tail -1) || exit 3
+    S=$(python3 benchmarks/gpu_stage.py join SmolLM2-135M-Instruct.Q4_1.gguf --to /tmp/stage | tail -1) || S=""
     python3 benchmarks/real_inputs.py capture --model "$G" --tokens 8192 --out /tmp/gemma_real.pt --with-head 2>&1 | tail -3
-    timeout 170 python3 benchmarks/bench_linear_cross_entropy.py --suite real --real-inputs /tmp/gemma_real.pt \
+    timeout ${BENCH_S:-170} python3 benchmarks/bench_linear_cross_entropy.py --suite real --real-inputs /tmp/gemma_real.pt \
       --stem bench_real --out-dir "$R" 2>&1 | tee "$R/bench_real.log"
-    timeout 200 python3 benchmarks/bench_trainer.py --models "$G" --batch 8 --seq 1024 --steps 6 --search "$G" \
-      --deadline-s 160 --out-dir "$R" 2>&1 | tee "$R/trainer_real.log"
+    timeout ${TRAINER_S:-240} python3 benchmarks/bench_trainer.py --models "$G${S:+,$S}" --batch 8 --seq 1024 --steps 6 \
+      --search "$G" --deadline-s $(( ${TRAINER_S:-240} - 50 )) --out-dir "$R" 2>&1 | tee "$R/trainer_real.log"
     ;;
-  table1)  # the paper's Table 1 in miniature, then ATS
+  table1)  # the paper's Table 1 in miniature; resumable across calls (results kept in /tmp/t1 while the machine is warm)
     G=$(python3 benchmarks/gpu_stage.py join gemma-3-270m-q4_k_m.gguf --to /tmp/stage | tail -1) || exit 3
     S=$(python3 benchmarks/gpu_stage.py join SmolLM2-135M-Instruct.Q4_1.gguf --to /tmp/stage | tail -1) || exit 3
-    timeout ${TABLE1_S:-300} python3 benchmarks/table1.py --models "$G,$S" --deadline-s $(( ${TABLE1_S:-300} - 60 )) \
-      --out-dir "$R" 2>&1 | tee "$R/table1.log"
-    timeout ${ATS_S:-120} python3 benchmarks/table1.py --ats --ats-model "$S" --deadline-s $(( ${ATS_S:-120} - 40 )) \
+    mkdir -p /tmp/t1
+    timeout ${TABLE1_S:-540} python3 benchmarks/table1.py --models "$G,$S" --resume --limits "${LIMITS:-mmlu=500,hellaswag=500,arc_easy=500}" \
+      --deadline-s $(( ${TABLE1_S:-540} - 90 )) --out-dir /tmp/t1 2>&1 | tee -a /tmp/t1/table1.log
+    cp /tmp/t1/table1.* "$R"/ 2>/dev/null
+    ;;
+  ats)  # ATS and temperature scaling on SmolLM2-135M-Instruct
+    S=$(python3 benchmarks/gpu_stage.py join SmolLM2-135M-Instruct.Q4_1.gguf --to /tmp/stage | tail -1) || exit 3
+    timeout ${ATS_S:-240} python3 benchmarks/table1.py --ats --ats-model "$S" --deadline-s $(( ${ATS_S:-240} - 40 )) \
       --out-dir "$R" 2>&1 | tee "$R/ats.log"
     ;;
   *) echo "unknown step $STEP"; exit 2 ;;
