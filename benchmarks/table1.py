@@ -181,7 +181,46 @@ def run_table(args):
     with open(os.path.join(args.out_dir, "table1.md"), "w") as f:
         f.write(md + "\n")
     print(md)
+    plot_table(results, os.path.join(args.out_dir, "table1.png"))
     return results
+
+
+def plot_table(results, path) -> None:
+    """ECE and accuracy against b per model and task (first dataset and lr; mean and spread over seeds; the base
+    model as a dashed line)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    runs = [r for r in results["runs"] if r["dataset"] != "base"]
+    if not runs:
+        return
+    first = (runs[0]["dataset"], runs[0]["lr"])
+    models = list(dict.fromkeys(r["model"] for r in results["runs"]))
+    tasks = list(runs[0]["results"])
+    fig, axes = plt.subplots(2, len(tasks), figsize=(4.2 * len(tasks), 6.5), squeeze=False)
+    for mi, model in enumerate(models):
+        base = next((r for r in results["runs"] if r["model"] == model and r["dataset"] == "base"), None)
+        mine = [r for r in runs if r["model"] == model and (r["dataset"], r["lr"]) == first]
+        bs = sorted({r["b"] for r in mine})
+        for ti, task in enumerate(tasks):
+            for row, metric in enumerate(("ece", "acc")):
+                ax = axes[row][ti]
+                vals = [[r["results"][task][metric] for r in mine if r["b"] == b] for b in bs]
+                mean = [sum(v) / len(v) for v in vals]
+                std = [(sum((x - m) ** 2 for x in v) / max(len(v) - 1, 1)) ** 0.5 for v, m in zip(vals, mean)]
+                line = ax.errorbar(bs, mean, yerr=std, marker="o", capsize=3, label=os.path.basename(model))
+                if base is not None:
+                    ax.axhline(base["results"][task][metric], ls="--", color=line[0].get_color(), alpha=0.6)
+                ax.set_title(f"{task}: {metric.upper() if metric == 'ece' else 'accuracy'}")
+                ax.set_xlabel("label smoothing b")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"SFT on {first[0]} (lr {first[1]:g}); dashed: the base model; bars: std over seeds")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def table_markdown(results) -> str:
@@ -224,6 +263,30 @@ def normalize_answer(s: str) -> str:
     return " ".join(_ARTICLES.sub(" ", s).split())
 
 
+_PREFIX = re.compile(r"^(the answer is|answer)\s*:?\s*", re.IGNORECASE)
+
+
+def trivia_prompt(tok, question: str) -> str:
+    """The question as the model is asked it: through its chat template when it has one (instruct models),
+    with a one-line instruction to answer briefly; plain ``Question: ... Answer:`` otherwise."""
+    if getattr(tok, "chat_template", None):
+        msg = f"Answer the trivia question with just the answer, a few words.\nQuestion: {question.strip()}"
+        return tok.apply_chat_template([{"role": "user", "content": msg}], tokenize=False, add_generation_prompt=True)
+    return f"Question: {question.strip()}\nAnswer:"
+
+
+def extract_answer(text: str) -> str:
+    """The first non-empty line of a generation, without a leading "The answer is:"."""
+    line = next((x for x in text.split("\n") if x.strip()), "")
+    return _PREFIX.sub("", line.strip()).strip()
+
+
+def trivia_correct(answer: str, aliases: set[str]) -> bool:
+    """An alias equals the normalised answer or occurs in it as whole words (lenient exact match)."""
+    a = normalize_answer(answer)
+    return bool(a) and any(x and (a == x or f" {x} " in f" {a} ") for x in aliases)
+
+
 @torch.no_grad()
 def triviaqa_calibration(base, models: dict, tok, limit=500, max_new_tokens=24, batch=32, n_bins=15):
     """Free-form TriviaQA: the base's greedy answers; per model, the answer's probability and the ECE."""
@@ -233,18 +296,19 @@ def triviaqa_calibration(base, models: dict, tok, limit=500, max_new_tokens=24, 
     rows = load_hub_split("mandarjoshi/trivia_qa", "rc.wikipedia.nocontext", "validation", local_repo="trivia_qa")
     rows = rows.select(range(min(limit, len(rows))))
     dev = next(base.parameters()).device
-    prompts = [f"Question: {r['question'].strip()}\nAnswer:" for r in rows]
+    prompts = [trivia_prompt(tok, r["question"]) for r in rows]
+    special = not getattr(tok, "chat_template", None)  # a rendered chat template carries its own special tokens
     aliases = [set(r["answer"]["normalized_aliases"]) | {normalize_answer(r["answer"]["value"])} for r in rows]
     tok.padding_side = "left"
     answers, correct = [], []
     for s in range(0, len(prompts), batch):
-        enc = tok(prompts[s:s + batch], return_tensors="pt", padding=True).to(dev)
+        enc = tok(prompts[s:s + batch], return_tensors="pt", padding=True, add_special_tokens=special).to(dev)
         gen = base.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
         for i, g in enumerate(gen[:, enc.input_ids.shape[1]:]):
-            text = tok.decode(g, skip_special_tokens=True).split("\n")[0]
-            ids = tok(" " + text.strip(), add_special_tokens=False)["input_ids"] if text.strip() else []
+            text = extract_answer(tok.decode(g, skip_special_tokens=True))
+            ids = tok((" " if special else "") + text, add_special_tokens=False)["input_ids"] if text else []
             answers.append(ids)
-            correct.append(normalize_answer(text) in aliases[s + i])
+            correct.append(trivia_correct(text, aliases[s + i]))
     out = {}
     for name, m in models.items():
         conf = []
@@ -252,7 +316,7 @@ def triviaqa_calibration(base, models: dict, tok, limit=500, max_new_tokens=24, 
             if not a:
                 conf.append(0.0)
                 continue
-            ctx = tok(p)["input_ids"]
+            ctx = tok(p, add_special_tokens=special)["input_ids"]
             ids = torch.tensor([ctx + a], device=dev)
             logits = m(input_ids=ids).logits[0, len(ctx) - 1:-1].float()
             conf.append(float(torch.log_softmax(logits, -1).gather(1, torch.tensor(a, device=dev)[:, None]).sum().exp()))

@@ -83,3 +83,18 @@ def test_table1_and_ats_smoke(tmp_path, shared_data):
     ats = json.loads((tmp_path / "ats_real.json").read_text())
     assert set(ats["tasks"]) >= {"mmlu", "truthfulqa_mc1"}
     assert set(ats["tasks"]["mmlu"]) == {"none", "ATS", "temperature"}
+
+
+def test_triviaqa_answer_extraction_and_matching():
+    """Free-form answers: the first non-empty line, a leading "The answer is:" dropped, aliases matched as
+    whole words after the usual normalisation (an empty answer is never correct)."""
+    sys.path.insert(0, str(BENCH))
+    import table1
+
+    assert table1.extract_answer("\n The answer is: Mount Kilimanjaro.\n\nQuestion: ...") == "Mount Kilimanjaro."
+    assert table1.extract_answer("\n\n") == ""
+    assert table1.trivia_correct("Mount Kilimanjaro.", {"kilimanjaro"})
+    assert table1.trivia_correct("The Exile", {"exile"})
+    assert not table1.trivia_correct("Kilimanjaro", {"mount kilimanjaro"})
+    assert not table1.trivia_correct("Exiled", {"exile"})
+    assert not table1.trivia_correct("", {""})
