@@ -347,12 +347,13 @@ def run_ats(args):
     for name, head, loss, lr in (("ATS", "transformer", "selective", 5e-4), ("temperature", "scalar", "nll", 5e-2)):
         cal = ATSCalibrator.from_base(base, head_type=head, loss_type=loss)
         models[name] = train_ats(base, tok, records, calibrator=cal, max_steps=args.ats_steps, learning_rate=lr,
-                                 per_device_train_batch_size=args.batch, max_length=512,
+                                 per_device_train_batch_size=args.batch, max_length=args.max_length,
                                  output_dir=os.path.join(args.out_dir, f"ats_{name}"), save_steps=args.ats_steps,
                                  logging_steps=max(1, args.ats_steps // 5), overwrite=True, **kw)
     data_dir = SHARED if os.path.isdir(SHARED) else None
-    tasks = [load_task("mmlu", data_dir, shots=args.ats_shots, limit=args.limits.get("mmlu")),
-             load_task("truthfulqa_mc1", data_dir, limit=args.limits.get("truthfulqa_mc1"))]
+    wanted = args.ats_tasks.split(",")
+    tasks = [load_task(t, data_dir, shots=args.ats_shots if t == "mmlu" else None, limit=args.limits.get(t))
+             for t in ("mmlu", "truthfulqa_mc1") if t in wanted]
     report = {"model": args.ats_model, "records": len(records), "steps": args.ats_steps, "tasks": {}}
     for t in tasks:
         report["tasks"][t.name] = {}
@@ -360,7 +361,7 @@ def run_ats(args):
             s = score_task(m, tok, t, batch_size=32, progress=False)
             report["tasks"][t.name][name] = {k: v for k, v in s.summary().items()}
         print(t.name, json.dumps(report["tasks"][t.name]), flush=True)
-    if args.deadline_s is None or time.time() - start < args.deadline_s:
+    if "triviaqa" in wanted and (args.deadline_s is None or time.time() - start < args.deadline_s):
         report["tasks"]["triviaqa"] = triviaqa_calibration(base, models, tok, limit=args.trivia_limit)
         print("triviaqa", json.dumps(report["tasks"]["triviaqa"]), flush=True)
     report["seconds"] = round(time.time() - start, 1)
@@ -415,6 +416,8 @@ def main():
     ap.add_argument("--ats-steps", type=int, default=300)
     ap.add_argument("--ats-shots", type=int, default=5)
     ap.add_argument("--trivia-limit", type=int, default=500)
+    ap.add_argument("--ats-tasks", default="mmlu,truthfulqa_mc1,triviaqa", help="the ATS experiment's evaluations")
+    ap.add_argument("--max-length", type=int, default=512, help="ATS training sequence length")
     ap.add_argument("--deadline-s", type=float, default=None)
     ap.add_argument("--resume", action="store_true", help="keep the runs already in table1.json")
     ap.add_argument("--out-dir", default="table1_out")
