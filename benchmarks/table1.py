@@ -287,9 +287,24 @@ def trivia_correct(answer: str, aliases: set[str]) -> bool:
     return bool(a) and any(x and (a == x or f" {x} " in f" {a} ") for x in aliases)
 
 
+def answer_line_ids(tok, ids: list[int], stop: set) -> list[int]:
+    """The generated tokens up to and including the one that ends the first non-empty line (or up to EOS):
+    the answer as the model produced it, whose probability is its confidence."""
+    out = []
+    for t in ids:
+        if t in stop:
+            break
+        out.append(t)
+        text = tok.decode(out, skip_special_tokens=True).lstrip()
+        if "\n" in text:
+            break
+    return out
+
+
 @torch.no_grad()
 def triviaqa_calibration(base, models: dict, tok, limit=500, max_new_tokens=24, batch=32, n_bins=15):
-    """Free-form TriviaQA: the base's greedy answers; per model, the answer's probability and the ECE."""
+    """Free-form TriviaQA: the base's greedy answers (correct when an alias matches the first non-empty line);
+    per model, the confidence is its probability of that generated line, token for token, and the ECE."""
     from hf_lsce.calibration import calibration_metrics
     from hf_lsce.data import load_hub_split
 
@@ -300,14 +315,14 @@ def triviaqa_calibration(base, models: dict, tok, limit=500, max_new_tokens=24, 
     special = not getattr(tok, "chat_template", None)  # a rendered chat template carries its own special tokens
     aliases = [set(r["answer"]["normalized_aliases"]) | {normalize_answer(r["answer"]["value"])} for r in rows]
     tok.padding_side = "left"
+    stop = {tok.eos_token_id, tok.pad_token_id}
     answers, correct = [], []
     for s in range(0, len(prompts), batch):
         enc = tok(prompts[s:s + batch], return_tensors="pt", padding=True, add_special_tokens=special).to(dev)
         gen = base.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
         for i, g in enumerate(gen[:, enc.input_ids.shape[1]:]):
             text = extract_answer(tok.decode(g, skip_special_tokens=True))
-            ids = tok((" " if special else "") + text, add_special_tokens=False)["input_ids"] if text else []
-            answers.append(ids)
+            answers.append(answer_line_ids(tok, g.tolist(), stop) if text else [])
             correct.append(trivia_correct(text, aliases[s + i]))
     out = {}
     for name, m in models.items():
