@@ -42,6 +42,19 @@ from .sparse import TILE_V, sparse_dh, sparse_dw, tile_mask
 
 
 @triton.jit
+def _logit_grad(z, is_target, lse, p_mult, uniform, b, softcap, SOFTCAP: tl.constexpr):
+    """dL/dz of one block of a row before the token weight, from its logits ``z`` (bias added, before the
+    soft-cap): ``p * p_mult - uniform - (1 - b) [target]``, times the soft-cap's derivative."""
+    if SOFTCAP:
+        tc = _tanh(z / softcap)
+        z = softcap * tc
+    g = tl.exp(z - lse) * p_mult - uniform - tl.where(is_target, 1.0 - b, 0.0)
+    if SOFTCAP:
+        g = g * (1.0 - tc * tc)
+    return g
+
+
+@triton.jit
 def _lce_rows_kernel(
     Z, BIAS, Y, SMOOTH, SCALE, G, TMAX,
     LSE_OUT, ZY_OUT, SZ_OUT, AM_OUT, ENT_OUT,
@@ -121,12 +134,7 @@ def _lce_rows_kernel(
             tl.debug_barrier()
             if HAS_BIAS:
                 z += tl.load(BIAS + offs, mask=mask, other=0.0).to(tl.float32)
-            if SOFTCAP:
-                tc = _tanh(z / softcap)
-                z = softcap * tc
-            g = tl.exp(z - lse) * p_mult - uniform - tl.where(offs == y, 1.0 - b, 0.0)
-            if SOFTCAP:
-                g = g * (1.0 - tc * tc)
+            g = _logit_grad(z, offs == y, lse, p_mult, uniform, b, softcap, SOFTCAP)
             tl.store(g_row + offs, (g * scale).to(G.dtype.element_ty), mask=mask)
             if SPARSE:
                 # per TV columns, the largest |g| before the token weight (0 for a row without weight)
@@ -161,12 +169,7 @@ def _lce_grad_rows_kernel(
         tl.debug_barrier()
         if HAS_BIAS:
             z += tl.load(BIAS + v0 + offs, mask=mask, other=0.0).to(tl.float32)
-        if SOFTCAP:
-            tc = _tanh(z / softcap)
-            z = softcap * tc
-        g = tl.exp(z - lse) * p_mult - b * inv_v - tl.where(offs == y, 1.0 - b, 0.0)
-        if SOFTCAP:
-            g = g * (1.0 - tc * tc)
+        g = _logit_grad(z, offs == y, lse, p_mult, b * inv_v, b, softcap, SOFTCAP)
         tl.store(g_row + offs, (g * scale).to(G.dtype.element_ty), mask=mask)
 
 
