@@ -28,6 +28,9 @@ STEPS = 2
 ROWS = 16  # 2 optimizer steps of 8 rows
 # Against HF's LabelSmoother on fp32 logits (in bf16: of the autocast-rounded operands, see precise_head).
 TOL = dict(loss=1e-5, update=2e-4)
+# The same reference in bf16: the backbone's bf16 backward rounds the head's (equal) gradient differently in the
+# layers below it (2.9e-4 measured on the SFT instance run with torch 2.13's CPU kernels).
+TOL_BF16 = dict(loss=1e-5, update=5e-4)
 # Against stock bf16, whose logits are rounded to bf16 before its LabelSmoother: its own error.
 TOL_STOCK_BF16 = dict(loss=4e-3, update=6e-2)
 
@@ -132,7 +135,7 @@ def smoothing_effect():
 
 
 def test_tolerances_are_far_below_the_effect_of_smoothing():
-    assert smoothing_effect() > 100 * TOL["update"]
+    assert smoothing_effect() > 100 * max(TOL["update"], TOL_BF16["update"])
 
 
 @pytest.mark.parametrize("ga", [1, 4])
@@ -148,7 +151,7 @@ def test_patched_training_equals_stock_smoothing(kind, precision, patch, ga, tmp
     assert fused == STEPS * ga, "one fused call per micro-batch"
     assert ENGAGEMENT.seen >= {B}
     assert trainer.label_smoother is None
-    checks = [(ref_losses, ref_updates, TOL)]
+    checks = [(ref_losses, ref_updates, TOL if precision == "fp32" else TOL_BF16)]
     if precision == "bf16":  # and within stock bf16's own error of what users get today
         checks.append((*stock(kind, precision, ga, str(tmp_path_factory.mktemp("stock16")))[:2], TOL_STOCK_BF16))
     for r_losses, r_updates, tol in checks:

@@ -24,17 +24,35 @@ def _class_patched(cls: type) -> bool:
     return cls in ORIGINAL_CLASS_FORWARDS and is_ours(cls.__dict__.get("forward"))
 
 
-def is_patched(model) -> bool:
-    """True if ``model`` (or the causal LM under its PEFT / DDP / compile wrappers) carries hf_lsce's patch,
-    on the instance or on its class. Recognised by identity, so wrappers that copy a forward's attributes
-    (TRL's fused LM head, accelerate's mixed-precision wrapper) neither hide the patch nor fake it. Whether
-    a training step really ran through the fused op is checked at run time by the Trainer hooks."""
-    if not isinstance(model, torch.nn.Module):
-        return False
-    target = unwrap_model(model)
-    if "_lsce_original_forward" in target.__dict__:
+def _carries_patch(module: torch.nn.Module) -> bool:
+    if "_lsce_original_forward" in module.__dict__:
         return True
-    return any(_class_patched(cls) for cls in type(target).__mro__)
+    return any(_class_patched(cls) for cls in type(module).__mro__)
+
+
+def find_patched(*models):
+    """The patched causal LM under ``models`` (a Trainer passes the model its step calls, then its own
+    ``self.model``), or None. Looked up with :func:`unwrap_model` first; failing that, the first patched module
+    of each tree, so that no wrapper (one accelerate and PEFT do not know included) hides the patch from the
+    Trainer hooks and their run-time proof. Recognised by identity, so wrappers that copy a forward's attributes
+    (TRL's fused LM head, accelerate's mixed-precision wrapper) neither hide the patch nor fake it."""
+    modules = [m for m in models if isinstance(m, torch.nn.Module)]
+    for m in modules:
+        target = unwrap_model(m)
+        if _carries_patch(target):
+            return target
+    for m in modules:
+        for sub in m.modules():
+            if _carries_patch(sub):
+                return sub
+    return None
+
+
+def is_patched(model) -> bool:
+    """True if ``model``, or a causal LM under any wrapper of it (PEFT, DDP, DeepSpeed, FSDP, compile), carries
+    hf_lsce's patch, on the instance or on its class. Whether a training step really ran through the fused op is
+    checked at run time by the Trainer hooks."""
+    return find_patched(model) is not None
 
 
 def _validate_smoothing(label_smoothing):
@@ -136,5 +154,5 @@ def revert_lsce_patch(model=None, *, model_type: str | None = None) -> None:
         remove_trainer_hooks()
 
 
-__all__ = ["apply_lsce_patch", "revert_lsce_patch", "is_patched", "route_smoothing", "supported_message",
+__all__ = ["apply_lsce_patch", "revert_lsce_patch", "is_patched", "find_patched", "route_smoothing", "supported_message",
            "MODEL_TABLE", "ENGAGEMENT", "unwrap_model"]

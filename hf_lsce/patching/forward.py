@@ -214,7 +214,7 @@ def lsce_forward(self, *args, **kwargs):
     if not fused_lm_head:
         out = CausalLMOutputWithPast(loss=result, logits=None, past_key_values=backbone_out.past_key_values,
                                      hidden_states=backbone_out.hidden_states, attentions=backbone_out.attentions)
-        return out if return_dict is not False else out.to_tuple()
+        return keep_fused_outputs(self, out if return_dict is not False else out.to_tuple())
     tok, stats = result
     targets = targets.to(tok.device)
     loss = divide_summed_loss(tok.sum(), num_items, stats.valid.sum())
@@ -222,10 +222,10 @@ def lsce_forward(self, *args, **kwargs):
     cut = (slice(None), slice(None, -1)) if shift else (slice(None), slice(None))
     nxt = targets[:, 1:] if shift else targets
     mask = stats.valid[cut]
-    return FusedCausalLMOutput(
+    return keep_fused_outputs(self, FusedCausalLMOutput(
         loss=loss, log_probs=-tok[cut], entropy=stats.entropy[cut] * mask, label_mask=mask,
         is_top1=(stats.argmax[cut] == nxt) & mask,
-        past_key_values=None, hidden_states=backbone_out.hidden_states, attentions=backbone_out.attentions)
+        past_key_values=None, hidden_states=backbone_out.hidden_states, attentions=backbone_out.attentions))
 
 
 def _eager(fn):
@@ -239,25 +239,74 @@ def _eager(fn):
 def call_head(head: torch.nn.Module, fn, hidden: torch.Tensor, targets: torch.Tensor):
     """``fn(weight, bias, hidden, targets)`` with the head's full weight.
 
-    When the head is its own FSDP2 unit (the Trainer's auto-wrap can make it one), its weight is a
-    shard outside its own call: ``fn`` then runs *as* the head's forward, so FSDP2's hooks all-gather
-    the weight before it, reshard after it, and reduce-scatter the weight's gradient in backward,
-    exactly as for the ``nn.Linear`` it replaces. DeepSpeed ZeRO-3 gathers a partitioned weight by
-    hooks on the module's forward too, and gets the same treatment (not verified: no wheel here).
-    Otherwise (the head inside a larger FSDP unit, or no sharding) the weight is used as it is, or
-    gathered whole if it is still a DTensor.
+    When the head is its own FSDP2 unit (the Trainer's auto-wrap makes it one, grouped with the final norm), its
+    weight is a shard outside its own call: ``fn`` then runs *as* the head's forward, so FSDP2's hooks all-gather
+    the weight before it, reshard after it, and reduce-scatter the weight's gradient in backward, exactly as for
+    the ``nn.Linear`` it replaces. DeepSpeed ZeRO-3 gathers a partitioned weight (``ds_id``) by hooks on the
+    module's forward, and re-gathers it for backward through the outputs of that forward: the same treatment.
+    Otherwise (the head inside a larger FSDP unit, or no sharding) the weight is used as it is, or gathered whole
+    if it is still a DTensor.
     """
     if _is_fsdp_unit(head) or hasattr(head.weight, "ds_id"):
-        head.forward = lambda h, t: fn(head.weight, head.bias, h, t)
+        computed = []
+
+        def forward(h, t):
+            computed.append(fn(head.weight, head.bias, h, t))
+            return computed[-1]
+
+        head.forward = forward
         try:
-            return head(hidden, targets)
+            out = head(hidden, targets)
         finally:
             del head.forward  # back to the class's forward
+        return undo_output_cast(out, computed[-1])
     weight, bias = head.weight, head.bias
     if hasattr(weight, "full_tensor"):  # a DTensor outside FSDP's forward: gather the head for the op
         weight = weight.full_tensor()
         bias = bias.full_tensor() if bias is not None else None
     return fn(weight, bias, hidden, targets)
+
+
+def undo_output_cast(out, computed):
+    """``out`` with every tensor that a wrapper only cast to another dtype replaced by the tensor the op computed.
+
+    FSDP2's mixed precision casts each floating output of a unit to its ``output_dtype`` (accelerate sets bf16 on
+    the root and on the head's unit), so the loss would reach the Trainer rounded to bf16 (12.5625 where it is
+    12.5709...). FSDP2 hooks its pre-backward on the tensors the unit returned, before casting them, so the op's
+    own fp32 tensors carry the hook and can be handed on. Wrappers that put outputs through an autograd function
+    of their own (DeepSpeed ZeRO-3's re-gather for backward) keep the dtype, so their tensors are kept."""
+    if torch.is_tensor(out):
+        if (torch.is_tensor(computed) and out is not computed and out.dtype != computed.dtype
+                and out.shape == computed.shape):
+            return computed
+        return out
+    if isinstance(out, ModelOutput) and isinstance(computed, ModelOutput):
+        for key, value in out.items():
+            if key in computed:
+                out[key] = undo_output_cast(value, computed[key])
+        return out
+    if isinstance(out, (tuple, list)) and isinstance(computed, (tuple, list)) and len(out) == len(computed):
+        items = [undo_output_cast(o, c) for o, c in zip(out, computed)]
+        return type(out)(*items) if hasattr(out, "_fields") else type(out)(items)
+    return out
+
+
+def _restore_root_outputs(module, args, output):
+    """Forward hook, registered after FSDP2's own on a patched model that is an FSDP2 unit (the root): undo its
+    output cast on the fused outputs (:func:`undo_output_cast`)."""
+    computed = module.__dict__.pop("_lsce_computed_output", None)
+    return output if computed is None else undo_output_cast(output, computed)
+
+
+def keep_fused_outputs(model, out):
+    """Remember ``out`` for :func:`_restore_root_outputs` when ``model`` is an FSDP2 unit; the hook is registered on
+    the first fused call, after ``fully_shard`` registered FSDP2's, so it runs after FSDP2's cast."""
+    if not _is_fsdp_unit(model):
+        return out
+    model.__dict__["_lsce_computed_output"] = out
+    if "_lsce_restore_hook" not in model.__dict__:
+        model.__dict__["_lsce_restore_hook"] = model.register_forward_hook(_restore_root_outputs)
+    return out
 
 
 def _is_fsdp_unit(module: torch.nn.Module) -> bool:

@@ -88,21 +88,20 @@ def own_class(module) -> type:
 
 
 def unwrap_model(model):
-    """The causal LM under the wrappers users train through: ``torch.compile`` (``_orig_mod``), PEFT
-    (``get_base_model()``), DDP / DataParallel / FSDP1 (``.module``). Decided by type, not by attribute
-    lookups, which PEFT forwards to the wrapped model."""
-    from torch.nn.parallel import DataParallel, DistributedDataParallel
+    """The causal LM under the wrappers users train through, found with what the ecosystem provides rather than a
+    list of wrapper types: accelerate's ``extract_model_from_parallel`` (DDP, DataParallel, DeepSpeed's engine,
+    FSDP1, ``torch.compile``) and PEFT's ``get_base_model()``, repeated until neither changes the model. FSDP2 needs
+    nothing: ``fully_shard`` keeps the module itself (see :func:`own_class`)."""
+    from accelerate.utils import extract_model_from_parallel
 
     m = model
     for _ in range(16):
-        if isinstance(m._modules.get("_orig_mod"), torch.nn.Module):
-            m = m._modules["_orig_mod"]
-        elif callable(getattr(type(m), "get_base_model", None)):
-            m = m.get_base_model()
-        elif isinstance(m, (DistributedDataParallel, DataParallel)) or type(m).__name__ == "FullyShardedDataParallel":
-            m = m.module
-        else:
+        inner = extract_model_from_parallel(m, keep_torch_compile=False)
+        if inner is m and callable(getattr(type(m), "get_base_model", None)):
+            inner = m.get_base_model()
+        if inner is m or not isinstance(inner, torch.nn.Module):
             break
+        m = inner
     return m
 
 

@@ -55,12 +55,13 @@ def requested_smoothing(trainer, target) -> tuple[float, str]:
 def route_smoothing(trainer, model):
     """Move the Trainer's smoothing into a patched model and switch its LabelSmoother off.
 
-    Returns ``(target, b, source)`` for a patched model, None otherwise (the Trainer then runs as stock)."""
-    from . import is_patched
-    from .models import unwrap_model
+    ``model`` is what the step calls (wrapped by DDP, DeepSpeed, FSDP, PEFT...); the Trainer's own ``self.model`` is
+    looked at too. Returns ``(target, b, source)`` for a patched model, None otherwise (the Trainer then runs as
+    stock)."""
+    from . import find_patched
 
-    target = unwrap_model(model)
-    if not is_patched(target):
+    target = find_patched(model, getattr(trainer, "model", None))
+    if target is None:
         return None
     b, source = requested_smoothing(trainer, target)
     if getattr(target, "_lsce_explicit_smoothing", None) is None:
@@ -180,20 +181,18 @@ def _hooked_compute_loss(orig):
 def _hooked_sft_init(orig):
     @functools.wraps(orig)
     def __init__(self, *args, **kwargs):
-        from . import is_patched
+        from . import find_patched
 
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             orig(self, *args, **kwargs)
-        handled = is_patched(self.model)
+        target = find_patched(self.model)
+        handled = target is not None
         for w in caught:
             if handled and _TRL_SMOOTHING_WARNING in str(w.message):
                 continue
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         if handled:
-            from .models import unwrap_model
-
-            target = unwrap_model(self.model)
             b, source = requested_smoothing(self, target)
             logger.info("SFTTrainer: %s is patched by hf_lsce; its loss (label_smoothing=%s from %s), entropy and "
                         "token accuracy come from the fused op in the model's forward: no logits, no extra forward "
