@@ -194,6 +194,33 @@ def resolve_model_path(name_or_path: str, cache_dir=None) -> str:
     return s  # a hub name: from_pretrained resolves it (and explains if it cannot)
 
 
+def check_model_folder(path: str | os.PathLike) -> None:
+    """For a local model folder: ``config.json`` parses and every ``*.safetensors`` file is whole (its header read,
+    which also checks that the data it declares is there). A ValueError names the broken file and the fix, where
+    transformers would say only "not a valid JSON file" or safetensors "incomplete metadata" without a file name."""
+    folder = Path(path)
+    if not folder.is_dir():
+        return
+    fix = ("The file is truncated or corrupt (an interrupted download or save?): download the model again, or save "
+           "it again with model.save_pretrained(folder).")
+    config = folder / "config.json"
+    if config.exists():
+        try:
+            json.loads(config.read_text())
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ValueError(f"{config} is not valid JSON ({e}). {fix}") from e
+    weights = sorted(folder.glob("*.safetensors"))
+    if weights:
+        from safetensors import safe_open
+
+        for f in weights:
+            try:
+                with safe_open(str(f), framework="pt"):
+                    pass
+            except Exception as e:  # noqa: BLE001 - safetensors raises its own SafetensorError
+                raise ValueError(f"the weights file {f} cannot be read ({e}). {fix}") from e
+
+
 def load_model_and_tokenizer(name_or_path: str, *, dtype="auto", device=None, cache_dir=None):
     """``(model, tokenizer)`` for a hub name, a local folder, a ``.gguf`` file or an installed checkpoint's
     short name; ``dtype`` a torch dtype, "auto", or "bf16"/"fp16"/"fp32"; ``device`` default: CUDA if there
@@ -202,6 +229,7 @@ def load_model_and_tokenizer(name_or_path: str, *, dtype="auto", device=None, ca
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model_path(name_or_path, cache_dir)
+    check_model_folder(path)
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(dtype, dtype)
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)

@@ -464,3 +464,52 @@ def test_interrupted_run_leaves_nothing_trusted_and_resume_is_offered(tmp_path):
     with output_folder(tmp_path / "ats", command="train-ats", resume=True):
         pass
     require_complete(tmp_path / "ats")
+
+
+@pytest.mark.parametrize("b", [0.0, 0.1])
+def test_patched_eval_forward_with_labels_beyond_the_vocabulary(b):
+    """Evaluation (not fused) with a label >= V: a ValueError naming labels and the fix, not torch's IndexError."""
+    from hf_lsce import apply_lsce_patch, revert_lsce_patch
+    from tiny_models import tiny_model
+
+    model = apply_lsce_patch(tiny_model("llama"), label_smoothing=b).eval()
+    try:
+        ids = torch.randint(0, 10, (2, 6))
+        labels = ids.clone()
+        labels[1, 3] = model.config.vocab_size + 5
+        with pytest.raises(ValueError, match=r"labels must be token ids in \[0, .*tokenizer"):
+            model(input_ids=ids, labels=labels)
+        labels[1, 3] = -100
+        assert torch.isfinite(model(input_ids=ids, labels=labels).loss)
+    finally:
+        revert_lsce_patch(model)
+
+
+def test_nll_eps_must_be_a_probability():
+    from hf_lsce.calibration.metrics import negative_log_likelihood
+
+    p = torch.tensor([[0.7, 0.3], [0.2, 0.8]])
+    for eps in (0, -1e-3, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="eps"):
+            negative_log_likelihood(p, [0, 1], eps=eps)
+
+
+def test_string_labels_name_labels():
+    from hf_lsce.calibration.metrics import calibration_metrics
+
+    with pytest.raises(TypeError, match=r"`labels` must be integer class indices.*Map answer strings"):
+        calibration_metrics(torch.tensor([[0.7, 0.3], [0.2, 0.8]]), ["A", "B"])
+
+
+@pytest.mark.parametrize("broken", ["config.json", "model.safetensors"])
+def test_truncated_model_folder_names_the_file(tmp_path, broken):
+    """A model folder whose config.json or weights file was cut short: a ValueError naming that file and the fix."""
+    from hf_lsce.checkpoints import load_model_and_tokenizer
+    from tiny_models import tiny_model
+
+    tiny_model("llama").save_pretrained(tmp_path)
+    f = tmp_path / broken
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=rf"{broken}.*truncated or corrupt.*again"):
+        load_model_and_tokenizer(str(tmp_path))

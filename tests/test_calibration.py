@@ -1,5 +1,6 @@
 """Calibration metrics against torchmetrics and hand computations; tasks on real rows; scoring and the
 callback end to end with a tiny random Llama."""
+import copy
 import json
 import math
 import os
@@ -366,3 +367,13 @@ def test_paired_bootstrap_against_direct_metrics():
     assert same.diff == 0 and same.low == same.high == 0 and not same.significant
     with pytest.raises(ValueError, match="metric"):
         paired_bootstrap(p, p, y, metric="auc")
+
+
+def test_scoring_with_a_tokenizer_larger_than_the_model_says_so(tiny_lm):
+    """Another model's (larger) tokenizer: a ValueError naming the tokenizer and the fix, not an IndexError from the
+    embedding lookup. Simulated by shrinking the model's embeddings below the ids this tokenizer produces."""
+    model, tok, tasks = tiny_lm
+    small = copy.deepcopy(model)
+    small.resize_token_embeddings(8)
+    with pytest.raises(ValueError, match="tokenizer does not belong to this model"):
+        score_task(small, tok, tasks["hellaswag"], batch_size=4, progress=False)

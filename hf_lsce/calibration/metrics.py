@@ -72,7 +72,13 @@ def _check_probs(probs, labels) -> tuple[torch.Tensor, torch.Tensor]:
     p = _as_float64(probs, "probs")
     if p.dim() != 2:
         raise ValueError(f"`probs` must be 2-D (samples, classes); got shape {tuple(p.shape)}")
-    y = torch.as_tensor(labels.detach().cpu() if isinstance(labels, torch.Tensor) else labels).reshape(-1)
+    try:
+        y = torch.as_tensor(labels.detach().cpu() if isinstance(labels, torch.Tensor) else labels).reshape(-1)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise TypeError(f"`labels` must be integer class indices (a list, array or tensor of ints), got "
+                        f"{type(labels).__name__} {labels!r:.60}: {e}. Map answer strings to their index first") from e
+    if not (y.dtype.is_floating_point or y.dtype in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)):
+        raise TypeError(f"`labels` must be integer class indices, got dtype {y.dtype}")
     if y.is_floating_point():
         if not torch.equal(y, y.round()):
             raise TypeError("`labels` must be integer class indices")
@@ -272,6 +278,9 @@ def _brier(p, y) -> float:
 
 def negative_log_likelihood(probs, labels, eps: float = 1e-12) -> float:
     """Mean of -log p_y (a probability of 0 is clamped to ``eps`` so the result stays finite)."""
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (0 < eps < 1):
+        raise ValueError(f"`eps` must be a number in (0, 1) (the smallest probability counted, which keeps the "
+                         f"result finite); got {eps!r}")
     return _nll(*_check_probs(probs, labels), eps)
 
 

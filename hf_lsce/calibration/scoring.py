@@ -135,6 +135,23 @@ def _shard(n: int, distributed: bool) -> tuple[list[int], int, int]:
     return list(range(n)), 0, 1
 
 
+def _check_token_ids(model, requests, letter_ids) -> None:
+    """Every token id the tokenizer produced must have a row in the model's embeddings: a larger tokenizer (another
+    model's) would otherwise end in an IndexError inside the embedding lookup."""
+    try:
+        embed = model.get_input_embeddings()
+    except Exception:  # noqa: BLE001 - a model without (reachable) input embeddings: nothing to check against
+        return
+    vocab = getattr(embed, "num_embeddings", None)
+    if vocab is None:
+        return
+    top = max([max(r[2]) for r in requests if r[2]] + list(letter_ids or []), default=-1)
+    if top >= vocab:
+        raise ValueError(f"the tokenizer produced token id {top}, but the model's embeddings have {vocab} rows: the "
+                         "tokenizer does not belong to this model. Pass the model's own tokenizer "
+                         "(AutoTokenizer.from_pretrained on the same checkpoint), or resize the model's embeddings.")
+
+
 def score_task(model, tokenizer, task: Task, *, batch_size: int = 8, max_length: int | None = None,
                n_bins: int = 15, progress: bool = True, distributed: bool = True,
                chat_template: bool = False) -> TaskScores:
@@ -195,6 +212,7 @@ def score_task(model, tokenizer, task: Task, *, batch_size: int = 8, max_length:
         for j, (ids, n_cont) in enumerate(zip(full, conts)):
             requests.append((i, j, ids, n_cont))
 
+    _check_token_ids(model, requests, letter_ids)
     n_choices = max(len(it.choices) for it in task.items)
     scores = {i: torch.full((n_choices,), float("-inf"), dtype=torch.float64) for i in mine}
     order = sorted(range(len(requests)), key=lambda r: -len(requests[r][2]))

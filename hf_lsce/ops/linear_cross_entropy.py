@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from . import reference
+from .dispatch import dense_backward, forward_stats
 
 _REDUCTIONS = ("mean", "sum", "none")
 _BACKENDS = ("auto", "triton", "torch")
@@ -222,33 +222,6 @@ def loss_denominator(num_items_in_batch, valid_count: torch.Tensor, dtype=torch.
 def divide_summed_loss(total: torch.Tensor, num_items_in_batch, valid_count: torch.Tensor) -> torch.Tensor:
     """``total`` divided by :func:`loss_denominator`."""
     return total / loss_denominator(num_items_in_batch, valid_count, total.dtype)
-
-
-def forward_stats(hidden, weight, bias, targets, softcap, backend, stats=True):
-    """Per-token (lse, target logit, sum of logits, argmax, entropy) from the chosen backend
-    (``stats=False``: the Triton kernel skips argmax and entropy, returned as zeros)."""
-    if backend == "triton":
-        from .config import forward_config
-        from .forward import triton_forward
-
-        return triton_forward(hidden, weight, bias, targets, softcap, forward_config(hidden.dtype, hidden.device),
-                              stats=stats)
-    return reference.torch_forward(hidden, weight, bias, targets, softcap)
-
-
-def dense_backward(hidden, weight, bias, targets, lse, grad, smoothing, softcap, backend, need_dh=True, need_dw=True,
-                   extra=None):
-    """(dh, dw, db) of ``sum_n grad_n loss_n`` (+ ``extra_n p_n`` on the logits' gradient) without tile skipping,
-    from the chosen backend."""
-    if backend == "triton":
-        from .backward import triton_backward_dense
-        from .config import backward_config
-
-        return triton_backward_dense(hidden, weight, bias, targets, lse, grad, smoothing, softcap,
-                                     backward_config(hidden.dtype, hidden.device), need_dh=need_dh, need_dw=need_dw,
-                                     extra=extra)
-    return reference.torch_backward(hidden, weight, bias, targets, lse, grad, smoothing, softcap,
-                                    need_dh=need_dh, need_dw=need_dw, extra=extra)
 
 
 @dataclass(frozen=True)

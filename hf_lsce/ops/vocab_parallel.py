@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .linear_cross_entropy import dense_backward, forward_stats
+from .dispatch import dense_backward, forward_stats
 
 
 @dataclass(frozen=True)

@@ -150,6 +150,20 @@ def _unfused_reason(model, has_labels, keep_all) -> str:
     return "the model was in evaluation mode"  # pragma: no cover - training calls reach here only as above
 
 
+def _check_label_range(model, labels, name: str) -> None:
+    """Labels outside [0, V) and not -100 raise a ValueError naming them (in evaluation: the fused op checks its own
+    targets), instead of an IndexError from inside torch's cross-entropy or a device-side assert."""
+    if not torch.is_tensor(labels) or labels.numel() == 0:
+        return
+    weight = output_head(model).weight
+    vocab = getattr(weight, "ds_shape", weight.shape)[0]  # ZeRO-3 partitions a weight to an empty tensor
+    bad = (labels != -100) & ((labels < 0) | (labels >= vocab))
+    if bool(bad.any()):
+        raise ValueError(f"{name} must be token ids in [0, {vocab}) or -100 (ignored); found {int(labels[bad][0])}. "
+                         "Check that the tokenizer matches the model's vocabulary (len(tokenizer) <= "
+                         "model.config.vocab_size), or resize the embeddings.")
+
+
 def lsce_forward(self, *args, **kwargs):
     kwargs = _as_kwargs(self, args, kwargs)
     labels = kwargs.pop("labels", None)
@@ -169,6 +183,9 @@ def lsce_forward(self, *args, **kwargs):
         if self.training and torch.is_grad_enabled():
             ENGAGEMENT.record_unfused(_unfused_reason(self, has_labels, keep_all))
         orig = original_forward(self)
+        if has_labels:
+            _check_label_range(self, labels if labels is not None else shift_labels,
+                               "labels" if labels is not None else "shift_labels")
         if not has_labels or b == 0.0:
             if labels is not None:
                 kwargs["labels"] = labels
