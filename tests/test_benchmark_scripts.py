@@ -1,5 +1,5 @@
 """The GPU scripts' CPU smoke modes run (the code paths, not the figures), and the staging of large files to the
-device machine survives its own checks."""
+device machine (tools/gpu/gpu_stage.py) survives its own checks."""
 from __future__ import annotations
 
 import json
@@ -24,7 +24,7 @@ def _run(args, tmp_path, timeout=600, env_extra=None):
 
 
 def test_staging_splits_checks_and_joins(tmp_path):
-    sys.path.insert(0, str(BENCH))
+    sys.path.insert(0, str(ROOT / "tools" / "gpu"))
     import gpu_stage
 
     data = os.urandom(3 * 1024 * 1024 + 123)

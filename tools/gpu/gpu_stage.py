@@ -1,14 +1,14 @@
 """Move files larger than one device call's 64 MiB to the device machine, part by part, with checksums.
 
 Here (before the calls):
-    python benchmarks/gpu_stage.py split FILE [FILE ...] --dir .gpu/stage --part-mb 50
+    python tools/gpu/gpu_stage.py split FILE [FILE ...] --dir .gpu/stage --part-mb 50
 writes FILE's parts (``NAME.part00``, ...) and a manifest ``NAME.json`` (the whole file's and every part's
 sha256) into the git-ignored folder ``.gpu/stage``. Each device call carries one part (and the manifests) and
 starts with
-    python3 benchmarks/gpu_stage.py put .gpu/stage/NAME.partKK --to /tmp/stage
+    python3 tools/gpu/gpu_stage.py put .gpu/stage/NAME.partKK --to /tmp/stage
 which checks the part against the manifest and moves it to /tmp/stage, where it stays while the machine is
 warm (about 30 s after a call: make the calls back to back). The call that needs the file runs
-    python3 benchmarks/gpu_stage.py join NAME --to /tmp/stage
+    python3 tools/gpu/gpu_stage.py join NAME --to /tmp/stage
 which checks that every part is there, joins them, verifies the whole file's sha256, and prints its path
 (exit status 3 and the missing parts otherwise: the machine went cold, start the staging again).
 """

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: install carried peer wheels (if any), GPU correctness check, benchmark suite.
-#   bash benchmarks/gpu_run.sh [SUITE]      (SUITE: quick | main | full; results under $OUT or ./gpu_out)
+#   bash tools/gpu/gpu_run.sh [SUITE]      (SUITE: quick | main | full; results under $OUT or ./gpu_out)
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader

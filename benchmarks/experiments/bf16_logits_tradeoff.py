@@ -12,7 +12,7 @@ Gemma2-2B shape (bf16, b = 0.1, peaked inputs as in ANCHORS.md):
 - relative error of the loss, dh and dW of the library's op and of the variant against an fp32
   reference (materialised logits, autograd), and of torch computing in bf16 as HF does.
 
-    python benchmarks/bf16_logits_tradeoff.py [--out bf16_logits_tradeoff.json]
+    python benchmarks/experiments/bf16_logits_tradeoff.py [--out bf16_logits_tradeoff.json]
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
 from bench_linear_cross_entropy import SHAPES, floor_fns, method_fns  # noqa: E402
 from check_correctness_gpu import chunked_reference, make_inputs, rel  # noqa: E402
 

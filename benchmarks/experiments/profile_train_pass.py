@@ -5,7 +5,7 @@ Prints: (1) fwd+bwd median time for several chunk sizes of the one-pass training
 timed alone (fp32-output logits matmul, the row kernel, dh and dW matmuls); (4) the forward
 kernel's autotuned block shape. Writes JSON with all of it.
 
-    python benchmarks/profile_train_pass.py [--shape gemma2-2b] [--out profile.json]
+    python benchmarks/experiments/profile_train_pass.py [--shape gemma2-2b] [--out profile.json]
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
 from bench_linear_cross_entropy import SHAPES  # noqa: E402
 from check_correctness_gpu import make_inputs  # noqa: E402
 

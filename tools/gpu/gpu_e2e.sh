@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for the end-to-end GPU checks (issue 9): training curves on Alpaca-style data,
 # then full training steps on real model shapes.
-#   bash benchmarks/gpu_e2e.sh [MODELS]     (data copied to .gpu/data; results under $OUT or ./gpu_out)
+#   bash tools/gpu/gpu_e2e.sh [MODELS]     (data copied to .gpu/data; results under $OUT or ./gpu_out)
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader

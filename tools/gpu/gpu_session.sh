@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The device calls of one GPU session, one step per call (each carries what it needs: see docs/benchmarks.md).
-#   bash benchmarks/gpu_session.sh STEP [STAGE_PART]
-# STAGE_PART (a file under .gpu/stage): checked and moved to /tmp/stage first (benchmarks/gpu_stage.py).
+#   bash tools/gpu/gpu_session.sh STEP [STAGE_PART]
+# STAGE_PART (a file under .gpu/stage): checked and moved to /tmp/stage first (tools/gpu/gpu_stage.py).
 # Every step writes under $OUT/STEP and packs it into $OUT/STEP.tar.gz (one file comes back).
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 STEP=$1; PART=${2:-}
 R=$OUT/$STEP; mkdir -p "$R"
-[ -n "$PART" ] && python3 benchmarks/gpu_stage.py put "$PART" --to /tmp/stage
+[ -n "$PART" ] && python3 tools/gpu/gpu_stage.py put "$PART" --to /tmp/stage
 # The tokenizer converted from Gemma-3's GGUF by the device's transformers differs from the one converted here (14.5
 # against 33.4 MB; ' A' after "Answer:" is not one token there): carried as .gpu/tok/gemma (gzip), it replaces it.
 fix_gemma_tokenizer() {
@@ -34,8 +34,8 @@ case $STEP in
     ls -la /tmp/stage | tee "$R/stage.txt"
     ;;
   real)  # Gemma-3-270m from the staged GGUF: real hidden states, the kernel benchmark on them; Trainer throughput
-    G=$(python3 benchmarks/gpu_stage.py join gemma-3-270m-q4_k_m.gguf --to /tmp/stage | tail -1) || exit 3
-    S=$(python3 benchmarks/gpu_stage.py join SmolLM2-135M-Instruct.Q4_1.gguf --to /tmp/stage | tail -1) || S=""
+    G=$(python3 tools/gpu/gpu_stage.py join gemma-3-270m-q4_k_m.gguf --to /tmp/stage | tail -1) || exit 3
+    S=$(python3 tools/gpu/gpu_stage.py join SmolLM2-135M-Instruct.Q4_1.gguf --to /tmp/stage | tail -1) || S=""
     python3 benchmarks/real_inputs.py capture --model "$G" --tokens 8192 --out /tmp/gemma_real.pt --with-head 2>&1 | tail -3
     timeout ${BENCH_S:-170} python3 benchmarks/bench_linear_cross_entropy.py --suite real --real-inputs /tmp/gemma_real.pt \
       --stem bench_real --out-dir "$R" 2>&1 | tee "$R/bench_real.log"
@@ -43,8 +43,8 @@ case $STEP in
       --search "$G" --deadline-s $(( ${TRAINER_S:-240} - 50 )) --out-dir "$R" 2>&1 | tee "$R/trainer_real.log"
     ;;
   table1)  # the paper's Table 1 in miniature; resumable across calls (results kept in /tmp/t1 while the machine is warm)
-    G=$(python3 benchmarks/gpu_stage.py join gemma-3-270m-q4_k_m.gguf --to /tmp/stage | tail -1) || exit 3
-    S=$(python3 benchmarks/gpu_stage.py join SmolLM2-135M-Instruct.Q4_1.gguf --to /tmp/stage | tail -1) || exit 3
+    G=$(python3 tools/gpu/gpu_stage.py join gemma-3-270m-q4_k_m.gguf --to /tmp/stage | tail -1) || exit 3
+    S=$(python3 tools/gpu/gpu_stage.py join SmolLM2-135M-Instruct.Q4_1.gguf --to /tmp/stage | tail -1) || exit 3
     mkdir -p /tmp/t1
     python3 -c "from hf_lsce.checkpoints import resolve_model_path as r; r('$G')" >/dev/null 2>&1; fix_gemma_tokenizer
     timeout ${TABLE1_S:-540} python3 benchmarks/table1.py --models "$G,$S" --resume --limits "${LIMITS:-mmlu=500,hellaswag=500,arc_easy=500}" \
@@ -52,7 +52,7 @@ case $STEP in
     cp /tmp/t1/table1.* "$R"/ 2>/dev/null
     ;;
   ats)  # ATS and temperature scaling on SmolLM2-135M-Instruct
-    S=$(python3 benchmarks/gpu_stage.py join SmolLM2-135M-Instruct.Q4_1.gguf --to /tmp/stage | tail -1) || exit 3
+    S=$(python3 tools/gpu/gpu_stage.py join SmolLM2-135M-Instruct.Q4_1.gguf --to /tmp/stage | tail -1) || exit 3
     timeout ${ATS_S:-240} python3 benchmarks/table1.py --ats --ats-model "$S" --deadline-s $(( ${ATS_S:-240} - 40 )) \
       --out-dir "$R" 2>&1 | tee "$R/ats.log"
     ;;

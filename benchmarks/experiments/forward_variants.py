@@ -1,7 +1,7 @@
 """Forward-kernel experiments (issue 3's evaluation-loss target: <= 1.1 x one bf16 logits matmul).
 
 These experiments led to the library's TMA forward kernel (``hf_lsce/ops/forward.py``, v7 in
-``benchmarks/NOTES.md``). The kernel before it walked its vocabulary slice one (BLOCK_N, BLOCK_V) tile
+``benchmarks/experiments/NOTES.md``). The kernel before it walked its vocabulary slice one (BLOCK_N, BLOCK_V) tile
 at a time with a nested loop over D: every tile restarted the software pipeline of the D loop (its
 prologue loads exposed), and the online-softmax epilogue ran while no MMA was in flight. The variants
 here keep the same arithmetic and change only the schedule:
@@ -18,9 +18,9 @@ against fp64 on its first 512 rows (lse, target logit, sum of logits) and timed 
 written. A variant that fails to compile or run is reported with its error. ``--production`` times the
 library's own ``triton_forward`` per block shape and split count instead.
 
-    python benchmarks/forward_variants.py [--shape gemma2-2b] [--out forward_variants.json]
-    python benchmarks/forward_variants.py --production [--shape gemma2-2b]
-    TRITON_INTERPRET=1 python benchmarks/forward_variants.py --check-only   # CPU: correctness only
+    python benchmarks/experiments/forward_variants.py [--shape gemma2-2b] [--out forward_variants.json]
+    python benchmarks/experiments/forward_variants.py --production [--shape gemma2-2b]
+    TRITON_INTERPRET=1 python benchmarks/experiments/forward_variants.py --check-only   # CPU: correctness only
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from hf_lsce.ops import forward as fw  # noqa: E402
 from hf_lsce.ops.config import forward_config  # noqa: E402
 
@@ -145,7 +145,7 @@ VARIANTS = [  # (kind, BLOCK_N, BLOCK_V, BLOCK_D, num_warps, num_stages, splits)
     ("flat-tma-ws", 128, 128, 64, 4, 4, 4), ("flat-tma", 256, 128, 64, 8, 4, 4),
     ("flat-tma-ws", 128, 256, 64, 8, 3, 2), ("flat-tma-ws", 256, 128, 64, 8, 4, 2),
 ]
-# Earlier sweeps (results/forward_variants_v7*.json) ran other lists: 128 x 128 / 256 x 128 / 128 x 256 tiles,
+# Earlier sweeps (benchmarks/experiments/results/forward_variants_v7*.json) ran other lists: 128 x 128 / 256 x 128 / 128 x 256 tiles,
 # 3 / 4 stages, 2 to 66 splits, pointer and TMA loads, nested and flattened loops, with and without warp
 # specialisation, and storing the logits.
 # Other shapes: the leading candidates only.
@@ -180,7 +180,7 @@ def check_only():
 
 def one_variant(index, shape):
     """Compile, check (first 512 rows against fp64) and time VARIANTS[index]; returns a row dict."""
-    sys.path.insert(0, os.path.dirname(__file__))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
     from bench_linear_cross_entropy import SHAPES
     from check_correctness_gpu import make_inputs
     from triton.testing import do_bench
@@ -215,7 +215,7 @@ def production(shape, out, n_override=None):
     whole evaluation loss call, beside cuBLAS's logits matmul."""
     import dataclasses
 
-    sys.path.insert(0, os.path.dirname(__file__))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
     from bench_linear_cross_entropy import SHAPES
     from check_correctness_gpu import make_inputs
     from triton.testing import do_bench
@@ -274,7 +274,7 @@ def main():
 
     import subprocess
 
-    sys.path.insert(0, os.path.dirname(__file__))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
     from bench_linear_cross_entropy import SHAPES
     from check_correctness_gpu import make_inputs
     from triton.testing import do_bench
