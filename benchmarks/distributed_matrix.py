@@ -30,8 +30,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "scripts" / "engine_step.py"
-# fsdp2-manual (fully_shard by the user, then the Trainer) is left out: the Trainer's FSDP2 set-up looks for
-# LlamaDecoderLayer in the renamed FSDPLlamaDecoderLayer classes and stops (ValueError, seen on 2 x H200).
+# Not here: FSDP2 sharded by the user (fully_shard) before the Trainer. The Trainer's FSDP2 set-up then looks for
+# LlamaDecoderLayer among the renamed FSDPLlamaDecoderLayer classes and stops (ValueError, seen on 2 x H200).
 ENGINES = ["ddp", "fsdp2", "zero2", "zero3"]
 COMMON = ["--size", "small", "--seq", "256", "--steps", "4", "--lr", "0.1", "--device", "cuda"]
 
@@ -107,9 +107,9 @@ def rows_8b(out: Path, only: tuple[str, ...] = ()) -> list[dict]:
     for engine, sizes in (("fsdp2", (1, 4, 8)), ("zero3", (1,))):
         for patch in (0, 1):
             for per_device in sizes:  # x 8192 tokens per GPU
-                if only and not f"8b_{engine}_{'patched' if patch else 'stock'}_{per_device * 8}k".startswith(only):
-                    continue
                 name = f"8b_{engine}_{'patched' if patch else 'stock'}_{per_device * 8}k"
+                if only and not name.startswith(only):
+                    continue
                 res = run_row(out, name, ["--size", "8b", "--seq", "8192", "--steps", "2", "--device", "cuda",
                                           "--engine", engine, "--precision", "bf16", "--patch", str(patch),
                                           "--per-device", str(per_device), "--accum", "1", "--checkpointing", "1",

@@ -15,10 +15,11 @@ SCRIPTS = Path(__file__).parent / "scripts"
 
 
 def _torchrun(script, *args, nproc=2, timeout=600):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-                          str(SCRIPTS / script), *map(str, args)], env=env, capture_output=True, text=True,
-                         timeout=timeout)
+    """tests/scripts/SCRIPT on CPU under torchrun with nproc gloo ranks, or in one plain process (nproc=0)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    launcher = [] if nproc == 0 else ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+    res = subprocess.run([sys.executable, *launcher, str(SCRIPTS / script), *map(str, args)], env=env,
+                         capture_output=True, text=True, timeout=timeout)
     assert res.returncode == 0, res.stderr[-4000:]
 
 
@@ -43,14 +44,9 @@ def test_vocab_parallel_needs_an_initialised_group():
         linear_cross_entropy(h, w, y, process_group=object())
 
 
-def run_engine(out, *args, nproc=0, timeout=600):
+def run_engine(out, *args, nproc=0):
     """tests/scripts/engine_step.py in one plain process (nproc=0) or under torchrun; (result, state or None)."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
-    script = [str(SCRIPTS / "engine_step.py"), str(out), *map(str, args)]
-    launcher = [] if nproc == 0 else ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-    res = subprocess.run([sys.executable, *launcher, *script], env=env, capture_output=True, text=True,
-                         timeout=timeout)
-    assert res.returncode == 0, res.stderr[-4000:]
+    _torchrun("engine_step.py", out, *args, nproc=nproc)
     result = json.loads((Path(out) / "result.json").read_text())
     state = torch.load(Path(out) / "state.pt") if (Path(out) / "state.pt").exists() else None
     return result, state

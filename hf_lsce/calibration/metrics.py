@@ -77,7 +77,7 @@ def _check_probs(probs, labels) -> tuple[torch.Tensor, torch.Tensor]:
     except (TypeError, ValueError, RuntimeError) as e:
         raise TypeError(f"`labels` must be integer class indices (a list, array or tensor of ints), got "
                         f"{type(labels).__name__} {labels!r:.60}: {e}. Map answer strings to their index first") from e
-    if not (y.dtype.is_floating_point or y.dtype in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)):
+    if y.dtype == torch.bool or y.is_complex():
         raise TypeError(f"`labels` must be integer class indices, got dtype {y.dtype}")
     if y.is_floating_point():
         if not torch.equal(y, y.round()):

@@ -180,7 +180,8 @@ def _check_num_items(value: float, valid_tokens: int | None = None) -> None:
                          "by zero. Pass the number of loss tokens (over all accumulated micro-batches), or None.")
 
 
-def _check_on_host(targets, vocab_size: int, ignore_index: int, num_items_in_batch, valid_count) -> None:
+def _check_on_host(targets, vocab_size: int, ignore_index: int, num_items_in_batch, valid_count,
+                   name: str = "targets") -> None:
     """The checks that need values living on the device, read in one synchronisation and run last, right before
     the kernels launch (the GPU then idles only for the launch, not for the op's Python set-up): every target
     in [0, V) or ``ignore_index`` (a bad target must give a ValueError, never an out-of-bounds access), and a
@@ -201,7 +202,7 @@ def _check_on_host(targets, vocab_size: int, ignore_index: int, num_items_in_bat
     values = torch.stack(parts).tolist()
     if targets.numel() and values[0] > 0:
         raise ValueError(
-            f"targets must be in [0, {vocab_size}) or equal ignore_index={ignore_index}; found {int(values[1])} "
+            f"{name} must be in [0, {vocab_size}) or equal ignore_index={ignore_index}; found {int(values[1])} "
             f"({int(values[0])} bad entries). Check the tokenizer matches the model's vocabulary."
         )
     if tensor_items:

@@ -23,6 +23,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.utils import ModelOutput
 
 from ..ops import divide_summed_loss, linear_cross_entropy
+from ..ops.linear_cross_entropy import _check_on_host
 from .models import check_supported, output_head, softcap_of
 
 # Registry of original forwards of patched classes (class -> function).
@@ -151,17 +152,13 @@ def _unfused_reason(model, has_labels, keep_all) -> str:
 
 
 def _check_label_range(model, labels, name: str) -> None:
-    """Labels outside [0, V) and not -100 raise a ValueError naming them (in evaluation: the fused op checks its own
-    targets), instead of an IndexError from inside torch's cross-entropy or a device-side assert."""
-    if not torch.is_tensor(labels) or labels.numel() == 0:
+    """In evaluation (the fused op checks its own targets): labels outside [0, V) and not -100 raise the op's
+    ValueError, named ``name``, instead of an IndexError from inside torch's cross-entropy or a device-side assert."""
+    if not torch.is_tensor(labels):
         return
     weight = output_head(model).weight
     vocab = getattr(weight, "ds_shape", weight.shape)[0]  # ZeRO-3 partitions a weight to an empty tensor
-    bad = (labels != -100) & ((labels < 0) | (labels >= vocab))
-    if bool(bad.any()):
-        raise ValueError(f"{name} must be token ids in [0, {vocab}) or -100 (ignored); found {int(labels[bad][0])}. "
-                         "Check that the tokenizer matches the model's vocabulary (len(tokenizer) <= "
-                         "model.config.vocab_size), or resize the embeddings.")
+    _check_on_host(labels, vocab, -100, None, None, name=name)
 
 
 def lsce_forward(self, *args, **kwargs):

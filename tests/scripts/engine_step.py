@@ -3,9 +3,8 @@
     python engine_step.py OUT --engine single ...                        (one process)
     torchrun --nproc_per_node 2 engine_step.py OUT --engine zero3 ...   (2 ranks)
 
-Engines: single (one process), ddp, fsdp2 (the Trainer's FSDP2 auto-wrap), fsdp2-manual (fully_shard called by the
-user before the Trainer), zero1 / zero2 / zero3 (DeepSpeed through the Trainer's ``deepspeed=`` argument). On CPU,
-gloo; DeepSpeed needs ``DS_ACCELERATOR=cpu``. Precision: fp32, or bf16 through the Trainer's ``bf16=True`` flag.
+Engines: single (one process), ddp, fsdp2 (the Trainer's FSDP2 auto-wrap; GPUs only), zero1 / zero2 / zero3
+(DeepSpeed through the Trainer's ``deepspeed=`` argument). On CPU, gloo; DeepSpeed needs ``DS_ACCELERATOR=cpu``. Precision: fp32, or bf16 through the Trainer's ``bf16=True`` flag.
 
 The batch has sequences with unequal label counts (padding masked), so only an exact ``num_items_in_batch`` across
 ranks and micro-batches makes every configuration take the same steps. The model is a randomly initialised Llama
@@ -27,7 +26,7 @@ import torch
 p = argparse.ArgumentParser()
 p.add_argument("out")
 p.add_argument("--engine", default="single",
-               choices=["single", "ddp", "fsdp2", "fsdp2-manual", "zero1", "zero2", "zero3"])
+               choices=["single", "ddp", "fsdp2", "zero1", "zero2", "zero3"])
 p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
 p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
 p.add_argument("--trainer", default="trainer", choices=["trainer", "sft"])
@@ -44,7 +43,7 @@ p.add_argument("--checkpointing", type=int, default=0)
 p.add_argument("--bypass", action="store_true")
 a = p.parse_args()
 
-if a.engine.startswith("fsdp2") and a.device == "cpu":
+if a.engine == "fsdp2" and a.device == "cpu":
     # accelerate turns FSDP on only for GPU-type devices: on CPU the Trainer would quietly train with DDP instead
     sys.exit("--engine fsdp2 needs --device cuda: on CPU accelerate silently replaces FSDP with DDP (the CPU tests "
              "shard with fully_shard directly: tests/scripts/fsdp2_step.py).")
@@ -114,26 +113,10 @@ if a.bypass:  # another library's forward installed after the patch, never reach
     model.forward = functools.wraps(orig)(lambda *args, **kw: orig(*args, **kw))
 
 extra = {}
-if a.engine in ("fsdp2", "fsdp2-manual"):
+if a.engine == "fsdp2":
     extra = dict(fsdp="full_shard", fsdp_config={"fsdp_version": 2, "reshard_after_forward": True,
                                                  "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
                                                  "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
-    if a.engine == "fsdp2-manual":  # the user shards the model before the Trainer sees it (no auto-wrap)
-        extra["fsdp_config"] = {"fsdp_version": 2}
-        import torch.distributed as dist
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        if not dist.is_initialized():
-            dist.init_process_group("gloo" if a.device == "cpu" else "nccl")
-        if a.device == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-            if a.precision == "bf16" else MixedPrecisionPolicy()
-        dev = torch.device("cuda", torch.cuda.current_device()) if a.device == "cuda" else torch.device("cpu")
-        model.to(dev)
-        for layer in model.model.layers:
-            fully_shard(layer, mp_policy=mp)
-        fully_shard(model, mp_policy=mp)
 elif a.engine.startswith("zero"):
     stage = int(a.engine[-1])
     extra = dict(deepspeed={
@@ -214,7 +197,7 @@ elapsed = time.perf_counter() - t0
 
 state = None
 if error is None:
-    if a.engine.startswith("fsdp2"):  # a collective: every rank gathers the full state
+    if a.engine == "fsdp2":  # a collective: every rank gathers the full state
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         state = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
