@@ -9,8 +9,9 @@ Hub-schema data (the columns of a hub dataset, e.g. ``allenai/ai2_arc``) is read
 3. the Hugging Face hub (``datasets.load_dataset``), for users with access.
 
 Instruction records (``prompt``/``completion``) for SFT and ATS come from an Alpaca-style JSON/JSONL file,
-a hub dataset, or the real QA sets above rendered as instructions (``"trivia_qa"``, ``"sciq"``,
-``"openbookqa"``), which are disjoint from the evaluation tasks (MMLU, HellaSwag, ARC).
+a hub dataset, or the real QA sets above rendered as instructions (``"trivia_qa"``, ``"nq_open"``, ``"sciq"``,
+``"openbookqa"``). TriviaQA and NQ-Open are disjoint from every evaluation task; SciQ and OpenBookQA are also
+evaluation tasks, and :func:`check_disjoint` refuses to train and evaluate on the same one.
 """
 from __future__ import annotations
 
@@ -121,6 +122,14 @@ def _trivia_qa(rows):
         yield {"instruction": r["question"].strip(), "input": "", "output": r["answer"]["value"].strip() + "."}
 
 
+def _nq_open(rows):
+    for r in rows:
+        answers = [a.strip() for a in r["answer"] if a.strip()]
+        if answers:
+            q = r["question"].strip()
+            yield {"instruction": q[:1].upper() + q[1:] + "?", "input": "", "output": answers[0] + "."}
+
+
 def _sciq(rows):
     for r in rows:
         support = (r.get("support") or "").strip()
@@ -137,9 +146,25 @@ def _openbookqa(rows):
                "output": f"{stem} {ans[:1].lower() + ans[1:]}."}
 
 
+def check_disjoint(instruction_data, tasks) -> None:
+    """Training on an evaluation set's own items would make its calibration meaningless: refuse named instruction
+    sources that are also evaluated (SciQ and OpenBookQA are both)."""
+    if not isinstance(instruction_data, str):
+        return
+    sources = {n.strip() for n in instruction_data.split(",") if n.strip() in INSTRUCTION_SOURCES}
+    names = {t if isinstance(t, str) else getattr(t, "name", "") for t in tasks}
+    names = {n.strip() for t in names for n in t.split(",")}
+    both = sorted(sources & names)
+    if both:
+        raise ValueError(f"{', '.join(both)} would be both fine-tuned on and evaluated (the same validation items): "
+                         f"drop {both[0]!r} from the instruction data or from the tasks (default instruction data: "
+                         "trivia_qa,nq_open)")
+
+
 # name -> (hub name, config, split, local folder, renderer)
 INSTRUCTION_SOURCES = {
     "trivia_qa": ("mandarjoshi/trivia_qa", "rc.wikipedia.nocontext", "validation", "trivia_qa", _trivia_qa),
+    "nq_open": ("google-research-datasets/nq_open", None, "validation", "nq_open", _nq_open),
     "sciq": ("allenai/sciq", None, "validation", "sciq", _sciq),
     "openbookqa": ("allenai/openbookqa", "main", "validation", "openbookqa", _openbookqa),
 }
@@ -168,7 +193,7 @@ def _read_json_records(path: str) -> list[dict]:
 
 def instruction_source_records(names: str, *, data_dir: str | None = None, limit_per_source: int | None = None,
                                seed: int = 0) -> list[dict]:
-    """``{instruction, input, output}`` records from named real QA sets (``"trivia_qa,sciq,openbookqa"``),
+    """``{instruction, input, output}`` records from named real QA sets (``"trivia_qa,nq_open"``),
     shuffled together (deterministic in ``seed``)."""
     out = []
     for name in [n.strip() for n in names.split(",") if n.strip()]:
@@ -186,7 +211,7 @@ def instruction_source_records(names: str, *, data_dir: str | None = None, limit
 
 def load_instruction_records(data, limit: int | None = None, *, data_dir: str | None = None) -> list[dict]:
     """``{prompt, completion}`` records (Alpaca template) from a JSON/JSONL file, named real QA sets
-    (``"trivia_qa,sciq,openbookqa"``, see :data:`INSTRUCTION_SOURCES`), a hub dataset name, a
+    (``"trivia_qa,nq_open"``, see :data:`INSTRUCTION_SOURCES`), a hub dataset name, a
     ``datasets.Dataset`` or a list of dicts. Records may be Alpaca-style (``instruction``/``input``/``output``)
     or ``prompt``/``completion``."""
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):

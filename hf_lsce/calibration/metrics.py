@@ -15,6 +15,8 @@ Conventions (all metrics compute in float64 on CPU; inputs may be tensors, array
   gap over non-empty bins (torchmetrics' max over all bins is the same, since an empty bin's gap is 0).
 * ECE = sum_m (n_m / N) |acc_m - conf_m|; RMS = sqrt(sum_m (n_m / N) (acc_m - conf_m)^2), which is
   torchmetrics' ``norm="l2"`` (not debiased); MCE = max_m |acc_m - conf_m|, torchmetrics' ``"max"``.
+* The signed gap is mean confidence minus accuracy (top label): > 0 over-confident, < 0 under-confident. ECE
+  and RMS cannot tell the two apart; label smoothing only corrects the first (it lowers confidence).
 * SCE and ACE follow Nixon et al. 2019, "Measuring Calibration in Deep Learning": both are classwise.
   SCE bins each class's probability with equal-width bins and averages the classes' weighted gaps.
   ACE sorts each class's probabilities into ``n_bins`` ranges holding equal numbers of predictions
@@ -300,6 +302,7 @@ class CalibrationResult:
     rms: float
     brier_top: float
     mean_confidence: float
+    signed_gap: float = 0.0  # mean confidence - accuracy: > 0 over-confident, < 0 under-confident
     sce: float | None = None
     ace: float | None = None
     brier: float | None = None
@@ -339,7 +342,8 @@ def calibration_metrics(probs=None, labels=None, *, confidences=None, correct=No
     gap, w = _gaps_of(*bins[1:], conf.numel())
     return CalibrationResult(
         n=conf.numel(), accuracy=float(corr.mean()), ece=_ece(gap, w), mce=_mce(gap, w), rms=_rms(gap, w),
-        brier_top=_brier_top(conf, corr), mean_confidence=float(conf.mean()), n_bins=n_bins,
+        brier_top=_brier_top(conf, corr), mean_confidence=float(conf.mean()),
+        signed_gap=float(conf.mean() - corr.mean()), n_bins=n_bins,
         reliability=_reliability(*bins, ones_in_last_bin), **extra)
 
 
@@ -371,14 +375,15 @@ class PairedDifference:
 
 _PAIRED = {"ece": lambda c, k, n: _ece(*_gaps_of(*_bin_stats(c, k, n, True)[1:], c.numel())),
            "rms": lambda c, k, n: _rms(*_gaps_of(*_bin_stats(c, k, n, True)[1:], c.numel())),
-           "acc": lambda c, k, n: float(k.mean())}
+           "acc": lambda c, k, n: float(k.mean()),
+           "signed_gap": lambda c, k, n: float(c.mean() - k.mean())}
 
 
 def paired_bootstrap(probs_a, probs_b, labels, *, metric: str = "ece", n_bins: int = 15, n_boot: int = 1000,
                      level: float = 0.95, seed: int = 0) -> PairedDifference:
     """How much ``metric`` changes from predictions ``a`` to ``b`` on the same items, with a paired
     percentile bootstrap interval (items resampled jointly), so a small evaluation set does not read
-    noise as an effect. ``metric``: "ece", "rms", "acc" (top-label), or "nll"."""
+    noise as an effect. ``metric``: "ece", "rms", "acc", "signed_gap" (top-label), or "nll"."""
     if metric not in (*_PAIRED, "nll"):
         raise ValueError(f"metric must be one of {sorted((*_PAIRED, 'nll'))}, got {metric!r}")
     _check_bins(n_bins)

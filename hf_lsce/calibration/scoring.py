@@ -45,6 +45,16 @@ class TaskScores:
     acc_norm: float | None
     metrics: CalibrationResult
     shots_used: list[int] = field(default_factory=list, repr=False)
+    loglik_at: dict = field(default_factory=dict, repr=False)  # temperature -> (items, choices) scores
+
+    def probs_at(self, temperature: float) -> torch.Tensor:
+        """The choice probabilities had every next-token distribution been softmax(logits / temperature):
+        scored in the same pass (``score_task(temperatures=...)``)."""
+        if temperature == 1.0:
+            return self.probs
+        if temperature not in self.loglik_at:
+            raise KeyError(f"temperature {temperature} was not scored; pass it in score_task(temperatures=...)")
+        return torch.softmax(self.loglik_at[temperature], -1).float()
 
     def summary(self) -> dict[str, float]:
         d = {"acc": self.metrics.accuracy, **{k: v for k, v in self.metrics.scalars().items() if k != "accuracy"}}
@@ -154,15 +164,22 @@ def _check_token_ids(model, requests, letter_ids) -> None:
 
 def score_task(model, tokenizer, task: Task, *, batch_size: int = 8, max_length: int | None = None,
                n_bins: int = 15, progress: bool = True, distributed: bool = True,
-               chat_template: bool = False) -> TaskScores:
+               chat_template: bool = False, temperatures=()) -> TaskScores:
     """Score every item of ``task`` with ``model`` and measure calibration.
 
     Works with any causal LM returning ``.logits`` (patched or not; an ``ATSCalibrator`` returns
     calibrated logits). Few-shot prompts longer than the model's context drop shots from the end
     until they fit. Under ``torch.distributed`` each rank scores a shard and the results are
     gathered, so every rank returns the same ``TaskScores``. ``chat_template``: see the module docstring.
+    ``temperatures``: also score every choice as if each next-token distribution were softmax(logits / T), in the
+    same forward passes (``TaskScores.probs_at(T)``; what ``hf_lsce.diagnosis`` asks "what if the model were
+    less confident").
     """
     check_scoring_args(task=task, batch_size=batch_size, n_bins=n_bins, max_length=max_length)
+    temps = [float(t) for t in temperatures]
+    if any(not (t > 0 and t < float("inf")) for t in temps):
+        raise ValueError(f"`temperatures` must be finite numbers > 0; got {list(temperatures)!r}")
+    temps = [t for t in dict.fromkeys(temps) if t != 1.0]
     has_template = bool(getattr(tokenizer, "chat_template", None))
     if chat_template and not has_template:
         raise ValueError("chat_template=True but the tokenizer has no chat template (a base model?); score without it")
@@ -215,6 +232,7 @@ def score_task(model, tokenizer, task: Task, *, batch_size: int = 8, max_length:
     _check_token_ids(model, requests, letter_ids)
     n_choices = max(len(it.choices) for it in task.items)
     scores = {i: torch.full((n_choices,), float("-inf"), dtype=torch.float64) for i in mine}
+    at = {t: {i: torch.full((n_choices,), float("-inf"), dtype=torch.float64) for i in mine} for t in temps}
     order = sorted(range(len(requests)), key=lambda r: -len(requests[r][2]))
     was_training = getattr(model, "training", False)
     if hasattr(model, "eval"):
@@ -226,21 +244,26 @@ def score_task(model, tokenizer, task: Task, *, batch_size: int = 8, max_length:
             batch = [requests[r] for r in order[s: s + batch_size]]
             keep = 1 if task.kind == "letters" else max(b[3] for b in batch) + 1
             logits = _last_logits(model, [b[2] for b in batch], keep, pad_id, device, accepted)
-            logp = torch.log_softmax(logits, -1)
+            logp = torch.log_softmax(logits, -1) if task.kind != "letters" else None
+            logp_at = {t: torch.log_softmax(logits / t, -1) for t in temps} if task.kind != "letters" else {}
             for row, (i, j, ids, n_cont) in enumerate(batch):
                 if task.kind == "letters":
-                    sel = logits[row, -1, letter_ids[: len(task.items[i].choices)]]
-                    scores[i][: sel.numel()] = sel.double().cpu()
+                    sel = logits[row, -1, letter_ids[: len(task.items[i].choices)]].double().cpu()
+                    scores[i][: sel.numel()] = sel
+                    for t in temps:  # softmax over the letters of logits / t
+                        at[t][i][: sel.numel()] = sel / t
                 else:
                     tgt = torch.tensor(ids[-n_cont:], device=logp.device)
                     pos = torch.arange(keep - n_cont - 1, keep - 1, device=logp.device)
                     scores[i][j] = float(logp[row, pos, tgt].double().sum())
+                    for t in temps:
+                        at[t][i][j] = float(logp_at[t][row, pos, tgt].double().sum())
     finally:
         if was_training and hasattr(model, "train"):
             model.train()
 
     # --- gather the shards
-    mine_rows = [(i, scores[i], shots_used[i]) for i in mine]
+    mine_rows = [(i, scores[i], shots_used[i], [at[t][i] for t in temps]) for i in mine]
     if world > 1:
         import torch.distributed as dist
 
@@ -260,8 +283,9 @@ def score_task(model, tokenizer, task: Task, *, batch_size: int = 8, max_length:
             normed[row, : len(ch)] = loglik[row, : len(ch)] / lens
         acc_norm = float((normed.argmax(-1) == labels).double().mean())
     metrics = calibration_metrics(probs, labels, n_bins=n_bins)
+    loglik_at = {t: torch.stack([r[3][k] for r in mine_rows]) for k, t in enumerate(temps)}
     return TaskScores(task=task.name, probs=probs.float(), labels=labels, loglik=loglik, acc_norm=acc_norm,
-                      metrics=metrics, shots_used=[r[2] for r in mine_rows])
+                      metrics=metrics, shots_used=[r[2] for r in mine_rows], loglik_at=loglik_at)
 
 
 def choice_length_text(choice: str) -> str:

@@ -1,4 +1,5 @@
-"""Multiple-choice tasks for calibration: MMLU, HellaSwag, ARC-Easy, ARC-Challenge, TruthfulQA (MC1).
+"""Multiple-choice tasks for calibration: MMLU, HellaSwag, ARC-Easy, ARC-Challenge, TruthfulQA (MC1), SciQ, PIQA,
+BoolQ, OpenBookQA.
 
 Where the data comes from (first that applies):
 1. ``data_dir`` holding the published files (MMLU CSVs, HellaSwag / ARC JSONL, the TruthfulQA CSV; the
@@ -17,8 +18,10 @@ Two kinds of task:
 Prompts follow lm-evaluation-harness: MMLU ``{question.strip()}\\nA. ..\\nAnswer:`` under the subject header,
 shots from the dev split's first rows; ARC ``Question: {question}\\nAnswer:``; HellaSwag ``{activity}: {ctx}``
 with its text cleaning; TruthfulQA MC1 ``Q: {question}\\nA:`` (zero-shot: without the harness's fixed
-six-question primer). Shots for the continuation tasks come from the first ``SHOT_POOL`` rows of the
-evaluated split, which are then left out of the scored items.
+six-question primer); SciQ ``{support}\\nQuestion: ..\\nAnswer:``; PIQA ``Question: {goal}\\nAnswer:``;
+BoolQ ``{passage}\\nQuestion: {question}?\\nAnswer:`` over `` no``/`` yes``; OpenBookQA the question stem. Shots
+for the continuation tasks come from the first ``SHOT_POOL`` rows of the evaluated split, which are then left out
+of the scored items.
 """
 from __future__ import annotations
 
@@ -411,6 +414,73 @@ def load_truthfulqa_mc1(data_dir: str | None = None, *, split: str = "validation
     return items
 
 
+# ------------------------------------------------------- SciQ, PIQA, BoolQ, OpenBookQA (hub schema)
+def _hub_items(hub: str, config: str | None, split: str, data_dir: str | None, local: str, name: str,
+               need: tuple[str, ...], make) -> list[MultipleChoiceItem]:
+    rows = load_hub_split(hub, config, split, data_dir=data_dir, local_repo=local)
+    missing = [k for k in need if k not in rows.column_names]
+    if missing:
+        raise DataFormatError(f"{name} {split}: the data lacks the columns {missing} (expected the hub schema of {hub})")
+    return [make(r, f"{name} {split} row {i}") for i, r in enumerate(rows)]
+
+
+def _sciq_item(r: dict, where: str) -> MultipleChoiceItem:
+    # the harness: "{support}\nQuestion: {question}\nAnswer:", the three distractors then the answer
+    choices = [r["distractor1"], r["distractor2"], r["distractor3"], r["correct_answer"]]
+    if not all(isinstance(c, str) and c.strip() for c in choices):
+        raise DataFormatError(f"{where}: every choice (distractor1-3, correct_answer) must be non-empty text")
+    support = (r.get("support") or "").strip()
+    return MultipleChoiceItem(context=f"{support}\nQuestion: {r['question'].strip()}\nAnswer:".lstrip("\n"),
+                              choices=[" " + c.strip() for c in choices], gold=3)
+
+
+def _piqa_item(r: dict, where: str) -> MultipleChoiceItem:
+    if r["label"] not in (0, 1):
+        raise DataFormatError(f"{where}: label must be 0 or 1, got {r['label']!r}")
+    return MultipleChoiceItem(context=f"Question: {r['goal'].strip()}\nAnswer:",
+                              choices=[" " + r["sol1"].strip(), " " + r["sol2"].strip()], gold=int(r["label"]))
+
+
+def _boolq_item(r: dict, where: str) -> MultipleChoiceItem:
+    if not isinstance(r["answer"], bool):
+        raise DataFormatError(f"{where}: answer must be true or false, got {r['answer']!r}")
+    return MultipleChoiceItem(context=f"{r['passage'].strip()}\nQuestion: {r['question'].strip()}?\nAnswer:",
+                              choices=[" no", " yes"], gold=int(r["answer"]))
+
+
+def _openbookqa_item(r: dict, where: str) -> MultipleChoiceItem:
+    ch = r["choices"]
+    labels = [str(x) for x in ch["label"]]
+    if str(r["answerKey"]) not in labels:
+        raise DataFormatError(f"{where}: answerKey {r['answerKey']!r} is not one of the labels {labels}")
+    return MultipleChoiceItem(context=r["question_stem"].strip(), choices=[" " + c for c in ch["text"]],
+                              gold=labels.index(str(r["answerKey"])))
+
+
+def load_sciq(data_dir: str | None = None, *, split: str = "validation") -> list[MultipleChoiceItem]:
+    """SciQ (4 choices, with its support paragraph) as lm-evaluation-harness scores it."""
+    return _hub_items("allenai/sciq", None, split, data_dir, "sciq", "SciQ",
+                      ("question", "distractor1", "distractor2", "distractor3", "correct_answer"), _sciq_item)
+
+
+def load_piqa(data_dir: str | None = None, *, split: str = "validation") -> list[MultipleChoiceItem]:
+    """PIQA (2 solutions to a goal): ``Question: {goal}\nAnswer:`` and the solutions as continuations."""
+    return _hub_items("ybisk/piqa", "plain_text", split, data_dir, "piqa", "PIQA", ("goal", "sol1", "sol2", "label"),
+                      _piqa_item)
+
+
+def load_boolq(data_dir: str | None = None, *, split: str = "validation") -> list[MultipleChoiceItem]:
+    """BoolQ: ``{passage}\nQuestion: {question}?\nAnswer:`` scored on `` no`` / `` yes``."""
+    return _hub_items("google/boolq", None, split, data_dir, "boolq", "BoolQ", ("question", "passage", "answer"),
+                      _boolq_item)
+
+
+def load_openbookqa(data_dir: str | None = None, *, split: str = "validation") -> list[MultipleChoiceItem]:
+    """OpenBookQA (main): the question stem continued by each of the 4 choices."""
+    return _hub_items("allenai/openbookqa", "main", split, data_dir, "openbookqa", "OpenBookQA",
+                      ("question_stem", "choices", "answerKey"), _openbookqa_item)
+
+
 # ------------------------------------------------------------------------------------ the registry
 @dataclass(frozen=True)
 class TaskSpec:
@@ -433,6 +503,10 @@ TASKS: dict[str, TaskSpec] = {
     "arc_challenge": TaskSpec("continuation", "test",
                               lambda d, split, shots, subjects: load_arc(d, challenge=True, split=split)),
     "truthfulqa_mc1": TaskSpec("continuation", "validation", _continuation_loader(load_truthfulqa_mc1)),
+    "sciq": TaskSpec("continuation", "validation", _continuation_loader(load_sciq)),
+    "piqa": TaskSpec("continuation", "validation", _continuation_loader(load_piqa)),
+    "boolq": TaskSpec("continuation", "validation", _continuation_loader(load_boolq)),
+    "openbookqa": TaskSpec("continuation", "validation", _continuation_loader(load_openbookqa)),
 }
 
 

@@ -16,7 +16,7 @@ Args:
     references (list of int): the true class of each example.
     n_bins (int, default 15): equal-width bins for ECE, MCE, RMS and SCE; equal-count ranges for ACE.
 Returns:
-    dict of floats: n, accuracy, ece, mce, rms, brier_top, mean_confidence, sce, ace, brier, nll, n_bins.
+    dict of floats: n, accuracy, ece, mce, rms, brier_top, mean_confidence, signed_gap, sce, ace, brier, nll, n_bins.
 Example:
     >>> metric = evaluate.load(hf_lsce.calibration.evaluate_metric_path())
     >>> metric.compute(predictions=[[0.9, 0.1], [0.2, 0.8]], references=[0, 0])["ece"]
