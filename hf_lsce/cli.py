@@ -278,7 +278,15 @@ def _cmd_diagnose(args) -> int:
     weights = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
     is_config_only = target.endswith(".json") or (os.path.isdir(target) and not any(
         os.path.exists(os.path.join(target, f)) for f in weights))
+    measured = not (is_config_only or args.config_only or args.bound_only or args.rho is not None)
+    if measured:  # the evaluation data and instruction records are checked before the model loads
+        from .calibration.tasks import resolve_tasks
+        from .data import load_instruction_records
+
+        resolve_tasks(args.tasks, args.data_dir, limit=1)
+        load_instruction_records(args.data)
     observed: dict = {}
+    model = tok = None
     if args.rho is not None:
         rho, source = args.rho, "given with --rho"
     elif is_config_only or args.config_only:
@@ -296,6 +304,8 @@ def _cmd_diagnose(args) -> int:
         model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).to(args.device or (
             "cuda" if torch.cuda.is_available() else "cpu")).eval()
         tok = AutoTokenizer.from_pretrained(target)
+        if tok.pad_token is None:
+            tok.pad_token = tok.eos_token
         m = theory.measure_rho(model, tok, texts)
         rho, source = m.pop("rho"), "||W||_2 x max RMS(h) on the sample text"
         observed = m
@@ -305,9 +315,27 @@ def _cmd_diagnose(args) -> int:
     if source.startswith("at initialisation"):
         print("(rho grows as training scales the head and the final norm: diagnose a trained checkpoint's weights "
               "for the bound that holds after fine-tuning.)")
+    report = {**diag.to_dict(), "prediction": None}
+    if measured:
+        from .diagnosis import diagnose_model, plot_diagnosis
+
+        if not 0 < args.label_smoothing < 1:
+            raise ValueError(f"--label-smoothing must lie in (0, 1) for a prediction; got {args.label_smoothing}")
+        md = diagnose_model(model, tok, label_smoothing=args.label_smoothing, tasks=args.tasks, records=args.data,
+                            n_records=args.records, data_dir=args.data_dir, limit=args.limit, shots=args.shots,
+                            margin=args.margin, batch_size=args.batch_size, name=args.model)
+        print()
+        print(md.format())
+        report.update(md.to_dict())
+        if args.figure:
+            plot_diagnosis(md, args.figure)
+            print(f"wrote {args.figure}")
+    else:
+        print("(no prediction: it needs the model's weights and measures them on held-out data; "
+              + ("--bound-only asked for the bound alone)" if args.bound_only else "none were given)"))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(diag.to_dict(), f, indent=2)
+            json.dump(report, f, indent=2)
         print(f"wrote {args.json}")
     if args.plot:
         name = os.path.basename(os.path.normpath(args.model)) or args.model
@@ -330,20 +358,21 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=_cmd_check)
     d = sub.add_parser("demo", help="the end-to-end story on a real model: calibration, SFT with and without "
                                     "smoothing, ATS, what moved",
-                       description="Score a real checkpoint on real MMLU / ARC-Easy / HellaSwag items, diagnose whether "
-                                   "smoothing can act on it, fine-tune it with label smoothing 0 and b through the "
+                       description="Score a real checkpoint on real ARC-Easy / SciQ / PIQA / MMLU items, diagnose "
+                                   "whether smoothing will help it (hf-lsce diagnose), fine-tune it with label smoothing 0 and b through the "
                                    "fused op (TRL SFTTrainer), fit ATS and temperature scaling, and report accuracy / "
                                    "ECE / RMS / NLL with paired-bootstrap intervals and reliability diagrams.")
     d.add_argument("--model", default="smollm2-135m-instruct",
                    help="installed checkpoint (smollm2-135m-instruct, gemma-3-270m), .gguf file, folder or hub name")
     d.add_argument("--dataset", default=None, help="instruction data: an Alpaca-style JSON/JSONL file, or real QA sets "
-                                                   "rendered as instructions (default: trivia_qa,sciq,openbookqa)")
-    d.add_argument("--eval-tasks", default="mmlu,arc_easy,hellaswag")
+                                                   "rendered as instructions (default: trivia_qa,nq_open)")
+    d.add_argument("--eval-tasks", default="arc_easy,sciq,piqa,mmlu",
+                   help="held-out tasks (default: three where small models are above chance, and MMLU)")
     d.add_argument("--data-dir", default=None, help="local evaluation data (e.g. ../shared/data); default: the "
                                                     "installed evaluation data")
     d.add_argument("--label-smoothing", type=_unit_float, default=0.1)
     d.add_argument("--budget", choices=["auto", "cpu", "gpu", "tiny"], default="auto",
-                   help="auto: gpu with CUDA, else cpu (about 10 minutes on 2 cores)")
+                   help="auto: gpu with CUDA, else cpu (see the README for the time measured on 2 cores)")
     d.add_argument("--steps", type=_positive_int, default=None, help="SFT steps (default: the budget's)")
     d.add_argument("--ats-steps", type=_positive_int, default=None, help="ATS / temperature-scaling steps (default: the budget's)")
     d.add_argument("--limit", default=None, help="items per task: N, or per task (mmlu=100,hellaswag=50)")
@@ -401,18 +430,34 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --output-dir")
     a.add_argument("--overwrite", action="store_true")
     a.set_defaults(func=_cmd_train_ats)
-    g = sub.add_parser("diagnose", help="can label smoothing help this model? the LM head's entropy lower bound",
-                       description="D, V, rho (logit scale per unit of hidden size, from the weights and sample "
-                                   "text, or at initialisation from a config), the entropy lower bound, the "
-                                   "normalised entropy gap, and whether smoothing at b can be expected to act.")
-    g.add_argument("model", metavar="MODEL_OR_CONFIG", help="model folder, hub name, or config.json")
+    g = sub.add_parser("diagnose", help="will label smoothing help this model's calibration, and with which b?",
+                       description="Measures the model on held-out data: its signed calibration gap (mean confidence "
+                                   "minus accuracy) per task and on instruction tokens, and what smoothing at b would "
+                                   "do to it (a fitted-temperature counterfactual); predicts helps / little-effect / "
+                                   "hurts and suggests b. Also prints the LM head's entropy lower bound (D, V, rho). "
+                                   "A config.json alone gives the bound only.")
+    g.add_argument("model", metavar="MODEL_OR_CONFIG", help="model folder, installed checkpoint, hub name, or config.json")
     g.add_argument("--label-smoothing", type=_unit_float, default=0.1)
-    g.add_argument("--rho", type=_positive_float, default=None, help="use this rho instead of estimating it")
-    g.add_argument("--config-only", action="store_true", help="do not load weights even when they exist")
-    g.add_argument("--text-file", default=None, help="sample text (paragraphs separated by blank lines)")
+    g.add_argument("--tasks", default="arc_easy,sciq,piqa,boolq,openbookqa",
+                   help="held-out multiple-choice tasks (those at chance for this model are reported, not used)")
+    g.add_argument("--limit", default="100", help="items per task: N, or per task (arc_easy=200,boolq=100)")
+    g.add_argument("--shots", default=None, help="shots: N, or per task (default: each task's, MMLU 5, others 0)")
+    g.add_argument("--data", default="trivia_qa,nq_open",
+                   help="held-out instruction records for the token-level part: installed QA sets or a JSON/JSONL file")
+    g.add_argument("--records", type=_positive_int, default=32, help="how many instruction records (the last N)")
+    g.add_argument("--data-dir", default=None, help="local evaluation data (e.g. ../shared/data)")
+    g.add_argument("--margin", type=_positive_float, default=0.01,
+                   help="ECE change below which the prediction is little-effect")
+    g.add_argument("--batch-size", type=_positive_int, default=16)
+    g.add_argument("--bound-only", action="store_true", help="only the entropy bound: no data, no prediction")
+    g.add_argument("--rho", type=_positive_float, default=None, help="use this rho (bound only)")
+    g.add_argument("--config-only", action="store_true", help="do not load weights even when they exist (bound only)")
+    g.add_argument("--text-file", default=None, help="sample text for rho (paragraphs separated by blank lines)")
     g.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="fp32")
     g.add_argument("--device", default=None)
-    g.add_argument("--json", default=None, help="also write the diagnosis here")
+    g.add_argument("--json", default=None, help="write the diagnosis here (its \"prediction\": helps, little-effect, "
+                                                "hurts, or null without weights)")
+    g.add_argument("--figure", default=None, help="write the measured picture (PNG): signed gaps, predicted ECE vs b")
     g.add_argument("--plot", default=None, help="write the entropy-gap figure (PNG) with this model marked")
     g.set_defaults(func=_cmd_diagnose)
     r = sub.add_parser("run", help="run an unmodified HF/TRL training script with the patch applied",

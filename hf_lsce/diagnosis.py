@@ -1,0 +1,386 @@
+"""Will label smoothing help this model's calibration, and with which b? Measured, not bounded.
+
+Smoothing lowers confidence; it corrects over-confidence and does nothing for under-confidence (it pushes a
+calibrated or under-confident model further under). So the answer depends on the model's measured state on
+held-out data, which :func:`diagnose_model` measures in three parts:
+
+1. **Token level, on held-out instruction records** (what SFT trains on): next-token accuracy, mean
+   confidence, the signed gap (mean confidence minus accuracy), ECE, the share of tokens on which smoothing
+   at b binds (top probability above the smoothed target's own, ``1 - b + b/V``), and the logit norms the model
+   actually produces with the entropy bound at them (the spectral bound of :mod:`hf_lsce.theory` beside it).
+2. **What smoothing would do to those tokens.** The smoothed loss at b is fitted with one temperature:
+   ``T*(b) = argmin_T mean_tokens LS_b(z / T, y)``. ``T*(0)`` is the NLL-optimal temperature, so
+   ``tau(b) = T*(b) / T*(0)`` is how much softer smoothing at b makes the model than plain SFT would, read off
+   the model's own logits (a one-parameter counterfactual: real training can reshape more than a scale).
+3. **Task level, on multiple-choice sets where the model is above chance** (ARC-Easy, SciQ, PIQA, BoolQ,
+   OpenBookQA; MMLU when the model is above chance on it): accuracy, ECE and the signed gap with its 95%
+   interval, and each task rescored with every next-token distribution softened by ``tau(b)``: the ECE the
+   model would have (``TaskScores.probs_at``). Tasks at chance are reported but take no part: there ECE only
+   measures how far confidence sits from 1/choices.
+
+The prediction at b compares the pooled miscalibration of the softened model with the model's own. The pooled
+quantity is the absolute signed gap, items-weighted over the above-chance tasks: smooth in the temperature where
+binned ECE on a few hundred items jumps from bin to bin, and what smoothing can change (it moves confidence, not
+what the model knows); the predicted ECE is reported beside it. Lower by more than ``margin`` (default 0.01) is
+``"helps"``, higher by more than it ``"hurts"``, else ``"little-effect"``. ``suggested_b`` is the b of the grid with
+the lowest predicted value (0 when none beats the model by the margin: then smoothing is not the tool, and
+temperature scaling or ATS after training is). With no task above chance the tokens stand in, and the result
+says so.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TASKS = "arc_easy,sciq,piqa,boolq,openbookqa"
+DEFAULT_RECORDS = "trivia_qa,nq_open"
+B_GRID = (0.05, 0.1, 0.2, 0.3)
+PREDICTIONS = ("helps", "little-effect", "hurts")
+_TOPK, _BINS = 256, 256  # logit summary per token: the top-k exactly, the rest as a histogram
+
+
+# ------------------------------------------------------------------------------------------ token level
+def _summarise(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per token (rows of fp32 logits z): the top-k logits, and the rest as (bin mean, count) over _BINS bins.
+    ``logsumexp(z / T)`` for any T > 0 is then ``logsumexp([top / T, mean / T + log count])`` to within the
+    bins' width (the tail holds little of the mass at the temperatures searched)."""
+    k = min(_TOPK, z.shape[-1])
+    top, idx = torch.topk(z, k, dim=-1)
+    rest = z.scatter(-1, idx, float("nan"))
+    lo = torch.nan_to_num(rest, nan=float("inf")).amin(-1, keepdim=True)
+    hi = torch.nan_to_num(rest, nan=float("-inf")).amax(-1, keepdim=True)
+    valid = ~torch.isnan(rest)
+    width = (hi - lo).clamp_min(1e-6)
+    b = ((rest - lo) / width * _BINS).floor().clamp(0, _BINS - 1)
+    b = torch.where(valid, b, torch.zeros_like(b)).long()
+    count = torch.zeros(z.shape[0], _BINS).scatter_add_(-1, b, valid.float())
+    total = torch.zeros(z.shape[0], _BINS).scatter_add_(-1, b, torch.where(valid, rest, torch.zeros_like(rest)))
+    mean = torch.where(count > 0, total / count.clamp_min(1), torch.zeros_like(total))
+    return top, mean, count
+
+
+def _lse_at(top, mean, count, t: float) -> torch.Tensor:
+    tail = torch.where(count > 0, mean / t + count.clamp_min(1).log(), torch.full_like(mean, float("-inf")))
+    return torch.logsumexp(torch.cat([top / t, tail], -1), -1)
+
+
+def fitted_temperature(stats: dict, b: float, *, lo: float = 0.2, hi: float = 10.0) -> float:
+    """``T*(b) = argmin_T`` of the mean label-smoothed loss of ``logits / T`` over the summarised tokens (a log grid,
+    then a finer one around its minimum; 1% resolution)."""
+    top, mean, count, zy, zmean = (stats[k] for k in ("top", "tail_mean", "tail_count", "z_label", "z_mean"))
+
+    def loss(t):
+        return float((_lse_at(top, mean, count, t) - (1 - b) * zy / t - b * zmean / t).mean())
+
+    grid = torch.logspace(math.log10(lo), math.log10(hi), 61).tolist()
+    best = min(grid, key=loss)
+    fine = torch.logspace(math.log10(best / 1.07), math.log10(best * 1.07), 15).tolist()
+    return min(fine, key=loss)
+
+
+@torch.no_grad()
+def token_statistics(model, tokenizer, records: list[dict], *, max_length: int = 256, n_bins: int = 15,
+                     progress: bool = True) -> dict:
+    """Next-token predictions on the completions of held-out ``{prompt, completion}`` records: confidences,
+    correctness, centred logit norms, entropies, and a per-token logit summary for :func:`fitted_temperature`."""
+    from tqdm.auto import tqdm
+
+    if not records:
+        raise ValueError("records is empty: the token-level diagnosis needs held-out instruction records")
+    dev = next(model.parameters()).device
+    conf, correct, norms, ents, tops, means, counts, zys, zms = ([] for _ in range(9))
+    for r in tqdm(records, desc="token-level diagnosis", disable=not progress, leave=False):
+        p_ids = tokenizer(r["prompt"])["input_ids"]
+        ids = tokenizer(r["prompt"] + r["completion"])["input_ids"]
+        n = len(ids) - len(p_ids)
+        if ids[: len(p_ids)] != p_ids:  # a tokenizer that merges across the seam: the completion's own length
+            n = len(tokenizer(r["completion"], add_special_tokens=False)["input_ids"])
+        ids = ids[-max_length:]  # long prompts lose their start, never the completion
+        n = min(n, len(ids) - 1)
+        if n < 1:
+            continue
+        out = model(input_ids=torch.tensor([ids], device=dev), logits_to_keep=n + 1) \
+            if "logits_to_keep" in _params(model) else model(input_ids=torch.tensor([ids], device=dev))
+        z = out.logits[0, -(n + 1):-1].float().cpu()
+        y = torch.tensor(ids[-n:])
+        lse = torch.logsumexp(z, -1)
+        zmax, arg = z.max(-1)
+        conf.append((zmax - lse).exp())
+        correct.append((arg == y).float())
+        norms.append((z - z.mean(-1, keepdim=True)).norm(dim=-1))
+        lp = z - lse[:, None]
+        ents.append(-(lp.exp() * lp).sum(-1))
+        t, m, c = _summarise(z)
+        tops.append(t), means.append(m), counts.append(c)
+        zys.append(z.gather(1, y[:, None])[:, 0]), zms.append(z.mean(-1))
+    if not conf:
+        raise ValueError("no record left a completion token to score; check the records' prompt/completion fields")
+    cat = torch.cat
+    return dict(confidence=cat(conf), correct=cat(correct), logit_norm=cat(norms), entropy=cat(ents), top=cat(tops),
+                tail_mean=cat(means), tail_count=cat(counts), z_label=cat(zys), z_mean=cat(zms))
+
+
+def _params(model) -> set:
+    import inspect
+
+    try:
+        return set(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+# ------------------------------------------------------------------------------------------ the report
+@dataclass
+class TaskState:
+    """One task's measured calibration, and the ECE it would have if softened by tau(b) for each b."""
+
+    name: str
+    n: int
+    chance: float
+    accuracy: float
+    above_chance: bool
+    ece: float
+    rms: float
+    mean_confidence: float
+    signed_gap: float
+    gap_low: float
+    gap_high: float
+    predicted_ece: dict = field(default_factory=dict)  # b -> ECE at tau(b)
+    predicted_gap: dict = field(default_factory=dict)  # b -> signed gap at tau(b)
+
+
+@dataclass
+class ModelDiagnosis:
+    """What :func:`diagnose_model` measured and what it predicts; ``format()`` says it in words."""
+
+    model: str
+    label_smoothing: float
+    hidden_size: int
+    vocab_size: int
+    prediction: str                    # "helps" | "little-effect" | "hurts"
+    suggested_b: float
+    basis: str                         # "tasks above chance" or "tokens (no task above chance)"
+    current_gap: float                 # pooled |signed gap| over the basis: what the prediction compares
+    predicted_gap: dict                # b -> pooled |signed gap| at tau(b)
+    current_ece: float                 # pooled ECE over the basis
+    predicted_ece: dict                # b -> pooled ECE at tau(b)
+    temperatures: dict                 # b -> T*(b) on the instruction tokens (b = 0 included)
+    tokens: dict                       # token-level state
+    tasks: list                        # TaskState dicts
+    bound: dict                        # the spectral entropy bound (hf_lsce.theory.diagnose) and the observed one
+    margin: float = 0.01
+    evidence: list = field(default_factory=list)
+    caveats: list = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def format(self) -> str:
+        t = self.tokens
+        lines = [f"hf-lsce diagnose {self.model}: D = {self.hidden_size}, V = {self.vocab_size:,}, b = {self.label_smoothing:g}",
+                 f"tokens ({t['n']} completion tokens of held-out instructions): accuracy {t['accuracy']:.3f}, "
+                 f"mean confidence {t['mean_confidence']:.3f}, signed gap {t['signed_gap']:+.3f}, ECE {t['ece']:.3f}; "
+                 f"smoothing at b binds on {t['binding_share']:.0%} of them",
+                 f"  fitted temperature: T*(0) = {self.temperatures['0']:.3f}, T*(b) = "
+                 + ", ".join(f"{self.temperatures[k]:.3f} (b = {k})" for k in self.temperatures if k != "0"),
+                 f"  entropy bound at the logit norms produced: {self.bound['entropy_bound_observed']:.3g} nats "
+                 f"(spectral bound {self.bound['entropy_bound_spectral']:.3g}); smoothed target "
+                 f"{self.bound['smoothed_target_entropy']:.3g} nats",
+                 f"{'task':<14}{'n':>6}{'acc':>7}{'chance':>8}{'ECE':>7}{'gap':>8}   95% interval     "
+                 + "".join(f"gap@b={b:<6}" for b in self.predicted_gap)]
+        for s in self.tasks:
+            mark = "" if s["above_chance"] else "  (at chance: not used)"
+            lines.append(f"{s['name']:<14}{s['n']:>6}{s['accuracy']:>7.3f}{s['chance']:>8.3f}{s['ece']:>7.3f}"
+                         f"{s['signed_gap']:>+8.3f}   [{s['gap_low']:+.3f}, {s['gap_high']:+.3f}]     "
+                         + "".join(f"{s['predicted_gap'][b]:<+12.3f}" for b in self.predicted_gap) + mark)
+        lines.append(f"pooled over {self.basis}: |signed gap| {self.current_gap:.3f} now, predicted "
+                     + ", ".join(f"{v:.3f}" for v in self.predicted_gap.values()) + " at b = "
+                     + ", ".join(self.predicted_gap) + f"; ECE {self.current_ece:.3f} now, predicted "
+                     + ", ".join(f"{v:.3f}" for v in self.predicted_ece.values()))
+        lines.append(f"prediction at b = {self.label_smoothing:g}: {self.prediction.upper()}; suggested b = "
+                     f"{self.suggested_b:g}")
+        lines += [f"- {e}" for e in self.evidence]
+        lines += [f"(caveat) {c}" for c in self.caveats]
+        return "\n".join(lines)
+
+
+def _chance(task) -> float:
+    return sum(1.0 / len(it.choices) for it in task.items) / len(task.items)
+
+
+def _gap_interval(conf: torch.Tensor, corr: torch.Tensor) -> tuple[float, float]:
+    d = (conf - corr).double()
+    half = 1.96 * float(d.std(unbiased=True)) / math.sqrt(d.numel()) if d.numel() > 1 else float("inf")
+    return float(d.mean()) - half, float(d.mean()) + half
+
+
+def _key(b: float) -> str:
+    return f"{b:g}"
+
+
+def decide(current: float, predicted: dict, b: float, margin: float = 0.01) -> tuple[str, float]:
+    """The prediction at ``b`` and the suggested b from the pooled miscalibration now (``current``) and predicted
+    per b (``predicted``: b as text -> value; must hold ``b``)."""
+    if not 0 < margin < 1:
+        raise ValueError(f"margin must lie in (0, 1); got {margin!r}")
+    delta = predicted[_key(b)] - current
+    prediction = "helps" if delta < -margin else "hurts" if delta > margin else "little-effect"
+    best_b, best = min(predicted.items(), key=lambda kv: kv[1])
+    return prediction, (float(best_b) if best < current - margin else 0.0)
+
+
+def diagnose_model(model, tokenizer, *, label_smoothing: float = 0.1, tasks=DEFAULT_TASKS, records=DEFAULT_RECORDS,
+                   n_records: int = 64, data_dir: str | None = None, limit=200, shots=None, b_grid=B_GRID,
+                   margin: float = 0.01, batch_size: int = 16, max_length: int = 256, n_bins: int = 15,
+                   name: str | None = None, progress: bool = True) -> ModelDiagnosis:
+    """Measure ``model``'s calibration state and predict whether fine-tuning it with label smoothing ``b`` will
+    lower its ECE (see the module docstring). ``records``: instruction data (names of installed QA sets, a file,
+    or ``{prompt, completion}`` dicts); the last ``n_records`` are used. ``tasks``/``limit``/``shots``: as
+    :func:`hf_lsce.calibration.tasks.resolve_tasks`."""
+    from . import theory
+    from .calibration import calibration_metrics, score_task
+    from .calibration.metrics import top_label
+    from .calibration.tasks import resolve_tasks
+    from .data import load_instruction_records
+    from .patching.models import softcap_of, text_config
+
+    b = label_smoothing
+    if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 < b < 1:
+        raise ValueError(f"label_smoothing must lie in (0, 1); got {b!r}")
+    grid = sorted({float(x) for x in b_grid} | {float(b)})
+    if any(not 0 < x < 1 for x in grid):
+        raise ValueError(f"b_grid values must lie in (0, 1); got {list(b_grid)!r}")
+    if isinstance(n_records, bool) or not isinstance(n_records, int) or n_records < 1:
+        raise ValueError(f"n_records must be a positive integer; got {n_records!r}")
+    loaded = resolve_tasks(tasks, data_dir, shots=shots, limit=limit)  # before any model work: bad names fail now
+    recs = load_instruction_records(records)[-n_records:]  # names: the installed QA sets; or a file, or dicts
+    cfg = text_config(model)
+    d, v = int(cfg.hidden_size), int(cfg.vocab_size)
+    was_training = model.training
+    model.eval()
+    try:
+        # ---------------------------------------------------------------- 1-2: the tokens and the temperatures
+        st = token_statistics(model, tokenizer, recs, max_length=max_length, n_bins=n_bins, progress=progress)
+        temps = {"0": fitted_temperature(st, 0.0)}
+        for x in grid:
+            temps[_key(x)] = fitted_temperature(st, x)
+        tau = {_key(x): temps[_key(x)] / temps["0"] for x in grid}
+        tok_res = calibration_metrics(confidences=st["confidence"], correct=st["correct"], n_bins=n_bins)
+        p_top = 1 - b + b / v
+        tokens = dict(n=tok_res.n, accuracy=tok_res.accuracy, mean_confidence=tok_res.mean_confidence,
+                      signed_gap=tok_res.signed_gap, ece=tok_res.ece, rms=tok_res.rms,
+                      mean_entropy=float(st["entropy"].mean()),
+                      binding_share=float((st["confidence"] > p_top).float().mean()),
+                      max_logit_norm=float(st["logit_norm"].max()), median_logit_norm=float(st["logit_norm"].median()))
+        # the token-level counterfactual: the ECE of the tokens with logits / tau(b)
+        tok_pred, tok_gap = {}, {}
+        for x in grid:
+            t = tau[_key(x)]
+            c = (st["top"][:, 0] / t - _lse_at(st["top"], st["tail_mean"], st["tail_count"], t)).exp()
+            r = calibration_metrics(confidences=c, correct=st["correct"], n_bins=n_bins)
+            tok_pred[_key(x)], tok_gap[_key(x)] = r.ece, r.signed_gap
+        tokens["predicted_ece"], tokens["predicted_gap"] = tok_pred, tok_gap
+
+        # ---------------------------------------------------------------- 3: the tasks, softened by tau(b)
+        states, scores = [], {}
+        for task in loaded:
+            s = score_task(model, tokenizer, task, batch_size=batch_size, n_bins=n_bins, progress=progress,
+                           temperatures=sorted(set(tau.values())))
+            scores[task.name] = s
+            conf, corr = top_label(s.probs.double(), s.labels)
+            lo, hi = _gap_interval(conf, corr)
+            chance = _chance(task)
+            se = math.sqrt(chance * (1 - chance) / len(task))
+            soft = {k: calibration_metrics(s.probs_at(t), s.labels, n_bins=n_bins) for k, t in tau.items()}
+            m = s.metrics
+            states.append(TaskState(task.name, m.n, chance, m.accuracy, m.accuracy > chance + 1.96 * se, m.ece, m.rms,
+                                    m.mean_confidence, m.signed_gap, lo, hi, {k: r.ece for k, r in soft.items()},
+                                    {k: r.signed_gap for k, r in soft.items()}))
+    finally:
+        model.train(was_training)
+
+    # ---------------------------------------------------------------- pooling and the decision
+    used = [s for s in states if s.above_chance]
+    caveats = []
+    if used:
+        n = sum(s.n for s in used)
+        current_ece = sum(s.ece * s.n for s in used) / n
+        current = sum(abs(s.signed_gap) * s.n for s in used) / n
+        predicted_ece = {k: sum(s.predicted_ece[k] * s.n for s in used) / n for k in tau}
+        predicted = {k: sum(abs(s.predicted_gap[k]) * s.n for s in used) / n for k in tau}
+        basis = "tasks above chance (" + ", ".join(s.name for s in used) + ")"
+    else:
+        current_ece, predicted_ece, basis = tokens["ece"], dict(tok_pred), "tokens (no task above chance)"
+        current, predicted = abs(tokens["signed_gap"]), {k: abs(v) for k, v in tok_gap.items()}
+        caveats.append("no task is above chance for this model: the prediction rests on next-token calibration "
+                       "of the instruction records alone")
+    prediction, suggested = decide(current, predicted, b, margin)
+    spectral = theory.measure_rho(model, tokenizer) if hasattr(model, "get_output_embeddings") else {}
+    spec_diag = theory.diagnose(d, v, spectral.get("rho", 0.0), b, softcap=softcap_of(model))
+    observed_rho = tokens["max_logit_norm"] / math.sqrt(d)
+    bound = dict(entropy_bound_spectral=spec_diag.entropy_bound, rho_spectral=spec_diag.rho,
+                 entropy_bound_observed=theory.entropy_lower_bound(d, v, observed_rho), rho_observed=observed_rho,
+                 smoothed_target_entropy=spec_diag.smoothed_target_entropy, softcap=spec_diag.softcap)
+
+    evidence = []
+    over = [s.name for s in used if s.gap_low > 0]
+    under = [s.name for s in used if s.gap_high < 0]
+    if over:
+        evidence.append(f"over-confident (signed gap's 95% interval above 0) on: {', '.join(over)}")
+    if under:
+        evidence.append(f"under-confident (interval below 0) on: {', '.join(under)}: smoothing pushes these further "
+                        "under")
+    evidence.append(f"at the token level the model is {'over' if tokens['signed_gap'] > 0 else 'under'}-confident by "
+                    f"{abs(tokens['signed_gap']):.3f}; smoothing at b = {b:g} binds on {tokens['binding_share']:.0%} of "
+                    f"the tokens and fits a temperature {tau[_key(b)]:.2f}x that of plain SFT")
+    evidence.append(f"pooled |signed gap| {current:.3f} now, {predicted[_key(b)]:.3f} predicted at b = {b:g} "
+                    f"(margin {margin:g}); pooled ECE {current_ece:.3f} now, {predicted_ece[_key(b)]:.3f} predicted")
+    if bound["entropy_bound_observed"] >= bound["smoothed_target_entropy"]:
+        caveats.append("at the logit norms it produces the head cannot be more confident than the smoothed target: "
+                       "smoothing would hardly bind unless training grows the logits")
+    caveats.append("a one-temperature counterfactual of the model as it is now: fine-tuning also changes what the "
+                   "model knows, and the SFT data and steps change its state (docs/theory.md says where this can "
+                   "be wrong)")
+    out = ModelDiagnosis(name or getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__,
+                         float(b), d, v, prediction, suggested, basis, current, predicted, current_ece, predicted_ece,
+                         temps, tokens, [asdict(s) for s in states], bound, margin, evidence, caveats)
+    out.scores = scores  # {task: TaskScores} of the model as it is (not serialised): callers reuse them
+    return out
+
+
+def plot_diagnosis(diag: ModelDiagnosis, path: str | None = None):
+    """Two panels: each task's signed gap with its interval (over- vs under-confidence), and the pooled ECE
+    and ECE predicted against b (the model's own at b = 0)."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(9.6, 3.8))
+    ax1, ax2 = fig.subplots(1, 2)
+    names = [s["name"] for s in diag.tasks] + ["tokens"]
+    gaps = [s["signed_gap"] for s in diag.tasks] + [diag.tokens["signed_gap"]]
+    lows = [s["signed_gap"] - s["gap_low"] for s in diag.tasks] + [0.0]
+    colours = [("C3" if g > 0 else "C0") if (s.get("above_chance", True)) else "0.7"
+               for g, s in zip(gaps, diag.tasks + [{}])]
+    ax1.bar(range(len(names)), gaps, yerr=lows, color=colours, capsize=3)
+    ax1.axhline(0, color="k", lw=0.8)
+    ax1.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
+    ax1.set_ylabel("mean confidence - accuracy")
+    ax1.set_title("over- (red) / under-confident (blue); grey: at chance", fontsize=9)
+    bs = [0.0] + [float(k) for k in diag.predicted_ece]
+    ax2.plot(bs, [diag.current_gap] + list(diag.predicted_gap.values()), marker="o", label="|signed gap|")
+    ax2.plot(bs, [diag.current_ece] + list(diag.predicted_ece.values()), marker="s", label="ECE")
+    ax2.axvline(diag.label_smoothing, color="0.6", ls="--", lw=0.8)
+    ax2.set_xlabel("label smoothing b")
+    ax2.set_ylabel("pooled, predicted")
+    ax2.legend(fontsize=8)
+    ax2.set_title(f"prediction at b = {diag.label_smoothing:g}: {diag.prediction}", fontsize=9)
+    ax2.grid(alpha=0.3)
+    fig.suptitle(diag.model, fontsize=9)
+    fig.tight_layout()
+    if path:
+        fig.savefig(path, dpi=120)
+    return fig
