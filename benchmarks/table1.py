@@ -1,14 +1,15 @@
 """The paper's Table 1 in miniature on real checkpoints, and ATS on a real instruct model (one GPU).
 
 Table 1 ("Calibrated Language Models and How to Find Them with Label Smoothing", Lu, Huang, Zeng 2025): full
-SFT of base models on instruction data with label smoothing b = 0 and b = 0.1, then accuracy, ECE and RMS on
-MMLU, HellaSwag and ARC-Easy, all 5-shot. Here: Gemma-3-270m (base) and SmolLM2-135M-Instruct, real weights;
-SFT through ``apply_lsce_patch`` with the Trainer's ``label_smoothing_factor`` (bf16), one epoch, AdamW,
-linear decay; the package's scoring (hf_lsce.calibration, lm-evaluation-harness prompts) with 5 shots for
-every task. Runs go in priority order until ``--deadline-s``: the base models, then b in {0, 0.1} for seed 0,
-the other seeds, a sweep to b = 0.3, a second learning rate, the second instruction set. Each run's results
-are written as they come (``table1.json``), then a table laid out like the paper's (mean and spread over
-seeds) with ``hf-lsce diagnose``'s verdict per model.
+SFT of base models on instruction data with label smoothing b = 0 and b = 0.1, then accuracy, ECE and RMS,
+all 5-shot. Here: Gemma-3-270m (base) and SmolLM2-135M-Instruct, real weights; SFT through ``apply_lsce_patch``
+with the Trainer's ``label_smoothing_factor`` (bf16), one epoch, AdamW, linear decay; the package's scoring on
+ARC-Easy, SciQ, PIQA, BoolQ and OpenBookQA (where these models are above chance) and MMLU (the paper's row),
+with the signed gap, paired bootstraps against b = 0, the next-token state of every trained model on held-out
+instructions, and ``hf-lsce diagnose``'s prediction for each base model beside the outcome. Runs go in
+priority order until ``--deadline-s`` (see ``plan``); each is written as it comes (``table1.json``, the choice
+probabilities in ``table1_probs.pt``), then ``table1.md``, ``table1.png`` and reliability diagrams
+(``--report-only`` rebuilds them without a GPU).
 
 ATS (``--ats``; "Calibrating Language Models with Adaptive Temperature Scaling", Xie et al. 2024): on
 SmolLM2-135M-Instruct, an ATSCalibrator (transformer head, selective smoothing loss) and scalar temperature
@@ -38,7 +39,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 SHARED = os.environ.get("HF_LSCE_SHARED_DATA", os.path.join(os.path.dirname(ROOT), "shared", "data"))
-TASKS = ("mmlu", "hellaswag", "arc_easy")
+TASKS = ("arc_easy", "sciq", "piqa", "boolq", "openbookqa", "mmlu")  # above chance for these models, then MMLU
+HELD_OUT = 64  # the last records of the QA instruction sets: token-level state, never trained on
 
 
 # ------------------------------------------------------------------------------------------------ data
@@ -48,18 +50,24 @@ def instruction_data(name: str, limit: int | None = None) -> list[dict]:
     if name == "alpaca":
         return load_instruction_records(os.path.join(SHARED, "alpaca", "alpaca_en_demo.json"), limit)
     if name == "qa":  # real QA sets as instructions, disjoint from the evaluation tasks
-        return load_instruction_records("sciq,openbookqa,trivia_qa", limit)
+        return load_instruction_records("trivia_qa,nq_open")[:-HELD_OUT][:limit]
     if name == "ats":  # for the calibrators: no TriviaQA (an ATS evaluation set)
         return load_instruction_records(os.path.join(SHARED, "alpaca", "alpaca_en_demo.json")) + \
             load_instruction_records("sciq,openbookqa")
     raise ValueError(f"unknown instruction data {name!r}")
 
 
+def held_out_records():
+    from hf_lsce.data import load_instruction_records
+
+    return load_instruction_records("trivia_qa,nq_open")[-HELD_OUT:]
+
+
 def eval_tasks(limits: dict, shots: int):
     from hf_lsce.calibration.tasks import resolve_tasks
 
-    return resolve_tasks(list(limits), SHARED if os.path.isdir(SHARED) else None, shots=shots,
-                         limit={k: v for k, v in limits.items() if v})
+    # the installed hub-schema data (or $HF_LSCE_HUB_DATA): it holds every task, ../shared/data only some
+    return resolve_tasks(list(limits), None, shots=shots, limit={k: v for k, v in limits.items() if v})
 
 
 # ------------------------------------------------------------------------------------------------ SFT
@@ -101,27 +109,36 @@ def _public(res):
     return {t: {k: v for k, v in r.items() if not k.startswith("_")} for t, r in res.items()}
 
 
-def diagnosis(model, tok, b=0.1) -> dict:
-    from hf_lsce import theory
-    from hf_lsce.patching.models import softcap_of, text_config
+def diagnosis(model, tok, tasks, b=0.1) -> dict:
+    """``hf-lsce diagnose``'s measured prediction for the base model, on the table's own evaluation items."""
+    from hf_lsce.diagnosis import diagnose_model
 
-    cfg = text_config(model)
-    with torch.no_grad():
-        m = theory.measure_rho(model, tok)
-    rho = m.pop("rho")
-    d = theory.diagnose(int(cfg.hidden_size), int(cfg.vocab_size), rho, b, softcap=softcap_of(model), observed=m)
-    return {"verdict": d.verdict, "entropy_bound": d.entropy_bound, "smoothed_target_entropy": d.smoothed_target_entropy,
-            "normalized_gap": d.normalized_gap, "rho": rho, **{k: v for k, v in m.items() if isinstance(v, float)}}
+    return diagnose_model(model, tok, label_smoothing=b, tasks=tasks, records=held_out_records(), n_records=HELD_OUT,
+                          progress=False, batch_size=32).to_dict()
+
+
+def token_state(model, tok) -> dict:
+    """The trained model's next-token state on the held-out records: signed gap and fitted temperature (the
+    diagnosis predicts the ratio of the latter between b and 0)."""
+    from hf_lsce.calibration import calibration_metrics
+    from hf_lsce.diagnosis import fitted_temperature, token_statistics
+
+    st = token_statistics(model, tok, held_out_records(), progress=False)
+    r = calibration_metrics(confidences=st["confidence"], correct=st["correct"])
+    return {"accuracy": r.accuracy, "mean_confidence": r.mean_confidence, "signed_gap": r.signed_gap, "ece": r.ece,
+            "temperature": fitted_temperature(st, 0.0)}
 
 
 def plan(models, datasets, seeds, lrs, smoothing, sweep):
-    """Runs in priority order: (model, dataset, b, lr, seed) or (model, "base")."""
+    """Runs in priority order: (model, dataset, b, lr, seed) or (model, "base"): the bases (and their diagnosis),
+    b in {0, 0.1} at the first lr and seed, the other seeds, the other learning rates, the second instruction set
+    (all seeds), then the sweep over b."""
     runs = [(m, "base", None, None, None) for m in models]
     runs += [(m, datasets[0], b, lrs[0], seeds[0]) for m in models for b in smoothing]
     runs += [(m, datasets[0], b, lrs[0], s) for s in seeds[1:] for m in models for b in smoothing]
-    runs += [(m, datasets[0], b, lrs[0], seeds[0]) for m in models for b in sweep]
     runs += [(m, datasets[0], b, lr, seeds[0]) for lr in lrs[1:] for m in models for b in smoothing]
-    runs += [(m, d, b, lrs[0], seeds[0]) for d in datasets[1:] for m in models for b in smoothing]
+    runs += [(m, d, b, lrs[0], s) for d in datasets[1:] for s in seeds for m in models for b in smoothing]
+    runs += [(m, datasets[0], b, lrs[0], seeds[0]) for m in models for b in sweep]
     return runs
 
 
@@ -133,8 +150,10 @@ def run_table(args):
     out_path = os.path.join(args.out_dir, "table1.json")
     results = json.load(open(out_path)) if os.path.exists(out_path) and args.resume else {"runs": [], "diagnosis": {}}
     done = {(r["model"], r["dataset"], r["b"], r["lr"], r["seed"]) for r in results["runs"]}
+    results["not_run"] = []
     tasks = eval_tasks({t: args.limits.get(t) for t in TASKS}, args.shots)
-    probs = {}
+    probs_path = os.path.join(args.out_dir, "table1_probs.pt")
+    probs = torch.load(probs_path) if os.path.exists(probs_path) and args.resume else {}
     paths = {m: resolve_model_path(m) for m in args.models}
     records = {d: instruction_data(d, args.records) for d in args.datasets}
     for model_name, dataset, b, lr, seed in plan(args.models, args.datasets, args.seeds, args.lrs, args.smoothing,
@@ -154,21 +173,24 @@ def run_table(args):
                 tok.pad_token = tok.eos_token
             model = AutoModelForCausalLM.from_pretrained(paths[model_name], dtype=torch.float32)
             model = model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
-            results["diagnosis"][model_name] = diagnosis(model, tok)
+            results["diagnosis"][model_name] = diagnosis(model, tok, tasks)
             log = []
         else:
             model, tok, log = sft(paths[model_name], records[dataset], b, lr, seed,
                                   os.path.join(args.out_dir, "sft_tmp"), max_steps=args.max_steps, batch=args.batch)
         res = evaluate(model, tok, tasks)
-        probs[(model_name, dataset, b, lr, seed)] = res
+        key = f"{model_name}|{dataset}|{b}|{lr}|{seed}"
+        probs[key] = {t: (r["_probs"], r["_labels"]) for t, r in res.items()}
+        torch.save(probs, probs_path)
         row = dict(model=model_name, dataset=dataset, b=b, lr=lr, seed=seed, results=_public(res),
-                   train_loss=[h["loss"] for h in log if "loss" in h], seconds=round(time.time() - t0, 1))
+                   tokens=token_state(model, tok), train_loss=[h["loss"] for h in log if "loss" in h],
+                   seconds=round(time.time() - t0, 1))
         if b:  # the paired change against b = 0 with the same seed, lr and data (items resampled jointly)
-            ref = probs.get((model_name, dataset, 0.0, lr, seed))
+            ref = probs.get(f"{model_name}|{dataset}|0.0|{lr}|{seed}")
             if ref is not None:
-                row["vs_b0"] = {t: {m: paired_bootstrap(ref[t]["_probs"], res[t]["_probs"], res[t]["_labels"],
-                                                        metric=m, n_boot=300).__dict__ for m in ("ece", "acc")}
-                                for t in res}
+                row["vs_b0"] = {t: {m: paired_bootstrap(ref[t][0], res[t]["_probs"], res[t]["_labels"],
+                                                        metric=m, n_boot=500).__dict__
+                                    for m in ("ece", "rms", "acc", "signed_gap")} for t in res}
         results["runs"].append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "vs_b0"}), flush=True)
         with open(out_path, "w") as f:
@@ -177,12 +199,58 @@ def run_table(args):
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+    report(results, args.out_dir)
+    return results
+
+
+def report(results, out_dir, probs=None) -> str:
+    """table1.md, table1.png and the reliability diagrams (b = 0 against b = 0.1, first data, lr and seed) from
+    table1.json and table1_probs.pt: rebuilt without a GPU (``--report-only``)."""
     md = table_markdown(results)
-    with open(os.path.join(args.out_dir, "table1.md"), "w") as f:
+    with open(os.path.join(out_dir, "table1.md"), "w") as f:
         f.write(md + "\n")
     print(md)
-    plot_table(results, os.path.join(args.out_dir, "table1.png"))
-    return results
+    plot_table(results, os.path.join(out_dir, "table1.png"))
+    probs_path = os.path.join(out_dir, "table1_probs.pt")
+    if probs is None and os.path.exists(probs_path):
+        probs = torch.load(probs_path)
+    if probs:
+        reliability_pictures(results, probs, out_dir)
+    return md
+
+
+def reliability_pictures(results, probs, out_dir) -> None:
+    """One PNG per model: for each task (rows) the reliability diagrams of SFT b = 0 and b = 0.1 (seed 0)."""
+    from matplotlib.figure import Figure
+
+    from hf_lsce.calibration import calibration_metrics
+    from hf_lsce.calibration.plots import reliability_diagram
+
+    runs = [r for r in results["runs"] if r["dataset"] != "base"]
+    if not runs:
+        return
+    first = (runs[0]["dataset"], runs[0]["lr"], runs[0]["seed"])
+    for model in dict.fromkeys(r["model"] for r in runs):
+        keys = [f"{model}|{first[0]}|{b}|{first[1]}|{first[2]}" for b in (0.0, 0.1)]
+        if not all(k in probs for k in keys):
+            continue
+        tasks = list(probs[keys[0]])
+        fig = Figure(figsize=(3.3 * len(tasks), 6.4))
+        axes = fig.subplots(2, len(tasks), squeeze=False)
+        for j, t in enumerate(tasks):
+            for i, (k, b) in enumerate(zip(keys, (0.0, 0.1))):
+                p, y = probs[k][t]
+                res = calibration_metrics(p, y, n_bins=10)
+                reliability_diagram(res, ax=axes[i][j], title=f"{t}, b = {b:g}: gap {res.signed_gap:+.3f}")
+                if i or j:
+                    axes[i][j].get_legend().remove()
+        fig.suptitle(f"{os.path.basename(model)}: SFT on {first[0]} (lr {first[1]:g}, seed {first[2]})")
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, f"table1_reliability_{_slug(model)}.png"), dpi=100)
+
+
+def _slug(model: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "_", os.path.basename(model).split(".")[0]).strip("_").lower()
 
 
 def plot_table(results, path) -> None:
@@ -223,32 +291,80 @@ def plot_table(results, path) -> None:
     plt.close(fig)
 
 
+def _mean_sd(vals):
+    m = sum(vals) / len(vals)
+    sd = math.sqrt(sum((x - m) ** 2 for x in vals) / (len(vals) - 1)) if len(vals) > 1 else None
+    return m, sd
+
+
+def _cell(vals, fmt="{:.3f}"):
+    if not vals:
+        return "-"
+    m, sd = _mean_sd(vals)
+    return fmt.format(m) + (f" ± {sd:.3f}" if sd is not None else "")
+
+
 def table_markdown(results) -> str:
-    """Rows: model x (base | SFT b) averaged over seeds (mean +- std) for the first dataset and lr."""
+    """Three tables: ECE and signed gap per task (mean ± sd over seeds) for every (model, data, lr, b); the paired
+    change b = 0.1 against 0 (seeds whose 95% interval excludes 0); the diagnosis' prediction against the
+    measured change on the tasks it pooled."""
     runs = results["runs"]
+    tasks = [t for t in TASKS if any(t in r["results"] for r in runs)]
     groups = {}
     for r in runs:
-        key = (r["model"], r["dataset"], r["b"], r["lr"])
-        groups.setdefault(key, []).append(r)
-    lines = ["| SFT data | model | b | lr | seeds | " + " | ".join(f"{t} acc | {t} ECE | {t} RMS" for t in TASKS) + " |",
-             "|---|---|---|---|---|" + "---|" * (3 * len(TASKS))]
+        groups.setdefault((r["model"], r["dataset"], r["b"], r["lr"]), []).append(r)
+    lines = ["ECE / signed gap (mean confidence - accuracy) / accuracy, mean ± sd over seeds:", "",
+             "| model | SFT data | lr | b | seeds | " + " | ".join(tasks) + " |", "|---|---|---|---|---|" + "---|" * len(tasks)]
     for (model, dataset, b, lr), rs in groups.items():
         cells = []
-        for t in TASKS:
-            for k in ("acc", "ece", "rms"):
-                vals = [r["results"][t][k] for r in rs if t in r["results"]]
-                if not vals:
-                    cells.append("-")
-                    continue
-                m = sum(vals) / len(vals)
-                sd = math.sqrt(sum((x - m) ** 2 for x in vals) / (len(vals) - 1)) if len(vals) > 1 else None
-                cells.append(f"{m:.3f}" + (f" ± {sd:.3f}" if sd is not None else ""))
-        lines.append(f"| {dataset} | {model} | {'-' if b is None else b} | {'-' if lr is None else lr} | {len(rs)} | "
-                     + " | ".join(cells) + " |")
-    lines += ["", "hf-lsce diagnose (before fine-tuning, b = 0.1):"]
-    for m, d in results.get("diagnosis", {}).items():
-        lines.append(f"- {m}: entropy bound {d['entropy_bound']:.3g} nats vs smoothed target "
-                     f"{d['smoothed_target_entropy']:.3g}; {d['verdict']}")
+        for t in tasks:
+            have = [r["results"][t] for r in rs if t in r["results"]]
+            cells.append(f"{_cell([h['ece'] for h in have])} / {_cell([h['signed_gap'] for h in have], '{:+.3f}')} / "
+                         f"{_cell([h['acc'] for h in have])}" if have else "-")
+        lines.append(f"| {os.path.basename(model)} | {dataset} | {'-' if lr is None else lr} | {'-' if b is None else b} | "
+                     f"{len(rs)} | " + " | ".join(cells) + " |")
+    lines += ["", "Paired change b = 0.1 minus b = 0 (same data, lr and seed; items resampled jointly): mean over seeds of "
+              "the ECE change, and how many seeds' 95% intervals lie below / above 0:", "",
+              "| model | SFT data | lr | seeds | " + " | ".join(tasks) + " |", "|---|---|---|---|" + "---|" * len(tasks)]
+    for (model, dataset, b, lr), rs in groups.items():
+        rs = [r for r in rs if "vs_b0" in r and b == 0.1]
+        if not rs:
+            continue
+        cells = []
+        for t in tasks:
+            ds = [r["vs_b0"][t]["ece"] for r in rs if t in r["vs_b0"]]
+            if not ds:
+                cells.append("-")
+                continue
+            down = sum(d["high"] < 0 for d in ds)
+            up = sum(d["low"] > 0 for d in ds)
+            cells.append(f"{sum(d['diff'] for d in ds) / len(ds):+.3f} ({down}↓ {up}↑)")
+        lines.append(f"| {os.path.basename(model)} | {dataset} | {lr} | {len(rs)} | " + " | ".join(cells) + " |")
+    lines += ["", "The diagnosis (base model, before training) against what SFT measured (pooled over the tasks the "
+              "diagnosis found above chance; b = 0.1 minus b = 0, mean over the paired runs of the first data and lr):", "",
+              "| model | prediction | suggested b | pooled abs. gap now -> predicted | measured ECE change | "
+              "measured abs.-gap change | measured verdict |", "|---|---|---|---|---|---|---|"]
+    for model, d in results.get("diagnosis", {}).items():
+        if "prediction" not in d:
+            continue
+        used = [s["name"] for s in d["tasks"] if s["above_chance"]]
+        first = next((r for r in runs if r["dataset"] != "base"), None)
+        pairs = [(r0, r1) for r1 in runs for r0 in runs if first and r1["model"] == model and r1["b"] == 0.1
+                 and r0["model"] == model and r0["b"] == 0.0 and (r0["dataset"], r0["lr"], r0["seed"]) ==
+                 (r1["dataset"], r1["lr"], r1["seed"]) and (r1["dataset"], r1["lr"]) == (first["dataset"], first["lr"])]
+        if not pairs or not used:
+            continue
+
+        def pooled(r, key, absolute=False):
+            n = sum(r["results"][t]["n"] for t in used)
+            return sum((abs(r["results"][t][key]) if absolute else r["results"][t][key]) * r["results"][t]["n"]
+                       for t in used) / n
+        d_ece = sum(pooled(r1, "ece") - pooled(r0, "ece") for r0, r1 in pairs) / len(pairs)
+        d_gap = sum(pooled(r1, "signed_gap", True) - pooled(r0, "signed_gap", True) for r0, r1 in pairs) / len(pairs)
+        m = d["margin"]
+        verdict = "helps" if d_gap < -m else "hurts" if d_gap > m else "little-effect"
+        lines.append(f"| {os.path.basename(model)} | {d['prediction']} | {d['suggested_b']:g} | {d['current_gap']:.3f} -> "
+                     f"{d['predicted_gap']['0.1']:.3f} | {d_ece:+.3f} | {d_gap:+.3f} | {verdict} ({len(pairs)} seeds) |")
     return "\n".join(lines)
 
 
@@ -420,8 +536,8 @@ def main():
     ap.add_argument("--smoothing", default="0,0.1")
     ap.add_argument("--sweep", default="0.2,0.3")
     ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--lrs", default="2e-5,5e-5")
-    ap.add_argument("--limits", default="mmlu=1000,hellaswag=1000,arc_easy=1000")
+    ap.add_argument("--lrs", default="2e-5,5e-6,5e-5,2e-4", help="the paper's four; the first is the main one")
+    ap.add_argument("--limits", default="arc_easy=400,sciq=400,piqa=400,boolq=400,openbookqa=400,mmlu=400")
     ap.add_argument("--shots", type=int, default=5)
     ap.add_argument("--records", type=int, default=None, help="instruction records used (default: all)")
     ap.add_argument("--batch", type=int, default=16)
@@ -437,6 +553,7 @@ def main():
     ap.add_argument("--resume", action="store_true", help="keep the runs already in table1.json")
     ap.add_argument("--out-dir", default="table1_out")
     ap.add_argument("--smoke", action="store_true", help="CPU, a tiny model, two steps, a few items")
+    ap.add_argument("--report-only", action="store_true", help="rebuild the tables and pictures from --out-dir")
     args = ap.parse_args()
     os.makedirs(args.out_dir, exist_ok=True)
     args.smoothing = [float(x) for x in args.smoothing.split(",")]
@@ -449,10 +566,12 @@ def main():
         path = _smoke_model(args.out_dir)
         args.models, args.seeds, args.lrs, args.sweep, args.datasets = [path], [0], [1e-3], [], ["alpaca"]
         args.limits, args.records, args.max_steps, args.batch, args.shots = (
-            {"mmlu": 4, "hellaswag": 4, "arc_easy": 4, "truthfulqa_mc1": 4}, 24, 2, 4, 1)
+            {t: 4 for t in TASKS + ("truthfulqa_mc1",)}, 24, 2, 4, 1)
         args.ats_model, args.ats_steps, args.trivia_limit, args.ats_shots = path, 2, 4, 1
     else:
         args.models = args.models.split(",")
+    if args.report_only:
+        return report(json.load(open(os.path.join(args.out_dir, "table1.json"))), args.out_dir)
     if args.ats:
         return run_ats(args)
     return run_table(args)

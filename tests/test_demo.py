@@ -36,7 +36,7 @@ def test_demo_tiny_end_to_end_on_the_real_checkpoint(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "what moved" in printed and "report.json" in printed
     rep = json.loads((out / "report.json").read_text())
-    assert set(rep["results"]) == {"mmlu", "arc_easy", "hellaswag"}
+    assert set(rep["results"]) == {"arc_easy", "sciq", "piqa", "mmlu"}
     variants = {"base", "SFT b=0", "SFT b=0.1", "SFT b=0 + ATS", "SFT b=0 + temperature"}
     for task, rows in rep["results"].items():
         assert set(rows) == variants
@@ -52,8 +52,13 @@ def test_demo_tiny_end_to_end_on_the_real_checkpoint(tmp_path, capsys):
     # smoothed loss of a trained model is the larger (the target beats the mean logit)
     assert {0.0, 0.1} <= ENGAGEMENT.seen
     assert rep["sft"]["SFT b=0.1"]["train_loss"][0] > rep["sft"]["SFT b=0"]["train_loss"][0]
-    assert all(h["eval_calib/arc_easy_ece"] >= 0 for h in rep["sft"]["SFT b=0"]["history"])
-    assert "verdict" in rep["diagnosis"] and rep["diagnosis"]["vocab_size"] == 49152
+    assert all(h["eval_calib/arc_easy_ece"] >= 0 and "eval_calib/arc_easy_signed_gap" in h
+               for h in rep["sft"]["SFT b=0"]["history"])
+    assert rep["diagnosis"]["prediction"] in ("helps", "little-effect", "hurts")
+    assert rep["diagnosis"]["vocab_size"] == 49152 and "diagnosis (before training)" in printed
+    # the diagnosis scored the base model: its task states are the base row of the table
+    for t in rep["diagnosis"]["tasks"]:
+        assert t["ece"] == pytest.approx(rep["results"][t["name"]]["base"]["ece"])
     assert (out / "ats" / "model.safetensors").exists() and (out / "temperature" / "config.json").exists()
     capsys.readouterr()
     assert main(["demo", "--tiny", "--output-dir", str(out)]) == 2  # not replaced without --overwrite

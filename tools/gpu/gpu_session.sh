@@ -46,10 +46,12 @@ case $STEP in
     G=$(python3 tools/gpu/gpu_stage.py join gemma-3-270m-q4_k_m.gguf --to /tmp/stage | tail -1) || exit 3
     S=$(python3 tools/gpu/gpu_stage.py join SmolLM2-135M-Instruct.Q4_1.gguf --to /tmp/stage | tail -1) || exit 3
     mkdir -p /tmp/t1
+    # runs of an earlier machine, carried back as .gpu/t1 (table1.json, table1_probs.pt): resumed, not redone
+    [ -f .gpu/t1/table1.json ] && [ ! -f /tmp/t1/table1.json ] && cp .gpu/t1/table1.json .gpu/t1/table1_probs.pt /tmp/t1/
     python3 -c "from hf_lsce.checkpoints import resolve_model_path as r; r('$G')" >/dev/null 2>&1; fix_gemma_tokenizer
-    timeout ${TABLE1_S:-540} python3 benchmarks/table1.py --models "$G,$S" --resume --limits "${LIMITS:-mmlu=500,hellaswag=500,arc_easy=500}" \
-      --deadline-s $(( ${TABLE1_S:-540} - 90 )) --out-dir /tmp/t1 2>&1 | tee -a /tmp/t1/table1.log
-    cp /tmp/t1/table1.* "$R"/ 2>/dev/null
+    timeout ${TABLE1_S:-540} python3 benchmarks/table1.py --models "$G,$S" --resume ${LIMITS:+--limits "$LIMITS"} ${TABLE1_ARGS:-} \
+      --deadline-s $(( ${TABLE1_S:-540} - 75 )) --out-dir /tmp/t1 2>&1 | tee -a /tmp/t1/table1.log
+    cp /tmp/t1/table1* "$R"/ 2>/dev/null
     ;;
   ats)  # ATS and temperature scaling on SmolLM2-135M-Instruct
     S=$(python3 tools/gpu/gpu_stage.py join SmolLM2-135M-Instruct.Q4_1.gguf --to /tmp/stage | tail -1) || exit 3
