@@ -101,10 +101,10 @@ def matrix(out: Path, full: bool, only: tuple[str, ...] = ()) -> list[dict]:
     return rows
 
 
-def rows_8b(out: Path, only: tuple[str, ...] = ()) -> list[dict]:
+def rows_8b(out: Path, only: tuple[str, ...] = (), sizes: tuple[int, ...] = (1, 4, 8)) -> list[dict]:
     rows = []
-    # FSDP2 (the auto-wrap) at growing tokens per GPU until out of memory; ZeRO-3 at one size
-    for engine, sizes in (("fsdp2", (1, 4, 8)), ("zero3", (1,))):
+    # FSDP2 (the auto-wrap) at growing tokens per GPU (sizes x 8192) until out of memory; ZeRO-3 at one size
+    for engine, sizes in (("fsdp2", sizes), ("zero3", (1,))):
         for patch in (0, 1):
             for per_device in sizes:  # x 8192 tokens per GPU
                 name = f"8b_{engine}_{'patched' if patch else 'stock'}_{per_device * 8}k"
@@ -165,13 +165,15 @@ def main(argv=None):
     p.add_argument("--out", default=os.environ.get("OUT", "distributed_out"))
     p.add_argument("--full", action="store_true", help="every engine x precision x trainer x patch combination")
     p.add_argument("--only", default="", help="matrix: comma-separated prefixes of the row names to run")
+    p.add_argument("--sizes", default="1,4,8", help="8b: FSDP2 sequences of 8192 tokens per GPU, growing; each "
+                                                   "configuration stops at its first failure (out of memory)")
     a = p.parse_args(argv)
     if torch.cuda.device_count() < 2:
         sys.exit("distributed_matrix.py needs 2 GPUs (it launches torchrun --nproc_per_node 2).")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     only = tuple(x for x in a.only.split(",") if x)
-    rows = matrix(out, a.full, only) if a.what == "matrix" else rows_8b(out, only)
+    rows = matrix(out, a.full, only) if a.what == "matrix" else rows_8b(out, only, tuple(int(x) for x in a.sizes.split(",")))
     info = {"device": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(), "torch": torch.__version__}
     for mod in ("transformers", "trl", "accelerate", "deepspeed"):
         try:
