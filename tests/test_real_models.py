@@ -111,7 +111,8 @@ def test_diagnose_on_real_checkpoints(which, name, request, capsys):
     from hf_lsce.cli import main
 
     model, _ = request.getfixturevalue(which)
-    assert main(["diagnose", name, "--bound-only", "--json", str(request.getfixturevalue("tmp_path") / "d.json")]) == 0
+    out = request.getfixturevalue("tmp_path") / "d.json"
+    assert main(["diagnose", name, "--bound-only", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     d = json.loads((request.getfixturevalue("tmp_path") / "d.json").read_text())
     assert (d["hidden_size"], d["vocab_size"]) == (model.config.hidden_size, model.config.vocab_size)

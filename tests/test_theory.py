@@ -152,7 +152,7 @@ def test_cli_diagnose(tmp_path, capsys):
     text = tmp_path / "text.txt"
     text.write_text("the lazy dog sleeps\n\nthe quick fox runs over the hill")
     out = tmp_path / "d.json"
-    assert main(["diagnose", str(tmp_path / "m"), "--text-file", str(text), "--json", str(out),
+    assert main(["diagnose", str(tmp_path / "m"), "--bound-only", "--text-file", str(text), "--json", str(out),
                  "--plot", str(tmp_path / "gap.png")]) == 0
     d = json.loads(out.read_text())
     # rho independently: spectral norm (torch) x the largest RMS of the final hidden states on the same text
