@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .config import launch, tuning_configs
-from .forward import _dot, _logit_tile, _tile_offsets
+from .forward import _dot, _finish_logits, _logit_tile, _split_bounds, _tile_offsets, tma_ready
 
 
 @triton.jit
@@ -135,6 +135,53 @@ def _lce_grad_logits_kernel(
              mask=mask_n[:, None] & mask_v[None, :])
 
 
+@triton.jit
+def _lce_grad_logits_tma_kernel(
+    h_desc, w_desc, B, Y, LSE, GRAD, SMOOTH, EXTRA, G,
+    N, V, D, NUM_SPLITS, stride_gn,
+    softcap, inv_v,
+    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_EXTRA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """The G of ``_lce_grad_logits_kernel`` from the forward's TMA loop: one program per (vocabulary split, row
+    block) walks its split with one flattened loop over (tile, D step) pairs (the pipeline runs across tiles), and
+    each finished logit tile becomes a tile of G in the epilogue. TMA zero-fills loads past N, V and D; stores are
+    masked."""
+    n0 = tl.program_id(1) * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    y = tl.load(Y + offs_n, mask=mask_n, other=-1)
+    lse2 = tl.load(LSE + offs_n, mask=mask_n, other=0.0) * 1.4426950408889634
+    b = tl.load(SMOOTH + offs_n, mask=mask_n, other=0.0)
+    grad = tl.load(GRAD + offs_n, mask=mask_n, other=0.0)
+    uniform = b * inv_v * grad
+    on_target = (1.0 - b) * grad
+    extra = grad * 0.0
+    if HAS_EXTRA:
+        extra = tl.load(EXTRA + offs_n, mask=mask_n, other=0.0)
+    v_start, v_end = _split_bounds(V, NUM_SPLITS, BLOCK_V)
+    k_steps = tl.cdiv(D, BLOCK_D)
+    acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+    g_rows = G + offs_n[:, None].to(tl.int64) * stride_gn
+    for it in range(0, tl.cdiv(v_end - v_start, BLOCK_V) * k_steps):
+        v0 = v_start + (it // k_steps) * BLOCK_V
+        k = it % k_steps
+        h = h_desc.load([n0, k * BLOCK_D])
+        w = w_desc.load([v0, k * BLOCK_D])
+        acc = _dot(h, tl.trans(w), acc, DOT_PRECISION, UPCAST)
+        if k == k_steps - 1:
+            offs_v = v0 + tl.arange(0, BLOCK_V)
+            mask_v = offs_v < v_end
+            z, t = _finish_logits(acc, B, offs_v, mask_v, softcap, HAS_BIAS, SOFTCAP)
+            p = tl.math.exp2(z * 1.4426950408889634 - lse2[:, None])
+            g = p * (grad + extra)[:, None] - uniform[:, None] - tl.where(offs_v[None, :] == y[:, None],
+                                                                          on_target[:, None], 0.0)
+            if SOFTCAP:
+                g = g * (1.0 - t * t)
+            tl.store(g_rows + offs_v[None, :], g.to(G.dtype.element_ty), mask=mask_n[:, None] & mask_v[None, :])
+            acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+
+
 _lce_grad_logits_autotuned = triton.autotune(
     configs=tuning_configs([(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 256, 64, 4, 4),
                             (128, 128, 64, 4, 4), (256, 128, 64, 8, 3)]),
@@ -165,6 +212,11 @@ def triton_backward_dense(hidden, weight, bias, targets, lse, grad, smoothing, s
     v = weight.shape[0]
     dev = hidden.device
     rows = max(1, min(n, (chunk_bytes or GRAD_CHUNK_BYTES) // (v * hidden.element_size())))
+    tma = tma_ready(config, hidden, weight)
+    if tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        w_desc = TensorDescriptor.from_tensor(weight, [config.block_v, config.block_d])
     g = torch.empty(rows, v, dtype=hidden.dtype, device=dev)
     dh = torch.empty(n, d, dtype=hidden.dtype, device=dev) if need_dh else None
     dw = torch.empty(v, d, dtype=weight.dtype, device=dev) if need_dw else None
@@ -179,8 +231,17 @@ def triton_backward_dense(hidden, weight, bias, targets, lse, grad, smoothing, s
                 hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), gc.stride(0),
                 float(softcap) if softcap is not None else 1.0, 1.0 / v)
         rows_c = e - s
-        launch(_lce_grad_logits_kernel, _lce_grad_logits_autotuned, config,
-               lambda meta: (triton.cdiv(rows_c, meta["BLOCK_N"]), triton.cdiv(v, meta["BLOCK_V"])), args, flags)
+        if tma:
+            # the forward kernel's grid: vocabulary splits (fast axis) x row blocks, about two waves of programs
+            blocks = triton.cdiv(rows_c, config.block_n)
+            splits = max(1, min(triton.cdiv(v, config.block_v), max(config.min_splits,
+                                                                    round(config.min_programs / blocks))))
+            h_desc = TensorDescriptor.from_tensor(hidden[s:e], [config.block_n, config.block_d])
+            launch(_lce_grad_logits_tma_kernel, None, config, lambda meta: (splits, blocks),
+                   (h_desc, w_desc, *args[2:9], rows_c, v, d, splits, gc.stride(0), *args[-2:]), flags)
+        else:
+            launch(_lce_grad_logits_kernel, _lce_grad_logits_autotuned, config,
+                   lambda meta: (triton.cdiv(rows_c, meta["BLOCK_N"]), triton.cdiv(v, meta["BLOCK_V"])), args, flags)
         add_chunk_gradients(gc, hidden[s:e], weight, dh[s:e] if need_dh else None, dw, db, first=s == 0)
     return dh, dw, db
 

@@ -24,10 +24,10 @@ def dense_backward(hidden, weight, bias, targets, lse, grad, smoothing, softcap,
     from the chosen backend."""
     if backend == "triton":
         from .backward import triton_backward_dense
-        from .config import backward_config
+        from .config import grad_logits_config
 
         return triton_backward_dense(hidden, weight, bias, targets, lse, grad, smoothing, softcap,
-                                     backward_config(hidden.dtype, hidden.device), need_dh=need_dh, need_dw=need_dw,
+                                     grad_logits_config(hidden.dtype, hidden.device), need_dh=need_dh, need_dw=need_dw,
                                      extra=extra)
     return reference.torch_backward(hidden, weight, bias, targets, lse, grad, smoothing, softcap,
                                     need_dh=need_dh, need_dw=need_dw, extra=extra)

@@ -19,6 +19,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from .checks import _check_num_items, check_device_values, check_now
 from .dispatch import dense_backward, forward_stats
 
 _REDUCTIONS = ("mean", "sum", "none")
@@ -70,7 +71,7 @@ _INT64 = (-(2 ** 63), 2 ** 63 - 1)
 
 def _validate(hidden, weight, targets, bias, label_smoothing, ignore_index, reduction, softcap,
               num_items_in_batch, backend, filter_eps, shift=False, return_stats=False):
-    """Check every argument but the values that live on the device (``_check_on_host``); raise
+    """Check every argument but the values that live on the device (``checks.py``); raise
     ValueError / TypeError naming the argument, before any work."""
     if not isinstance(hidden, torch.Tensor):
         raise TypeError(f"hidden must be a torch.Tensor, got {type(hidden).__name__}.")
@@ -159,56 +160,12 @@ def _validate(hidden, weight, targets, bias, label_smoothing, ignore_index, redu
             )
         if label_smoothing.device != hidden.device:
             raise ValueError(f"label_smoothing is on {label_smoothing.device} but hidden is on {hidden.device}.")
-        if label_smoothing.numel() and not bool(((label_smoothing >= 0) & (label_smoothing <= 1)).all()):
-            raise ValueError("label_smoothing values must lie in [0, 1] (and not be NaN).")
+        # its values ([0, 1], not NaN) are checked with the targets (checks.py: no host synchronisation)
     elif isinstance(label_smoothing, numbers.Real) and not isinstance(label_smoothing, bool):
         if not 0.0 <= float(label_smoothing) <= 1.0:
             raise ValueError(f"label_smoothing must lie in [0, 1], got {label_smoothing}.")
     else:
         raise TypeError(f"label_smoothing must be a float in [0, 1] or a tensor, got {label_smoothing!r}.")
-
-
-def _check_num_items(value: float, valid_tokens: int | None = None) -> None:
-    """``num_items_in_batch`` is a count of loss tokens: finite, a whole number, >= 0, and not 0 when there are
-    tokens to divide (HF's Trainer passes the count over the accumulated micro-batches)."""
-    if not math.isfinite(value):
-        raise ValueError(f"num_items_in_batch must be a finite count of loss tokens, got {value}.")
-    if value < 0 or value != math.floor(value):
-        raise ValueError(f"num_items_in_batch must be a whole number >= 0 (a count of loss tokens), got {value}.")
-    if valid_tokens is not None and value == 0 and valid_tokens > 0:
-        raise ValueError(f"num_items_in_batch is 0 but {valid_tokens} tokens carry a loss: the loss would be divided "
-                         "by zero. Pass the number of loss tokens (over all accumulated micro-batches), or None.")
-
-
-def _check_on_host(targets, vocab_size: int, ignore_index: int, num_items_in_batch, valid_count,
-                   name: str = "targets") -> None:
-    """The checks that need values living on the device, read in one synchronisation and run last, right before
-    the kernels launch (the GPU then idles only for the launch, not for the op's Python set-up): every target
-    in [0, V) or ``ignore_index`` (a bad target must give a ValueError, never an out-of-bounds access), and a
-    tensor ``num_items_in_batch`` a valid count (a number is checked by ``_validate``)."""
-    parts = []
-    if targets.numel():
-        flat = targets.flatten()
-        bad = ~(((flat >= 0) & (flat < vocab_size)) | (flat == ignore_index))
-        parts += [bad.sum().to(torch.float64), flat[bad.int().argmax()].to(torch.float64)]
-    tensor_items = isinstance(num_items_in_batch, torch.Tensor)
-    zero_items = not tensor_items and num_items_in_batch is not None and float(num_items_in_batch) == 0
-    if tensor_items:
-        parts += [num_items_in_batch.detach().reshape(()).to(device=targets.device, dtype=torch.float64)]
-    if tensor_items or zero_items:  # a count of 0 is wrong only if some token carries a loss
-        parts += [valid_count.to(device=targets.device, dtype=torch.float64)]
-    if not parts:
-        return
-    values = torch.stack(parts).tolist()
-    if targets.numel() and values[0] > 0:
-        raise ValueError(
-            f"{name} must be in [0, {vocab_size}) or equal ignore_index={ignore_index}; found {int(values[1])} "
-            f"({int(values[0])} bad entries). Check the tokenizer matches the model's vocabulary."
-        )
-    if tensor_items:
-        _check_num_items(values[-2], int(values[-1]))
-    elif zero_items:
-        _check_num_items(0.0, int(values[-1]))
 
 
 def loss_denominator(num_items_in_batch, valid_count: torch.Tensor, dtype=torch.float32):
@@ -237,21 +194,25 @@ class _Options:
     memory: str = "fast"
     accum_dtype: torch.dtype | None = None
     need_stats: bool = False
+    two_pass: bool = False  # training: the two-pass path (_two_pass_gradients) instead of the one-pass one
+    reduce: bool = False  # the first output is the reduced loss (sum / denom), not per-token losses
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
-    """Per-token smoothed losses of 2-D inputs; reduction happens outside (plain torch ops).
+    """Smoothed losses of 2-D inputs: the reduced loss ``sum_n loss_n / denom`` (``opts.reduce``; ``denom`` None:
+    the plain sum) or the per-token losses.
 
     ``token_weight`` given: the one-pass training path (``train_pass``) computes the gradients of
-    ``sum_n token_weight_n loss_n`` in the forward. Backward then checks that the upstream gradient is
-    that weighting times one constant c over the valid tokens (what a mean, a sum or
-    ``/ num_items_in_batch`` of the per-token losses gives, and TRL's ``-log_probs.sum() / n``) and
-    returns the kept gradients times c; any other upstream gradient (or one reaching the lse output) is served
-    by the recomputing backward, so the result is exact either way.
+    ``sum_n token_weight_n loss_n`` in the forward. For a reduced loss that is the loss itself, and backward
+    multiplies the kept gradients by the upstream gradient, a device scalar, with no host synchronisation (a
+    kernel that returns at once when it is 1). For per-token losses backward checks that the upstream gradient is
+    that weighting times one constant c over the valid tokens (TRL's ``-log_probs.sum() / n`` gives that; one host
+    synchronisation) and returns the kept gradients times c. Any other upstream gradient (or one reaching the lse
+    output) is served by the recomputing backward, so the result is exact either way.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, smoothing, token_weight, opts: _Options):
+    def forward(ctx, hidden, weight, bias, targets, smoothing, token_weight, denom, opts: _Options):
         n, v = hidden.shape[0], weight.shape[0]
         valid = targets >= 0
         ctx.kept = None
@@ -269,6 +230,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 ctx.kept = triton_train_pass_low_memory(hidden, weight, bias, targets, smoothing, token_weight,
                                                         opts.softcap, stats, need_dh=nd, need_dw=nw, need_db=nb,
                                                         z_loss=opts.z_loss)
+            elif opts.two_pass:
+                stats = forward_stats(hidden, weight, bias, targets, opts.softcap, opts.backend, stats=opts.need_stats)
+                ctx.kept = _two_pass_gradients(hidden, weight, bias, targets, smoothing, token_weight, stats[0], opts,
+                                               nd, nw, nb)
             else:
                 stats, dh, dw, db = triton_train_pass(
                     hidden, weight, bias, targets, smoothing, token_weight, opts.softcap, need_dh=nd, need_dw=nw,
@@ -286,7 +251,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
         nll = torch.where(valid, lse - zy, torch.zeros_like(lse))
         ctx.save_for_backward(hidden, weight, bias, targets, lse, smoothing, token_weight)
         ctx.opts = opts
+        ctx.denom = denom
         ctx.mark_non_differentiable(argmax, nll, entropy)
+        if opts.reduce:
+            loss = loss.sum() if denom is None else loss.sum() / denom
         return loss, lse.clone(), argmax, nll, entropy
 
     @staticmethod
@@ -301,19 +269,31 @@ class _LinearCrossEntropy(torch.autograd.Function):
         need_dh, need_dw, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         kept, ctx.kept = ctx.kept, None
         n, v = hidden.shape[0], weight.shape[0]
-        none7 = (None,) * 4
+        none7 = (None,) * 5
         if n == 0 or (grad_loss is None and grad_lse is None):
             return (torch.zeros_like(hidden) if need_dh else None, torch.zeros_like(weight) if need_dw else None,
                     torch.zeros_like(bias) if need_db and bias is not None else None) + none7
         valid = targets >= 0
         zeros = torch.zeros(n, dtype=torch.float32, device=hidden.device)
-        grad = torch.where(valid, grad_loss.float(), zeros) if grad_loss is not None else zeros
+        if grad_loss is None:
+            grad = zeros
+        elif opts.reduce:  # d(sum_n loss_n / denom) / d loss_n, times the upstream scalar
+            g = grad_loss.float().reshape(())
+            grad = torch.where(valid, g if ctx.denom is None else g / ctx.denom, zeros)
+        else:
+            grad = torch.where(valid, grad_loss.float(), zeros)
         if grad_lse is None and token_weight is not None:
             if kept is None:
                 # A second backward through the same graph (retain_graph=True): the first took the gradients the
                 # forward kept. Compute them again the same way (deterministic), so every backward agrees.
                 kept = _recompute_kept(hidden, weight, bias, targets, smoothing, token_weight, lse, opts,
                                        need_dh, need_dw, need_db and bias is not None)
+            if opts.reduce:
+                from .train_pass import scale_by
+
+                c = grad_loss.detach().float().reshape(1) if grad_loss is not None else zeros[:1]
+                dh, dw, db = (scale_by(t, c) if t is not None else None for t in kept)
+                return dh, dw, db.to(bias.dtype) if db is not None else None, *none7
             c = _uniform_ratio(grad, token_weight)
             if c is not None:
                 dh, dw, db = kept
@@ -354,9 +334,24 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 db.to(bias.dtype) if need_db and db is not None else None) + none7
 
 
+def _two_pass_gradients(hidden, weight, bias, targets, smoothing, token_weight, lse, opts, need_dh, need_dw, need_db):
+    """The two-pass training path's gradients of ``sum_n token_weight_n loss_n``, given the forward kernel's lse:
+    the logits recomputed tile by tile on chip, G = dL/dz written in the input dtype a chunk of rows at a time, dh
+    and dW from cuBLAS (``backward.triton_backward_dense``). One more logits matmul than the one-pass path, but no
+    fp32 logits in memory: where D is small the fp32 traffic, not the matmuls, sets the one-pass path's time."""
+    extra = token_weight * (2.0 * opts.z_loss) * lse if opts.z_loss else None
+    dh, dw, db = dense_backward(hidden, weight, bias, targets, lse, token_weight, smoothing, opts.softcap, opts.backend,
+                                need_dh=need_dh, need_dw=need_dw, extra=extra)
+    return dh, dw, db if need_db else None
+
+
 def _recompute_kept(hidden, weight, bias, targets, smoothing, token_weight, lse, opts, need_dh, need_dw, need_db):
     """The one-pass gradients again, by the same computation as the forward's (for a second backward)."""
     from .train_pass import triton_train_pass, triton_train_pass_low_memory
+
+    if opts.two_pass:
+        return _two_pass_gradients(hidden, weight, bias, targets, smoothing, token_weight, lse, opts, need_dh, need_dw,
+                                   need_db)
 
     if opts.memory == "low":
         return triton_train_pass_low_memory(hidden, weight, bias, targets, smoothing, token_weight, opts.softcap,
@@ -403,6 +398,18 @@ def _use_train_pass(hidden, weight, bias, backend) -> bool:
     from .train_pass import supported
 
     return supported(hidden)
+
+
+def _use_two_pass(hidden, weight, filter_eps, accum_dtype) -> bool:
+    """The two-pass training path where it is the faster one: hidden size up to ``config.TWO_PASS_MAX_D`` (see
+    there for the measurement), exact gradients (no filtering), dW accumulated in the weight's dtype."""
+    from . import config
+
+    if filter_eps > 0 or accum_dtype not in (None, weight.dtype):
+        return False
+    if config.TRAIN_PATH is not None:  # forced (tests, benchmarks)
+        return config.TRAIN_PATH == "two-pass"
+    return hidden.is_cuda and hidden.shape[1] <= config.TWO_PASS_MAX_D
 
 
 def _validate_options(z_loss, return_lse, memory, accum_dtype, sort_vocab, weight, process_group) -> None:
@@ -547,27 +554,40 @@ def linear_cross_entropy(
 
     h2 = hidden.reshape(-1, d)
     t1 = targets.reshape(-1).to(torch.int64)
-    t1 = torch.where(t1 == ignore_index, torch.full_like(t1, -1), t1).contiguous()
+    t1 = torch.where(t1 == ignore_index, torch.full_like(t1, -1), t1)
+    vocab = shard.vocab_size if shard else v
     n = h2.shape[0]
     if torch.is_tensor(smoothing):
         b1 = smoothing.detach().to(torch.float32).expand(out_shape).reshape(-1).contiguous()
-        smoothed = bool((b1 > 0).any()) if softcap is not None else True
     else:
         b1 = torch.full((n,), float(smoothing), dtype=torch.float32, device=hidden.device)
-        smoothed = float(smoothing) > 0
+    # The checks of values on the device: synchronous on the CPU; on CUDA a device flag (bad -> NaN loss, no
+    # gradient) whose summary raises at the next call (checks.py). Bad targets are then ignored, bad b clamped, so
+    # the kernels never read outside W.
+    bad = check_device_values(targets_given, vocab, ignore_index, num_items_in_batch, (t1 >= 0).sum(),
+                              smoothing if torch.is_tensor(smoothing) else None)
+    if bad is not None:
+        t1 = torch.where(t1 < vocab, t1, torch.full_like(t1, -1))
+        if torch.is_tensor(smoothing):
+            b1 = b1.nan_to_num(0.0).clamp(0.0, 1.0)
+    t1 = t1.contiguous()
 
     one_pass = shard is None and _use_train_pass(h2, weight, bias, backend)
     if filter_eps == "auto":
         filter_eps = AUTO_FILTER_EPS if (one_pass and h2.device.type == "cuda" and v >= AUTO_FILTER_MIN_VOCAB
                                          and h2.dtype in (torch.float16, torch.bfloat16)) else 0.0
     filter_eps = float(filter_eps)
-    if softcap is not None and smoothed:
-        filter_eps = 0.0  # the smoothing's gradient through the cap is dense
+    if softcap is not None and filter_eps > 0:
+        smoothed = bool((b1 > 0).any()) if torch.is_tensor(smoothing) else float(smoothing) > 0
+        if smoothed:
+            filter_eps = 0.0  # the smoothing's gradient through the cap is dense
     sort = bool(filter_eps > 0 and (sort_vocab is True or sort_vocab == "auto"))
     mem = _resolve_memory(memory, one_pass, h2, weight, accum_dtype, sort)
+    reduce = reduction != "none"
+    two_pass = one_pass and mem == "fast" and _use_two_pass(h2, weight, filter_eps, accum_dtype)
     opts = _Options(softcap=softcap, backend=backend, filter_eps=filter_eps if mem != "low" else 0.0,
                     sort_vocab=sort and mem != "low", z_loss=float(z_loss), memory=mem, accum_dtype=accum_dtype,
-                    need_stats=return_stats)
+                    need_stats=return_stats, two_pass=two_pass, reduce=reduce)
 
     valid1 = t1 >= 0
     # The divisor of the summed token losses (None: the sum itself, or no reduction).
@@ -575,26 +595,25 @@ def linear_cross_entropy(
     if reduction == "mean" or (reduction == "sum" and num_items_in_batch is not None):
         denom = loss_denominator(num_items_in_batch, valid1.sum(),
                                  torch.float64 if hidden.dtype == torch.float64 else torch.float32)
-    _check_on_host(targets_given, shard.vocab_size if shard else v, ignore_index, num_items_in_batch, valid1.sum())
     with torch.autocast(hidden.device.type, enabled=False):
         if shard is not None:
             from .vocab_parallel import vocab_parallel_token_losses
 
             loss_tok = vocab_parallel_token_losses(h2, weight, bias, t1, b1, softcap, backend, shard,
                                                    z_loss=float(z_loss))
+            loss = loss_tok.reshape(out_shape) if not reduce else (
+                loss_tok.sum() if denom is None else loss_tok.sum() / denom)
         else:
             token_weight = None
             if one_pass:
-                # The weighting the reduction below will give each token's loss, up to one constant.
+                # The weighting the reduction gives each token's loss (the gradients the forward computes).
                 token_weight = valid1.float() if denom is None else valid1.float() / denom
-            loss_tok, lse, argmax, nll, entropy = _LinearCrossEntropy.apply(h2, weight, bias, t1, b1, token_weight,
-                                                                            opts)
-        if reduction == "none":
-            loss = loss_tok.reshape(out_shape)
-        elif denom is None:
-            loss = loss_tok.sum()
-        else:
-            loss = loss_tok.sum() / denom
+            loss, lse, argmax, nll, entropy = _LinearCrossEntropy.apply(h2, weight, bias, t1, b1, token_weight,
+                                                                        denom, opts)
+            if not reduce:
+                loss = loss.reshape(out_shape)
+        if bad is not None:
+            loss = torch.where(bad, torch.full_like(loss, float("nan")), loss)
     out = [loss]
     if return_stats:
         out.append(LCEStats(lse.detach().reshape(out_shape), argmax.reshape(out_shape), nll.reshape(out_shape),

@@ -23,7 +23,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.utils import ModelOutput
 
 from ..ops import divide_summed_loss, linear_cross_entropy
-from ..ops.linear_cross_entropy import _check_on_host
+from ..ops.checks import check_now
 from .models import check_supported, output_head, softcap_of
 
 # Registry of original forwards of patched classes (class -> function).
@@ -158,7 +158,7 @@ def _check_label_range(model, labels, name: str) -> None:
         return
     weight = output_head(model).weight
     vocab = getattr(weight, "ds_shape", weight.shape)[0]  # ZeRO-3 partitions a weight to an empty tensor
-    _check_on_host(labels, vocab, -100, None, None, name=name)
+    check_now(labels, vocab, -100, None, None, name=name)
 
 
 def lsce_forward(self, *args, **kwargs):

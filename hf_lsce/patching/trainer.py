@@ -213,11 +213,25 @@ def _hooked_add_fused_lm_head(orig):
     return add_fused_lm_head
 
 
+def _hooked_train(orig):
+    @functools.wraps(orig)
+    def train(self, *args, **kwargs):
+        out = orig(self, *args, **kwargs)
+        # The op checks its targets on the device and reports a bad batch at its next call (ops/checks.py); the last
+        # step has no next call, so training ends by waiting for those checks (one synchronisation per run).
+        from ..ops.checks import raise_pending_errors
+
+        raise_pending_errors(block=True)
+        return out
+    _HOOKS.add(train)
+    return train
+
+
 def _targets():
     """(owner, attribute, hook factory) for everything hooked; TRL's only when it is installed."""
     from transformers import Trainer
 
-    out = [(Trainer, "compute_loss", _hooked_compute_loss)]
+    out = [(Trainer, "compute_loss", _hooked_compute_loss), (Trainer, "train", _hooked_train)]
     try:
         import trl.trainer.sft_trainer as sft_module
         from trl import SFTTrainer

@@ -1,0 +1,169 @@
+"""Checks of the values that live on the device, without stalling the GPU.
+
+Every call of the op must refuse a target outside ``[0, V)`` that is not ``ignore_index`` (the kernels would read
+out of bounds), a tensor ``num_items_in_batch`` that is not a count, and a per-token ``label_smoothing`` outside
+``[0, 1]``. Reading those values on the host is a blocking synchronisation: the CPU waits for the GPU to drain
+before it can queue the next kernel, which a launch-bound training step (a small model) pays in throughput.
+
+So on CUDA the checks run on the device:
+
+* the bad entries are computed by a few element-wise kernels, and the bad targets are treated as ignored, so the
+  kernels never read outside the weight;
+* the returned loss is NaN when any check failed, so the bad step is visible where the loss is logged;
+* a five-number summary is copied to pinned host memory without blocking, behind a CUDA event; the next call of
+  the op (or :func:`raise_pending_errors`, or the Trainer integration at the end of each step and of training)
+  reads it once the event has completed and raises the same ``ValueError`` the synchronous check gives.
+
+On the CPU (and under Triton's interpreter, whose tensors live on the CPU) reading the values costs nothing and
+the check is synchronous: the error comes from the call itself. ``HF_LSCE_SYNC_CHECKS=1`` makes CUDA checks
+synchronous too (debugging: the error then points at the offending call). Under CUDA-graph capture and
+``torch.compile`` tracing the summary is not queued (the NaN loss still marks the step).
+"""
+from __future__ import annotations
+
+import math
+import os
+import threading
+
+import torch
+
+_PENDING: list = []
+_LOCK = threading.Lock()
+
+
+def _check_num_items(value: float, valid_tokens: int | None = None) -> None:
+    """``num_items_in_batch`` is a count of loss tokens: finite, a whole number, >= 0, and not 0 when there are
+    tokens to divide (HF's Trainer passes the count over the accumulated micro-batches)."""
+    if not math.isfinite(value):
+        raise ValueError(f"num_items_in_batch must be a finite count of loss tokens, got {value}.")
+    if value < 0 or value != math.floor(value):
+        raise ValueError(f"num_items_in_batch must be a whole number >= 0 (a count of loss tokens), got {value}.")
+    if valid_tokens is not None and value == 0 and valid_tokens > 0:
+        raise ValueError(f"num_items_in_batch is 0 but {valid_tokens} tokens carry a loss: the loss would be divided "
+                         "by zero. Pass the number of loss tokens (over all accumulated micro-batches), or None.")
+
+
+def synchronous(device: torch.device) -> bool:
+    """Whether checks on this device read their values at once (CPU, or ``HF_LSCE_SYNC_CHECKS=1``)."""
+    return device.type != "cuda" or os.environ.get("HF_LSCE_SYNC_CHECKS", "0") == "1"
+
+
+def _summary(targets, vocab_size, ignore_index, num_items_in_batch, valid_count, smoothing):
+    """(values, bad): a float64 vector [bad targets, first bad target, num_items, valid tokens, bad b, items bad]
+    on the targets' device, and a 0-d bool that is True when any check failed (all device ops, no sync)."""
+    dev = targets.device
+    f64 = dict(dtype=torch.float64, device=dev)
+    flat = targets.reshape(-1)
+    if flat.numel():
+        bad_t = ~(((flat >= 0) & (flat < vocab_size)) | (flat == ignore_index))
+        n_bad = bad_t.sum().to(torch.float64)
+        first = flat.gather(0, bad_t.int().argmax().reshape(1))[0].to(torch.float64)
+    else:
+        n_bad = first = torch.zeros((), **f64)
+    valid = valid_count.to(**f64).reshape(())
+    items_bad = torch.zeros((), dtype=torch.bool, device=dev)
+    items = torch.zeros((), **f64)
+    if isinstance(num_items_in_batch, torch.Tensor):
+        items = num_items_in_batch.detach().reshape(()).to(**f64)
+        items_bad = ~torch.isfinite(items) | (items < 0) | (items != torch.floor(items)) | ((items == 0) & (valid > 0))
+    elif num_items_in_batch is not None and float(num_items_in_batch) == 0:
+        items_bad = valid > 0
+    b_bad = torch.zeros((), **f64)
+    if isinstance(smoothing, torch.Tensor) and smoothing.numel():
+        b_bad = (~((smoothing >= 0) & (smoothing <= 1))).sum().to(torch.float64)
+    values = torch.stack([n_bad, first, items, valid, b_bad, items_bad.to(torch.float64)])
+    return values, (n_bad > 0) | (b_bad > 0) | items_bad
+
+
+def _raise_from(values, vocab_size, ignore_index, name, tensor_items, zero_items, late: bool = False) -> None:
+    n_bad, first, items, valid, b_bad, _ = values
+    when = (" (found after the call that received it returned: that call's loss was NaN and it gave no gradient;"
+            " set HF_LSCE_SYNC_CHECKS=1 to raise from the call itself)") if late else ""
+    if n_bad > 0:
+        raise ValueError(
+            f"{name} must be in [0, {vocab_size}) or equal ignore_index={ignore_index}; found {int(first)} "
+            f"({int(n_bad)} bad entries). Check the tokenizer matches the model's vocabulary.{when}")
+    if b_bad > 0:
+        raise ValueError(f"label_smoothing values must lie in [0, 1] (and not be NaN).{when}")
+    try:
+        if tensor_items:
+            _check_num_items(items, int(valid))
+        elif zero_items:
+            _check_num_items(0.0, int(valid))
+    except ValueError as e:
+        raise ValueError(f"{e}{when}") from None
+
+
+class _Pending:
+    """One call's summary on its way to pinned host memory (CUDA), or already on the host."""
+
+    def __init__(self, values, context):
+        self.context = context
+        self.event = None
+        if values.is_cuda:
+            self.host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self.host.copy_(values, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = values
+
+    def ready(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def check(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+        _raise_from(self.host.tolist(), *self.context, late=True)
+
+
+def _tracing() -> bool:
+    compiler = getattr(torch, "compiler", None)
+    if compiler is not None and getattr(compiler, "is_compiling", lambda: False)():
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def raise_pending_errors(block: bool = True) -> None:
+    """Raise the ``ValueError`` of an earlier call whose device-side checks failed.
+
+    ``block=False`` looks only at the checks whose values have reached the host (no synchronisation: what every
+    call of the op does first); ``block=True`` waits for all of them (the end of training, or a test)."""
+    while True:
+        with _LOCK:
+            if not _PENDING or not (block or _PENDING[0].ready()):
+                return
+            item = _PENDING.pop(0)
+        item.check()
+
+
+def check_device_values(targets, vocab_size: int, ignore_index: int, num_items_in_batch, valid_count,
+                        smoothing=None, name: str = "targets"):
+    """Run the checks (see the module docstring). Returns a 0-d bool tensor that is True where a check failed
+    (asynchronous mode), or None (synchronous: an error was raised already, or all is well)."""
+    tensor_items = isinstance(num_items_in_batch, torch.Tensor)
+    zero_items = not tensor_items and num_items_in_batch is not None and float(num_items_in_batch) == 0
+    context = (vocab_size, ignore_index, name, tensor_items, zero_items)
+    if synchronous(targets.device):
+        values, _ = _summary(targets, vocab_size, ignore_index, num_items_in_batch, valid_count, smoothing)
+        _raise_from(values.tolist(), *context)
+        return None
+    raise_pending_errors(block=False)
+    values, bad = _summary(targets, vocab_size, ignore_index, num_items_in_batch, valid_count, smoothing)
+    if not _tracing():
+        with _LOCK:
+            _PENDING.append(_Pending(values, context))
+            overflow = _PENDING.pop(0) if len(_PENDING) > 64 else None  # bounded: the oldest is long complete
+        if overflow is not None:
+            overflow.check()
+    return bad
+
+
+def check_now(targets, vocab_size: int, ignore_index: int, num_items_in_batch, valid_count, name: str = "targets"):
+    """The same checks, read at once on any device (evaluation paths, which synchronise anyway)."""
+    tensor_items = isinstance(num_items_in_batch, torch.Tensor)
+    zero_items = not tensor_items and num_items_in_batch is not None and float(num_items_in_batch) == 0
+    if valid_count is None:
+        valid_count = torch.zeros((), device=targets.device)
+    values, _ = _summary(targets, vocab_size, ignore_index, num_items_in_batch, valid_count, None)
+    _raise_from(values.tolist(), vocab_size, ignore_index, name, tensor_items, zero_items)

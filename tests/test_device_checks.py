@@ -1,0 +1,121 @@
+"""The checks of values on the device (bad targets, a tensor num_items_in_batch, per-token b) without host
+synchronisation, and a training call of the op that reads no device value on the host.
+
+On CUDA the checks are asynchronous (hf_lsce/ops/checks.py); here, on the CPU, that mode is forced by
+patching ``checks.synchronous``: the same code runs, with the summary already on the host. The oracle for the
+losses and gradients is fp64 torch on materialised logits (test_ops.reference).
+"""
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from hf_lsce import linear_cross_entropy
+from hf_lsce.ops import checks
+from test_ops import make_inputs, reference, rel
+
+BACKENDS = ["torch", "triton"]
+
+
+@pytest.fixture
+def asynchronous(monkeypatch):
+    monkeypatch.setattr(checks, "synchronous", lambda device: False)
+    checks._PENDING.clear()
+    yield
+    checks._PENDING.clear()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_target_gives_nan_loss_no_gradient_then_raises_at_the_next_call(asynchronous, backend):
+    h, w, y, _ = make_inputs(seed=3)
+    bad = y.clone()
+    bad[4] = w.shape[0] + 7  # out of range: the kernels must not read row V + 7 of W
+    hh, ww = h.float().requires_grad_(), w.float().requires_grad_()
+    loss = linear_cross_entropy(hh, ww, bad, label_smoothing=0.1, backend=backend)
+    assert torch.isnan(loss)
+    loss.backward()
+    assert float(hh.grad.abs().max()) == 0 and float(ww.grad.abs().max()) == 0
+    with pytest.raises(ValueError, match=rf"targets must be in \[0, {w.shape[0]}\).*found {w.shape[0] + 7}.*"
+                                         r"found after the call"):
+        linear_cross_entropy(hh.detach(), ww.detach(), y, backend=backend)
+    # reported once; the next good call is exact
+    got = linear_cross_entropy(hh.detach(), ww.detach(), y, label_smoothing=0.1, backend=backend)
+    assert rel(got, reference(h, w, y, smoothing=0.1)[0]) < 1e-5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_num_items_and_smoothing_raise_from_raise_pending_errors(asynchronous, backend):
+    h, w, y, _ = make_inputs(seed=4)
+    loss = linear_cross_entropy(h.float(), w.float(), y, reduction="sum", num_items_in_batch=torch.tensor(0),
+                                backend=backend)
+    assert torch.isnan(loss)
+    with pytest.raises(ValueError, match="num_items_in_batch is 0 but .* tokens carry a loss"):
+        checks.raise_pending_errors()
+    b = torch.full(y.shape, 0.1)
+    b[2] = 1.5
+    tok = linear_cross_entropy(h.float(), w.float(), y, label_smoothing=b, reduction="none", backend=backend)
+    assert torch.isnan(tok).all()
+    with pytest.raises(ValueError, match=r"label_smoothing values must lie in \[0, 1\]"):
+        checks.raise_pending_errors()
+    checks.raise_pending_errors()  # nothing left
+
+
+def test_synchronous_checks_on_cpu_raise_from_the_call():
+    h, w, y, _ = make_inputs(seed=5)
+    y = y.clone()
+    y[0] = -3
+    with pytest.raises(ValueError, match=r"found -3 \(1 bad entries\)"):
+        linear_cross_entropy(h, w, y)
+    assert not checks._PENDING
+
+
+class _HostReads(TorchDispatchMode):
+    """Records the ops that read a device value on the host (a blocking synchronisation on CUDA)."""
+    SYNCING = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.masked_select.default",
+               "aten.is_nonzero.default", "aten.equal.default"}
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func) in self.SYNCING:
+            self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("path", ["one-pass", "two-pass"])
+@pytest.mark.parametrize("upstream", [1.0, 0.25])
+def test_a_training_call_reads_no_device_value_on_the_host(asynchronous, monkeypatch, upstream, path):
+    """The training paths of the kernels (a reduced loss, a tensor num_items_in_batch as the Trainer passes,
+    per-token b) read nothing back: no .item(), bool(), .tolist() or data-dependent shape."""
+    import hf_lsce.ops.config as config
+
+    monkeypatch.setattr(config, "TRAIN_PATH", path)
+    tolists = []
+    real_tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: tolists.append(1) or real_tolist(self))
+    h, w, y, _ = make_inputs(seed=6)
+    b = torch.full(y.shape, 0.1)
+    hh, ww = h.float().requires_grad_(), w.float().requires_grad_()
+    n_items = (y != -100).sum() + 3
+    with _HostReads() as reads:
+        loss = linear_cross_entropy(hh, ww, y, label_smoothing=b, reduction="sum", num_items_in_batch=n_items,
+                                    backend="triton")
+        (upstream * loss).backward()
+    assert reads.seen == [] and tolists == []
+    _, gh, gw, _ = reference(h, w, y, smoothing=0.1, reduction="sum", num_items=float(n_items))
+    assert rel(hh.grad, upstream * gh) < 1e-5 and rel(ww.grad, upstream * gw) < 1e-5
+    checks.raise_pending_errors()  # and the checks passed
+
+
+def test_scale_kernel_touches_nothing_at_one_and_scales_otherwise():
+    from hf_lsce.ops.train_pass import scale_by
+
+    t = torch.randn(3000).to(torch.bfloat16)
+    keep = t.clone()
+    scale_by(t, torch.ones(1))
+    assert torch.equal(t, keep)
+    scale_by(t, torch.full((1,), 0.3))
+    # one bf16 rounding of the fp32 product (the interpreter truncates where the GPU rounds to nearest)
+    assert torch.allclose(t.float(), keep.float() * 0.3, rtol=2 ** -7, atol=0)
+    assert not torch.allclose(t.float(), keep.float(), rtol=0.1)
