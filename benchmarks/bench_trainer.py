@@ -40,6 +40,14 @@ CONFIGS = {
                       num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
                       final_logit_softcapping=30.0, attn_logit_softcapping=50.0, query_pre_attn_scalar=256,
                       sliding_window=4096, tie_word_embeddings=True, max_position_embeddings=8192),
+    # the real models' configurations with random weights (no checkpoint to stage)
+    "smollm2-135m-config": dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                                num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                                tie_word_embeddings=True, rope_theta=100000.0, max_position_embeddings=8192),
+    "gemma3-270m-config": dict(model_type="gemma3_text", vocab_size=262144, hidden_size=640, intermediate_size=2048,
+                               num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                               sliding_window=512, query_pre_attn_scalar=256, rope_theta=1000000.0,
+                               tie_word_embeddings=True, max_position_embeddings=32768),
     "smoke": dict(model_type="llama", vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512),
 }
@@ -90,15 +98,32 @@ class _Data(torch.utils.data.Dataset):
 
 
 class _Timer:
+    """Times the steps after ``warmup``; on CUDA also counts the host synchronisations of the last warm-up step
+    (torch's sync debug mode warns on every synchronising call: .item(), bool(), .tolist(), nonzero, a blocking
+    copy), outside the timed steps."""
+
     def __init__(self, warmup):
+        import warnings
+
         from transformers import TrainerCallback
 
         outer = self
 
         class CB(TrainerCallback):
             def on_step_begin(self, args, state, control, **kw):
+                cuda = torch.cuda.is_available()
+                if cuda and warmup >= 1 and state.global_step == warmup - 1:
+                    outer._catch = warnings.catch_warnings(record=True)
+                    outer._log = outer._catch.__enter__()
+                    warnings.simplefilter("always")
+                    torch.cuda.set_sync_debug_mode("warn")
                 if state.global_step == warmup:
-                    if torch.cuda.is_available():
+                    if outer._catch is not None:
+                        torch.cuda.set_sync_debug_mode("default")
+                        outer._catch.__exit__(None, None, None)
+                        outer.syncs = sum("synchroniz" in str(w.message) for w in outer._log)
+                        outer._catch = None
+                    if cuda:
                         torch.cuda.synchronize()
                     outer.t0 = time.perf_counter()
 
@@ -108,6 +133,8 @@ class _Timer:
                 outer.t1 = time.perf_counter()
         self.cb = CB()
         self.t0 = self.t1 = None
+        self._catch = None
+        self.syncs = None
 
 
 def run_one(name, method, b, batch, seq, steps, out_dir, device, warmup=2, checkpointing=False):
@@ -142,7 +169,7 @@ def run_one(name, method, b, batch, seq, steps, out_dir, device, warmup=2, check
     row = dict(model=name, method=method, label_smoothing=b, batch=batch, seq=seq, tokens_per_s=batch * seq / dt,
                step_s=dt, peak_gib=torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None,
                lm_head_calls=len(calls), fused_calls=ENGAGEMENT.fused_calls - before, checkpointing=checkpointing,
-               loss=trainer.state.log_history[-1].get("train_loss"))
+               loss=trainer.state.log_history[-1].get("train_loss"), host_syncs_per_step=timer.syncs)
     if method == "hf_lsce":
         row["engaged"] = row["lm_head_calls"] == 0 and row["fused_calls"] == steps + warmup
     # no revert: the Trainer's accelerate wrapper now wraps the patched forward, and the model is dropped anyway
@@ -184,10 +211,10 @@ def largest_batch(name, method, b, seq, out_dir, device, start=8, cap=512):
 
 def table(rows):
     lines = ["| model | method | b | batch x seq | tokens/s | vs HF (same b) | peak GiB | lm_head calls | fused calls | "
-             "largest batch |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "host syncs / step | largest batch |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['model']} | {r['method']} | {r['label_smoothing']} | {r.get('batch')} | {r['error']} |||||")
+            lines.append(f"| {r['model']} | {r['method']} | {r['label_smoothing']} | {r.get('batch')} | {r['error']} ||||||")
             continue
         ref = next((x for x in rows if x["model"] == r["model"] and x["method"] == "hf" and "error" not in x
                     and x["label_smoothing"] == r["label_smoothing"] and x["batch"] == r["batch"]), None)
@@ -195,7 +222,8 @@ def table(rows):
         mb = f"{r['max_batch']}{'+' if r.get('max_batch_capped') else ''}" if "max_batch" in r else "-"
         pk = f"{r['peak_gib']:.1f}" if r.get("peak_gib") is not None else "-"
         lines.append(f"| {r['model']} | {r['method']} | {r['label_smoothing']} | {r['batch']} x {r['seq']} | "
-                     f"{r['tokens_per_s']:,.0f} | {sp} | {pk} | {r['lm_head_calls']} | {r['fused_calls']} | {mb} |")
+                     f"{r['tokens_per_s']:,.0f} | {sp} | {pk} | {r['lm_head_calls']} | {r['fused_calls']} | "
+                     f"{r.get('host_syncs_per_step', '-')} | {mb} |")
     return "\n".join(lines)
 
 
@@ -234,6 +262,7 @@ def main():
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--search", default="", help="models to search the largest batch for (comma-separated)")
     ap.add_argument("--no-liger", action="store_true")
+    ap.add_argument("--methods", default=None, help="a subset, e.g. hf:0.1,hf_lsce:0.1 (default: all five)")
     ap.add_argument("--out-dir", default="bench_out")
     ap.add_argument("--deadline-s", type=float, default=None)
     ap.add_argument("--smoke", action="store_true", help="CPU, a tiny model, two steps")
@@ -246,7 +275,9 @@ def main():
     path = os.path.join(args.out_dir, "bench_trainer.json")
     rows = []
     for name in args.models.split(","):
-        for method, b in METHODS:
+        methods = METHODS if not args.methods else [(m.split(":")[0], float(m.split(":")[1]))
+                                                    for m in args.methods.split(",")]
+        for method, b in methods:
             if method == "liger" and args.no_liger:
                 continue
             if args.deadline_s is not None and time.time() - start > args.deadline_s:

@@ -530,6 +530,15 @@ def test_tma_grad_logits_kernel_matches_fp64(dtype, softcap, bias, splits):
     for a, r in zip(got, ref):
         if r is not None:
             assert rel(a, r) < tol
+    # by chunks of vocabulary columns (the two-pass training path): dW written once per row, dh in fp32
+    from hf_lsce.ops.backward import triton_gradients_by_columns
+
+    for c in (cfg, dataclasses.replace(cfg, tma=False)):
+        cols = triton_gradients_by_columns(hh, ww, bb, t, lse, grad, sm, softcap, c, extra=extra,
+                                           chunk_bytes=37 * 70 * hh.element_size())
+        for a, r in zip(cols, ref):
+            if r is not None:
+                assert rel(a, r) < tol
     # and the pointer kernel agrees
     old = triton_backward_dense(hh, ww, bb, t, lse, grad, sm, softcap, dataclasses.replace(cfg, tma=False),
                                 extra=extra, chunk_bytes=11 * 203 * hh.element_size())

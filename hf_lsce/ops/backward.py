@@ -271,3 +271,68 @@ def triton_backward(hidden, weight, bias, targets, lse, grad, smoothing, softcap
     launch(_lce_backward_kernel, None, config,
            lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(v, meta["BLOCK_V"])), args, flags)
     return dh, dw, db, int(skipped.item()) if count_skipped else None
+
+
+def triton_gradients_by_columns(hidden, weight, bias, targets, lse, grad, smoothing, softcap, config,
+                                need_dh: bool = True, need_dw: bool = True, need_db: bool = True,
+                                chunk_bytes: int | None = None, extra: torch.Tensor | None = None):
+    """The gradients of ``triton_backward_dense`` (dh in hidden's dtype, dW in weight's, db fp32), through chunks
+    of vocabulary *columns* of G: the lse is known, so each chunk of columns is complete for every row. Its rows of
+    dW come from one matmul over all N (written once, one rounding, as torch's own bf16 path), its part of dh is
+    added into an fp32 accumulator (``4 N D`` bytes; one rounding at the end). The logits are recomputed on chip
+    (the TMA kernel where the device has one); G is written in the input dtype, ``chunk_bytes`` at a time."""
+    from .config import GRAD_CHUNK_BYTES
+    from .train_pass import _addmm_f32, _mm_f32
+
+    n, d = hidden.shape
+    v = weight.shape[0]
+    dev = hidden.device
+    cols = max(1, min(v, (chunk_bytes or GRAD_CHUNK_BYTES) // (max(n, 1) * hidden.element_size())))
+    if cols < v and config.tma:
+        cols = max(config.block_v, cols // config.block_v * config.block_v)  # whole tiles per chunk
+    buf = torch.empty(n * cols, dtype=hidden.dtype, device=dev)
+    dh_acc = torch.empty(n, d, dtype=torch.float32, device=dev) if need_dh else None
+    dw = torch.empty(v, d, dtype=weight.dtype, device=dev) if need_dw else None
+    db = torch.empty(v, dtype=torch.float32, device=dev) if (need_db and bias is not None) else None
+    tma = tma_ready(config, hidden, weight)
+    if tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        h_desc = TensorDescriptor.from_tensor(hidden, [config.block_n, config.block_d])
+    flags = dict(HAS_BIAS=bias is not None, SOFTCAP=softcap is not None, HAS_EXTRA=extra is not None,
+                 DOT_PRECISION=config.dot_precision, UPCAST=config.upcast_dot)
+    cap = float(softcap) if softcap is not None else 1.0
+    blocks = triton.cdiv(n, config.block_n)
+    for c0 in range(0, v, cols):
+        c1 = min(v, c0 + cols)
+        vc = c1 - c0
+        w_c = weight[c0:c1]
+        b_c = bias[c0:c1] if bias is not None else weight
+        g = buf[: n * vc].view(n, vc)
+        y_c = targets - c0  # the kernels compare with local column indices; ignored rows (-1) stay negative
+        ext = extra if extra is not None else grad
+        if tma and tma_ready(config, w_c):
+            w_desc = TensorDescriptor.from_tensor(w_c, [config.block_v, config.block_d])
+            splits = max(1, min(triton.cdiv(vc, config.block_v),
+                                max(config.min_splits, round(config.min_programs / blocks))))
+            launch(_lce_grad_logits_tma_kernel, None, config, lambda meta: (splits, blocks),
+                   (h_desc, w_desc, b_c, y_c, lse, grad, smoothing, ext, g, n, vc, d, splits, g.stride(0), cap,
+                    1.0 / v), flags)
+        else:
+            launch(_lce_grad_logits_kernel, _lce_grad_logits_autotuned, config,
+                   lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(vc, meta["BLOCK_V"])),
+                   (hidden, w_c, b_c, y_c, lse, grad, smoothing, ext, g, n, vc, d, hidden.stride(0),
+                    hidden.stride(1), w_c.stride(0), w_c.stride(1), g.stride(0), cap, 1.0 / v), flags)
+        if need_dw:
+            if dev.type == "cuda":
+                torch.mm(g.T, hidden, out=dw[c0:c1])
+            else:
+                dw[c0:c1] = (g.float().T @ hidden.float()).to(dw.dtype)
+        if need_dh:
+            if c0 == 0:
+                _mm_f32(g, w_c, dh_acc)
+            else:
+                _addmm_f32(dh_acc, g, w_c)
+        if db is not None:
+            db[c0:c1] = g.sum(0, dtype=torch.float32)
+    return (dh_acc.to(hidden.dtype) if need_dh else None), dw, db

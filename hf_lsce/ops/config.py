@@ -103,7 +103,7 @@ def grad_logits_config(dtype: torch.dtype, device: torch.device) -> KernelConfig
 # logits from cuBLAS, read twice). The one-pass path saves a logits matmul (2 N D V FLOPs) but moves about 14 N V
 # bytes more; the crossing sits near D = 12 * (tensor FLOP/s) / (2 * HBM bytes/s), about 1,400 on an H100.
 # Measured: see docs/how_it_works.md ("Two training paths").
-TWO_PASS_MAX_D = 1536
+TWO_PASS_MAX_D = 1024
 # Force one training path: "one-pass" or "two-pass" (tests run both under the interpreter; benchmarks compare them).
 # Unset: by TWO_PASS_MAX_D on CUDA, the one-pass path elsewhere.
 TRAIN_PATH = os.environ.get("HF_LSCE_TRAIN_PATH") or None

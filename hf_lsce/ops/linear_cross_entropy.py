@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .checks import _check_num_items, check_device_values, check_now
+from .checks import _check_num_items, check_device_values
 from .dispatch import dense_backward, forward_stats
 
 _REDUCTIONS = ("mean", "sum", "none")
@@ -222,14 +222,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
             e = torch.zeros(0, dtype=torch.float32, device=hidden.device)
             stats = (e, e, e, torch.zeros(0, dtype=torch.long, device=hidden.device), e)
         elif token_weight is not None:
-            from .train_pass import triton_train_pass, triton_train_pass_low_memory
+            from .train_pass import triton_train_pass
 
             nd, nw, nb = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2] and bias is not None
             if opts.memory == "low":
                 stats = forward_stats(hidden, weight, bias, targets, opts.softcap, opts.backend, stats=True)
-                ctx.kept = triton_train_pass_low_memory(hidden, weight, bias, targets, smoothing, token_weight,
-                                                        opts.softcap, stats, need_dh=nd, need_dw=nw, need_db=nb,
-                                                        z_loss=opts.z_loss)
+                ctx.kept = _low_memory_gradients(hidden, weight, bias, targets, smoothing, token_weight, stats, opts,
+                                                 nd, nw, nb)
             elif opts.two_pass:
                 stats = forward_stats(hidden, weight, bias, targets, opts.softcap, opts.backend, stats=opts.need_stats)
                 ctx.kept = _two_pass_gradients(hidden, weight, bias, targets, smoothing, token_weight, stats[0], opts,
@@ -336,27 +335,50 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 def _two_pass_gradients(hidden, weight, bias, targets, smoothing, token_weight, lse, opts, need_dh, need_dw, need_db):
     """The two-pass training path's gradients of ``sum_n token_weight_n loss_n``, given the forward kernel's lse:
-    the logits recomputed tile by tile on chip, G = dL/dz written in the input dtype a chunk of rows at a time, dh
-    and dW from cuBLAS (``backward.triton_backward_dense``). One more logits matmul than the one-pass path, but no
+    the logits recomputed tile by tile on chip, G = dL/dz written in the input dtype a chunk of vocabulary columns
+    at a time, dW (one rounding) and dh (fp32 accumulator) from cuBLAS (``backward.triton_gradients_by_columns``). One more logits matmul than the one-pass path, but no
     fp32 logits in memory: where D is small the fp32 traffic, not the matmuls, sets the one-pass path's time."""
+    from .backward import triton_gradients_by_columns
+    from .config import grad_logits_config
+
     extra = token_weight * (2.0 * opts.z_loss) * lse if opts.z_loss else None
-    dh, dw, db = dense_backward(hidden, weight, bias, targets, lse, token_weight, smoothing, opts.softcap, opts.backend,
-                                need_dh=need_dh, need_dw=need_dw, extra=extra)
-    return dh, dw, db if need_db else None
+    return triton_gradients_by_columns(hidden, weight, bias, targets, lse, token_weight, smoothing, opts.softcap,
+                                       grad_logits_config(hidden.dtype, hidden.device), need_dh=need_dh,
+                                       need_dw=need_dw, need_db=need_db, extra=extra)
+
+
+def _low_memory_gradients(hidden, weight, bias, targets, smoothing, token_weight, stats, opts, need_dh, need_dw,
+                          need_db):
+    """``memory="low"``: vocabulary-column chunks of ``LOW_MEMORY_CHUNK_BYTES``. Where the TMA G kernel runs, the
+    two-pass path's computation with small chunks (logits recomputed on chip, no fp32 logits); elsewhere the
+    cuBLAS fp32-logits chunks of ``train_pass.triton_train_pass_low_memory``."""
+    from .backward import triton_gradients_by_columns
+    from .config import LOW_MEMORY_CHUNK_BYTES, grad_logits_config
+    from .forward import tma_ready
+    from .train_pass import triton_train_pass_low_memory
+
+    config = grad_logits_config(hidden.dtype, hidden.device)
+    if config.tma and tma_ready(config, hidden, weight):
+        lse = stats[0]
+        extra = token_weight * (2.0 * opts.z_loss) * lse if opts.z_loss else None
+        return triton_gradients_by_columns(hidden, weight, bias, targets, lse, token_weight, smoothing, opts.softcap,
+                                           config, need_dh=need_dh, need_dw=need_dw, need_db=need_db,
+                                           chunk_bytes=LOW_MEMORY_CHUNK_BYTES, extra=extra)
+    return triton_train_pass_low_memory(hidden, weight, bias, targets, smoothing, token_weight, opts.softcap, stats,
+                                        need_dh=need_dh, need_dw=need_dw, need_db=need_db, z_loss=opts.z_loss)
 
 
 def _recompute_kept(hidden, weight, bias, targets, smoothing, token_weight, lse, opts, need_dh, need_dw, need_db):
     """The one-pass gradients again, by the same computation as the forward's (for a second backward)."""
-    from .train_pass import triton_train_pass, triton_train_pass_low_memory
+    from .train_pass import triton_train_pass
 
     if opts.two_pass:
         return _two_pass_gradients(hidden, weight, bias, targets, smoothing, token_weight, lse, opts, need_dh, need_dw,
                                    need_db)
 
     if opts.memory == "low":
-        return triton_train_pass_low_memory(hidden, weight, bias, targets, smoothing, token_weight, opts.softcap,
-                                            (lse,), need_dh=need_dh, need_dw=need_dw, need_db=need_db,
-                                            z_loss=opts.z_loss)
+        return _low_memory_gradients(hidden, weight, bias, targets, smoothing, token_weight, (lse,), opts, need_dh,
+                                     need_dw, need_db)
     _, dh, dw, db = triton_train_pass(hidden, weight, bias, targets, smoothing, token_weight, opts.softcap,
                                       need_dh=need_dh, need_dw=need_dw, need_db=need_db, z_loss=opts.z_loss,
                                       filter_eps=opts.filter_eps, sort_vocab=opts.sort_vocab,
