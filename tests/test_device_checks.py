@@ -119,3 +119,26 @@ def test_scale_kernel_touches_nothing_at_one_and_scales_otherwise():
     # one bf16 rounding of the fp32 product (the interpreter truncates where the GPU rounds to nearest)
     assert torch.allclose(t.float(), keep.float() * 0.3, rtol=2 ** -7, atol=0)
     assert not torch.allclose(t.float(), keep.float(), rtol=0.1)
+
+
+def test_trainer_raises_a_bad_last_batch_when_training_ends(asynchronous, tmp_path):
+    """A bad label in the last step's batch has no next call of the op to report it: Trainer.train (hooked by the
+    patch) waits for the device checks when it returns and raises the op's ValueError."""
+    from transformers import Trainer, TrainingArguments
+
+    from hf_lsce import apply_lsce_patch
+    from tiny_models import V, TokenRows, tiny_model
+
+    model = apply_lsce_patch(tiny_model("llama"))
+    data = TokenRows(n=4)
+    data.rows[3]["labels"] = data.rows[3]["labels"].clone()
+    data.rows[3]["labels"][1] = V + 5  # outside the vocabulary, in the second (last) step's batch
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=2, learning_rate=0.1,
+                             optim="sgd", label_smoothing_factor=0.1, report_to=[], save_strategy="no",
+                             use_cpu=True, seed=0, max_grad_norm=0.0, dataloader_drop_last=True)
+    trainer = Trainer(model=model, args=args, train_dataset=data)
+    trainer.get_train_dataloader = lambda: torch.utils.data.DataLoader(data, batch_size=2, shuffle=False)
+    with pytest.raises(ValueError, match=rf"targets must be in \[0, {V}\).*found {V + 5}.*found after the call"):
+        trainer.train()
+    assert trainer.state.global_step == 2  # both steps ran: the error came when training returned
+    assert not checks._PENDING
