@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .config import launch, tuning_configs
-from .forward import _dot, _finish_logits, _logit_tile, _split_bounds, _tile_offsets, tma_ready
+from .forward import _dot, _finish_logits, _logit_tile, _split_bounds, _tile_offsets, tma_ready, vocab_splits
 
 
 @triton.jit
@@ -202,6 +202,55 @@ def add_chunk_gradients(g, hidden_chunk, weight, dh_chunk, dw, db, first: bool) 
         db += g.sum(0, dtype=torch.float32)
 
 
+def write_grad_logits(config, hidden, weight, bias, targets, lse, grad, smoothing, extra, g, v_total: int,
+                      softcap) -> None:
+    """G (rows of ``hidden`` x rows of ``weight``) = ``grad_n dL/dz + extra_n p``, for the columns ``weight`` holds
+    of a vocabulary of ``v_total`` (``targets`` and ``bias`` relative to those columns): the TMA kernel with the
+    forward's grid where it can read the inputs, else the (autotuned) pointer kernel."""
+    n, d = hidden.shape
+    vc = weight.shape[0]
+    b = bias if bias is not None else weight
+    ext = extra if extra is not None else grad
+    cap = float(softcap) if softcap is not None else 1.0
+    flags = dict(HAS_BIAS=bias is not None, SOFTCAP=softcap is not None, HAS_EXTRA=extra is not None,
+                 DOT_PRECISION=config.dot_precision, UPCAST=config.upcast_dot)
+    if tma_ready(config, hidden, weight):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        h_desc = TensorDescriptor.from_tensor(hidden, [config.block_n, config.block_d])
+        w_desc = TensorDescriptor.from_tensor(weight, [config.block_v, config.block_d])
+        blocks = triton.cdiv(n, config.block_n)
+        splits = vocab_splits(config, n, vc, config.block_v)
+        launch(_lce_grad_logits_tma_kernel, None, config, lambda meta: (splits, blocks),
+               (h_desc, w_desc, b, targets, lse, grad, smoothing, ext, g, n, vc, d, splits, g.stride(0), cap,
+                1.0 / v_total), flags)
+    else:
+        launch(_lce_grad_logits_kernel, _lce_grad_logits_autotuned, config,
+               lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(vc, meta["BLOCK_V"])),
+               (hidden, weight, b, targets, lse, grad, smoothing, ext, g, n, vc, d, hidden.stride(0), hidden.stride(1),
+                weight.stride(0), weight.stride(1), g.stride(0), cap, 1.0 / v_total), flags)
+
+
+def add_column_chunk_gradients(g, hidden, weight_cols, dh_acc, dw_rows, db_rows, first: bool) -> None:
+    """From G over one chunk of vocabulary columns (every row): those rows of dW written whole (one matmul over all
+    N, one rounding), ``G W_cols`` added into the fp32 dh accumulator (written on the ``first`` chunk), those
+    entries of db; any of them may be None."""
+    from .train_pass import _addmm_f32, _mm_f32
+
+    if dw_rows is not None:
+        if hidden.is_cuda:
+            torch.mm(g.T, hidden, out=dw_rows)
+        else:
+            dw_rows.copy_((g.float().T @ hidden.float()).to(dw_rows.dtype))
+    if dh_acc is not None:
+        if first:
+            _mm_f32(g, weight_cols, dh_acc)
+        else:
+            _addmm_f32(dh_acc, g, weight_cols)
+    if db_rows is not None:
+        db_rows.copy_(g.sum(0, dtype=torch.float32))
+
+
 def triton_backward_dense(hidden, weight, bias, targets, lse, grad, smoothing, softcap, config,
                           need_dh: bool = True, need_dw: bool = True, chunk_bytes: int | None = None,
                           extra: torch.Tensor | None = None):
@@ -212,36 +261,15 @@ def triton_backward_dense(hidden, weight, bias, targets, lse, grad, smoothing, s
     v = weight.shape[0]
     dev = hidden.device
     rows = max(1, min(n, (chunk_bytes or GRAD_CHUNK_BYTES) // (v * hidden.element_size())))
-    tma = tma_ready(config, hidden, weight)
-    if tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        w_desc = TensorDescriptor.from_tensor(weight, [config.block_v, config.block_d])
     g = torch.empty(rows, v, dtype=hidden.dtype, device=dev)
     dh = torch.empty(n, d, dtype=hidden.dtype, device=dev) if need_dh else None
     dw = torch.empty(v, d, dtype=weight.dtype, device=dev) if need_dw else None
     db = torch.zeros(v, dtype=torch.float32, device=dev) if bias is not None else None
-    flags = dict(HAS_BIAS=bias is not None, SOFTCAP=softcap is not None, HAS_EXTRA=extra is not None,
-                 DOT_PRECISION=config.dot_precision, UPCAST=config.upcast_dot)
     for s in range(0, n, rows):
         e = min(n, s + rows)
         gc = g[: e - s]
-        args = (hidden[s:e], weight, bias if bias is not None else weight, targets[s:e], lse[s:e],
-                grad[s:e], smoothing[s:e], extra[s:e] if extra is not None else grad[s:e], gc, e - s, v, d,
-                hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), gc.stride(0),
-                float(softcap) if softcap is not None else 1.0, 1.0 / v)
-        rows_c = e - s
-        if tma:
-            # the forward kernel's grid: vocabulary splits (fast axis) x row blocks, about two waves of programs
-            blocks = triton.cdiv(rows_c, config.block_n)
-            splits = max(1, min(triton.cdiv(v, config.block_v), max(config.min_splits,
-                                                                    round(config.min_programs / blocks))))
-            h_desc = TensorDescriptor.from_tensor(hidden[s:e], [config.block_n, config.block_d])
-            launch(_lce_grad_logits_tma_kernel, None, config, lambda meta: (splits, blocks),
-                   (h_desc, w_desc, *args[2:9], rows_c, v, d, splits, gc.stride(0), *args[-2:]), flags)
-        else:
-            launch(_lce_grad_logits_kernel, _lce_grad_logits_autotuned, config,
-                   lambda meta: (triton.cdiv(rows_c, meta["BLOCK_N"]), triton.cdiv(v, meta["BLOCK_V"])), args, flags)
+        write_grad_logits(config, hidden[s:e], weight, bias, targets[s:e], lse[s:e], grad[s:e], smoothing[s:e],
+                          extra[s:e] if extra is not None else None, gc, v, softcap)
         add_chunk_gradients(gc, hidden[s:e], weight, dh[s:e] if need_dh else None, dw, db, first=s == 0)
     return dh, dw, db
 
@@ -282,7 +310,6 @@ def triton_gradients_by_columns(hidden, weight, bias, targets, lse, grad, smooth
     added into an fp32 accumulator (``4 N D`` bytes; one rounding at the end). The logits are recomputed on chip
     (the TMA kernel where the device has one); G is written in the input dtype, ``chunk_bytes`` at a time."""
     from .config import GRAD_CHUNK_BYTES
-    from .train_pass import _addmm_f32, _mm_f32
 
     n, d = hidden.shape
     v = weight.shape[0]
@@ -294,45 +321,12 @@ def triton_gradients_by_columns(hidden, weight, bias, targets, lse, grad, smooth
     dh_acc = torch.empty(n, d, dtype=torch.float32, device=dev) if need_dh else None
     dw = torch.empty(v, d, dtype=weight.dtype, device=dev) if need_dw else None
     db = torch.empty(v, dtype=torch.float32, device=dev) if (need_db and bias is not None) else None
-    tma = tma_ready(config, hidden, weight)
-    if tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        h_desc = TensorDescriptor.from_tensor(hidden, [config.block_n, config.block_d])
-    flags = dict(HAS_BIAS=bias is not None, SOFTCAP=softcap is not None, HAS_EXTRA=extra is not None,
-                 DOT_PRECISION=config.dot_precision, UPCAST=config.upcast_dot)
-    cap = float(softcap) if softcap is not None else 1.0
-    blocks = triton.cdiv(n, config.block_n)
     for c0 in range(0, v, cols):
         c1 = min(v, c0 + cols)
-        vc = c1 - c0
-        w_c = weight[c0:c1]
-        b_c = bias[c0:c1] if bias is not None else weight
-        g = buf[: n * vc].view(n, vc)
-        y_c = targets - c0  # the kernels compare with local column indices; ignored rows (-1) stay negative
-        ext = extra if extra is not None else grad
-        if tma and tma_ready(config, w_c):
-            w_desc = TensorDescriptor.from_tensor(w_c, [config.block_v, config.block_d])
-            splits = max(1, min(triton.cdiv(vc, config.block_v),
-                                max(config.min_splits, round(config.min_programs / blocks))))
-            launch(_lce_grad_logits_tma_kernel, None, config, lambda meta: (splits, blocks),
-                   (h_desc, w_desc, b_c, y_c, lse, grad, smoothing, ext, g, n, vc, d, splits, g.stride(0), cap,
-                    1.0 / v), flags)
-        else:
-            launch(_lce_grad_logits_kernel, _lce_grad_logits_autotuned, config,
-                   lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(vc, meta["BLOCK_V"])),
-                   (hidden, w_c, b_c, y_c, lse, grad, smoothing, ext, g, n, vc, d, hidden.stride(0),
-                    hidden.stride(1), w_c.stride(0), w_c.stride(1), g.stride(0), cap, 1.0 / v), flags)
-        if need_dw:
-            if dev.type == "cuda":
-                torch.mm(g.T, hidden, out=dw[c0:c1])
-            else:
-                dw[c0:c1] = (g.float().T @ hidden.float()).to(dw.dtype)
-        if need_dh:
-            if c0 == 0:
-                _mm_f32(g, w_c, dh_acc)
-            else:
-                _addmm_f32(dh_acc, g, w_c)
-        if db is not None:
-            db[c0:c1] = g.sum(0, dtype=torch.float32)
+        g = buf[: n * (c1 - c0)].view(n, c1 - c0)
+        # the kernels compare targets with local column indices; ignored rows (-1) stay negative
+        write_grad_logits(config, hidden, weight[c0:c1], bias[c0:c1] if bias is not None else None, targets - c0,
+                          lse, grad, smoothing, extra, g, v, softcap)
+        add_column_chunk_gradients(g, hidden, weight[c0:c1], dh_acc, dw[c0:c1] if need_dw else None,
+                                   db[c0:c1] if db is not None else None, first=c0 == 0)
     return (dh_acc.to(hidden.dtype) if need_dh else None), dw, db

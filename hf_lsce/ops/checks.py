@@ -137,17 +137,22 @@ def raise_pending_errors(block: bool = True) -> None:
         item.check()
 
 
+def _context(vocab_size, ignore_index, num_items_in_batch, name):
+    """What ``_raise_from`` needs besides the values: the vocabulary, ignore_index, the argument's name, and whether
+    num_items_in_batch is a tensor (checked on the device) or a number 0 (checked against the valid count)."""
+    tensor_items = isinstance(num_items_in_batch, torch.Tensor)
+    zero_items = not tensor_items and num_items_in_batch is not None and float(num_items_in_batch) == 0
+    return vocab_size, ignore_index, name, tensor_items, zero_items
+
+
 def check_device_values(targets, vocab_size: int, ignore_index: int, num_items_in_batch, valid_count,
                         smoothing=None, name: str = "targets"):
     """Run the checks (see the module docstring). Returns a 0-d bool tensor that is True where a check failed
     (asynchronous mode), or None (synchronous: an error was raised already, or all is well)."""
-    tensor_items = isinstance(num_items_in_batch, torch.Tensor)
-    zero_items = not tensor_items and num_items_in_batch is not None and float(num_items_in_batch) == 0
-    context = (vocab_size, ignore_index, name, tensor_items, zero_items)
     if synchronous(targets.device):
-        values, _ = _summary(targets, vocab_size, ignore_index, num_items_in_batch, valid_count, smoothing)
-        _raise_from(values.tolist(), *context)
+        check_now(targets, vocab_size, ignore_index, num_items_in_batch, valid_count, smoothing, name=name)
         return None
+    context = _context(vocab_size, ignore_index, num_items_in_batch, name)
     raise_pending_errors(block=False)
     values, bad = _summary(targets, vocab_size, ignore_index, num_items_in_batch, valid_count, smoothing)
     if not _tracing():
@@ -159,11 +164,10 @@ def check_device_values(targets, vocab_size: int, ignore_index: int, num_items_i
     return bad
 
 
-def check_now(targets, vocab_size: int, ignore_index: int, num_items_in_batch, valid_count, name: str = "targets"):
-    """The same checks, read at once on any device (evaluation paths, which synchronise anyway)."""
-    tensor_items = isinstance(num_items_in_batch, torch.Tensor)
-    zero_items = not tensor_items and num_items_in_batch is not None and float(num_items_in_batch) == 0
+def check_now(targets, vocab_size: int, ignore_index: int, num_items_in_batch, valid_count, smoothing=None,
+              name: str = "targets"):
+    """The same checks, read at once on any device (the CPU, and evaluation paths, which synchronise anyway)."""
     if valid_count is None:
         valid_count = torch.zeros((), device=targets.device)
-    values, _ = _summary(targets, vocab_size, ignore_index, num_items_in_batch, valid_count, None)
-    _raise_from(values.tolist(), vocab_size, ignore_index, name, tensor_items, zero_items)
+    values, _ = _summary(targets, vocab_size, ignore_index, num_items_in_batch, valid_count, smoothing)
+    _raise_from(values.tolist(), *_context(vocab_size, ignore_index, num_items_in_batch, name))

@@ -221,6 +221,13 @@ def tma_ready(config, *tensors) -> bool:
         and t.data_ptr() % 16 == 0 for t in tensors)
 
 
+def vocab_splits(config, rows: int, v: int, tile: int) -> int:
+    """How many vocabulary splits a grid of (splits, row blocks) gets: about ``config.min_programs`` programs for
+    ``rows`` rows, at least ``config.min_splits``, at most one per ``tile`` columns (see the launch order above)."""
+    want = max(config.min_splits, round(config.min_programs / triton.cdiv(rows, config.block_n)))
+    return max(1, min(triton.cdiv(v, tile), want))
+
+
 def merge_splits(m, s, t, sz, zy, am, stats: bool = True):
     """Merge per-split online-softmax states (splits, N) into per-token statistics (N,).
     ``stats=False``: the kernel did not compute argmax and entropy; they are returned as zeros."""
@@ -246,8 +253,7 @@ def triton_forward(hidden, weight, bias, targets, softcap, config, stats: bool =
     v = weight.shape[0]
     # Split the vocabulary until the grid has about config.min_programs programs (for config.block_n-row
     # blocks), and into at least config.min_splits parts (see the launch order above).
-    want = max(config.min_splits, round(config.min_programs / triton.cdiv(n, config.block_n)))
-    splits = max(1, min(triton.cdiv(v, 256), want))
+    splits = vocab_splits(config, n, v, 256)
     f32 = dict(dtype=torch.float32, device=hidden.device)
     m, s, t, sz, zy = (torch.empty(splits, n, **f32) for _ in range(5))
     am = torch.empty(splits, n, dtype=torch.int32, device=hidden.device)

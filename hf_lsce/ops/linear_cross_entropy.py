@@ -273,6 +273,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
             return (torch.zeros_like(hidden) if need_dh else None, torch.zeros_like(weight) if need_dw else None,
                     torch.zeros_like(bias) if need_db and bias is not None else None) + none7
         valid = targets >= 0
+        kept_path = grad_lse is None and token_weight is not None
+        if kept_path and kept is None:
+            # A second backward through the same graph (retain_graph=True): the first took the gradients the
+            # forward kept. Compute them again the same way (deterministic), so every backward agrees.
+            kept = _recompute_kept(hidden, weight, bias, targets, smoothing, token_weight, lse, opts,
+                                   need_dh, need_dw, need_db and bias is not None)
+        if kept_path and opts.reduce:  # grad_loss is the upstream scalar (not None: see above)
+            from .train_pass import scale_by
+
+            c = grad_loss.detach().float().reshape(1)
+            dh, dw, db = (scale_by(t, c) if t is not None else None for t in kept)
+            return dh, dw, db.to(bias.dtype) if db is not None else None, *none7
         zeros = torch.zeros(n, dtype=torch.float32, device=hidden.device)
         if grad_loss is None:
             grad = zeros
@@ -281,18 +293,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad = torch.where(valid, g if ctx.denom is None else g / ctx.denom, zeros)
         else:
             grad = torch.where(valid, grad_loss.float(), zeros)
-        if grad_lse is None and token_weight is not None:
-            if kept is None:
-                # A second backward through the same graph (retain_graph=True): the first took the gradients the
-                # forward kept. Compute them again the same way (deterministic), so every backward agrees.
-                kept = _recompute_kept(hidden, weight, bias, targets, smoothing, token_weight, lse, opts,
-                                       need_dh, need_dw, need_db and bias is not None)
-            if opts.reduce:
-                from .train_pass import scale_by
-
-                c = grad_loss.detach().float().reshape(1) if grad_loss is not None else zeros[:1]
-                dh, dw, db = (scale_by(t, c) if t is not None else None for t in kept)
-                return dh, dw, db.to(bias.dtype) if db is not None else None, *none7
+        if kept_path:
             c = _uniform_ratio(grad, token_weight)
             if c is not None:
                 dh, dw, db = kept
@@ -333,18 +334,20 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 db.to(bias.dtype) if need_db and db is not None else None) + none7
 
 
-def _two_pass_gradients(hidden, weight, bias, targets, smoothing, token_weight, lse, opts, need_dh, need_dw, need_db):
+def _two_pass_gradients(hidden, weight, bias, targets, smoothing, token_weight, lse, opts, need_dh, need_dw, need_db,
+                        chunk_bytes=None):
     """The two-pass training path's gradients of ``sum_n token_weight_n loss_n``, given the forward kernel's lse:
     the logits recomputed tile by tile on chip, G = dL/dz written in the input dtype a chunk of vocabulary columns
-    at a time, dW (one rounding) and dh (fp32 accumulator) from cuBLAS (``backward.triton_gradients_by_columns``). One more logits matmul than the one-pass path, but no
-    fp32 logits in memory: where D is small the fp32 traffic, not the matmuls, sets the one-pass path's time."""
+    at a time (``chunk_bytes``, default 1 GiB), dW (one rounding) and dh (fp32 accumulator) from cuBLAS
+    (``backward.triton_gradients_by_columns``). One more logits matmul than the one-pass path, but no fp32 logits in
+    memory: where D is small the fp32 traffic, not the matmuls, sets the one-pass path's time."""
     from .backward import triton_gradients_by_columns
     from .config import grad_logits_config
 
     extra = token_weight * (2.0 * opts.z_loss) * lse if opts.z_loss else None
     return triton_gradients_by_columns(hidden, weight, bias, targets, lse, token_weight, smoothing, opts.softcap,
                                        grad_logits_config(hidden.dtype, hidden.device), need_dh=need_dh,
-                                       need_dw=need_dw, need_db=need_db, extra=extra)
+                                       need_dw=need_dw, need_db=need_db, chunk_bytes=chunk_bytes, extra=extra)
 
 
 def _low_memory_gradients(hidden, weight, bias, targets, smoothing, token_weight, stats, opts, need_dh, need_dw,
@@ -352,18 +355,13 @@ def _low_memory_gradients(hidden, weight, bias, targets, smoothing, token_weight
     """``memory="low"``: vocabulary-column chunks of ``LOW_MEMORY_CHUNK_BYTES``. Where the TMA G kernel runs, the
     two-pass path's computation with small chunks (logits recomputed on chip, no fp32 logits); elsewhere the
     cuBLAS fp32-logits chunks of ``train_pass.triton_train_pass_low_memory``."""
-    from .backward import triton_gradients_by_columns
     from .config import LOW_MEMORY_CHUNK_BYTES, grad_logits_config
     from .forward import tma_ready
     from .train_pass import triton_train_pass_low_memory
 
-    config = grad_logits_config(hidden.dtype, hidden.device)
-    if config.tma and tma_ready(config, hidden, weight):
-        lse = stats[0]
-        extra = token_weight * (2.0 * opts.z_loss) * lse if opts.z_loss else None
-        return triton_gradients_by_columns(hidden, weight, bias, targets, lse, token_weight, smoothing, opts.softcap,
-                                           config, need_dh=need_dh, need_dw=need_dw, need_db=need_db,
-                                           chunk_bytes=LOW_MEMORY_CHUNK_BYTES, extra=extra)
+    if tma_ready(grad_logits_config(hidden.dtype, hidden.device), hidden, weight):
+        return _two_pass_gradients(hidden, weight, bias, targets, smoothing, token_weight, stats[0], opts, need_dh,
+                                   need_dw, need_db, chunk_bytes=LOW_MEMORY_CHUNK_BYTES)
     return triton_train_pass_low_memory(hidden, weight, bias, targets, smoothing, token_weight, opts.softcap, stats,
                                         need_dh=need_dh, need_dw=need_dw, need_db=need_db, z_loss=opts.z_loss)
 
@@ -575,24 +573,24 @@ def linear_cross_entropy(
             smoothing = F.pad(smoothing, (0, 1), value=0.0)[..., 1:]
 
     h2 = hidden.reshape(-1, d)
-    t1 = targets.reshape(-1).to(torch.int64)
-    t1 = torch.where(t1 == ignore_index, torch.full_like(t1, -1), t1)
     vocab = shard.vocab_size if shard else v
+    t1 = targets.reshape(-1).to(torch.int64)
+    # -1 for an ignored token, and for a target past the vocabulary (which the checks below refuse), so the kernels
+    # never read outside W
+    t1 = torch.where((t1 == ignore_index) | (t1 >= vocab), torch.full_like(t1, -1), t1).contiguous()
+    valid1 = t1 >= 0
+    valid_count = valid1.sum()
     n = h2.shape[0]
     if torch.is_tensor(smoothing):
         b1 = smoothing.detach().to(torch.float32).expand(out_shape).reshape(-1).contiguous()
     else:
         b1 = torch.full((n,), float(smoothing), dtype=torch.float32, device=hidden.device)
     # The checks of values on the device: synchronous on the CPU; on CUDA a device flag (bad -> NaN loss, no
-    # gradient) whose summary raises at the next call (checks.py). Bad targets are then ignored, bad b clamped, so
-    # the kernels never read outside W.
-    bad = check_device_values(targets_given, vocab, ignore_index, num_items_in_batch, (t1 >= 0).sum(),
+    # gradient) whose summary raises at the next call (checks.py), with bad b clamped meanwhile.
+    bad = check_device_values(targets_given, vocab, ignore_index, num_items_in_batch, valid_count,
                               smoothing if torch.is_tensor(smoothing) else None)
-    if bad is not None:
-        t1 = torch.where(t1 < vocab, t1, torch.full_like(t1, -1))
-        if torch.is_tensor(smoothing):
-            b1 = b1.nan_to_num(0.0).clamp(0.0, 1.0)
-    t1 = t1.contiguous()
+    if bad is not None and torch.is_tensor(smoothing):
+        b1 = b1.nan_to_num(0.0).clamp(0.0, 1.0)
 
     one_pass = shard is None and _use_train_pass(h2, weight, bias, backend)
     if filter_eps == "auto":
@@ -611,11 +609,10 @@ def linear_cross_entropy(
                     sort_vocab=sort and mem != "low", z_loss=float(z_loss), memory=mem, accum_dtype=accum_dtype,
                     need_stats=return_stats, two_pass=two_pass, reduce=reduce)
 
-    valid1 = t1 >= 0
     # The divisor of the summed token losses (None: the sum itself, or no reduction).
     denom = None
     if reduction == "mean" or (reduction == "sum" and num_items_in_batch is not None):
-        denom = loss_denominator(num_items_in_batch, valid1.sum(),
+        denom = loss_denominator(num_items_in_batch, valid_count,
                                  torch.float64 if hidden.dtype == torch.float64 else torch.float32)
     with torch.autocast(hidden.device.type, enabled=False):
         if shard is not None:

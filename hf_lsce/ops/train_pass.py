@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .backward import add_chunk_gradients
+from .backward import add_chunk_gradients, add_column_chunk_gradients
 from .config import LOW_MEMORY_CHUNK_BYTES, TRAIN_CHUNK_BYTES, interpreting
 from .forward import _tanh
 from .sparse import TILE_V, sparse_dh, sparse_dw, tile_mask
@@ -339,7 +339,7 @@ def triton_train_pass_low_memory(hidden, weight, bias, targets, smoothing, scale
     bias = bias.contiguous() if bias is not None else None
     cols = max(1, min(v, (chunk_bytes or LOW_MEMORY_CHUNK_BYTES) // (max(n, 1) * 4)))
     buf = torch.empty(n, cols, dtype=torch.float32, device=dev)
-    dh_acc = torch.zeros(n, d, dtype=torch.float32, device=dev) if need_dh else None
+    dh_acc = torch.empty(n, d, dtype=torch.float32, device=dev) if need_dh else None
     dw = torch.empty(v, d, dtype=weight.dtype, device=dev) if need_dw else None
     db = torch.empty(v, dtype=torch.float32, device=dev) if need_db else None
     block = 64 if interpreting() else min(4096, triton.next_power_of_2(cols))
@@ -355,15 +355,8 @@ def triton_train_pass_low_memory(hidden, weight, bias, targets, smoothing, scale
             c1 - c0, c0, z.stride(0), g.stride(0), float(softcap) if softcap is not None else 1.0, 1.0 / v,
             float(z_loss), HAS_BIAS=bias is not None, SOFTCAP=softcap is not None, HAS_ZLOSS=z_loss != 0,
             BLOCK=block, num_warps=warps)
-        if need_dw:
-            if dev.type == "cuda":
-                torch.mm(g.T, hidden, out=dw[c0:c1])
-            else:
-                dw[c0:c1] = (g.float().T @ hidden.float()).to(dw.dtype)
-        if need_dh:
-            _addmm_f32(dh_acc, g, w_c)
-        if need_db:
-            db[c0:c1] = g.sum(0, dtype=torch.float32)
+        add_column_chunk_gradients(g, hidden, w_c, dh_acc, dw[c0:c1] if need_dw else None,
+                                   db[c0:c1] if need_db else None, first=c0 == 0)
     return (dh_acc.to(hidden.dtype) if need_dh else None), dw, db
 
 
