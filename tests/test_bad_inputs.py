@@ -73,6 +73,7 @@ BAD_OP = [
     (dict(softcap=True), ValueError, "softcap"),
     (dict(filter_eps=-1e-3), ValueError, "filter_eps"),
     (dict(filter_eps=float("nan")), ValueError, "filter_eps"),
+    (dict(filter_eps=2.0 ** -8, softcap=30.0), ValueError, "filter_eps > 0 .* not available with softcap"),
     (dict(num_items_in_batch=0), ValueError, "num_items_in_batch is 0 but"),
     (dict(num_items_in_batch=torch.tensor(0)), ValueError, "num_items_in_batch is 0 but"),
     (dict(num_items_in_batch=0.5), ValueError, "whole number"),

@@ -217,7 +217,6 @@ class _LinearCrossEntropy(torch.autograd.Function):
         valid = targets >= 0
         ctx.kept = None
         ctx.set_materialize_grads(False)  # an unused output (the lse) sends None, not zeros
-        ctx.filter_info = {}
         if n == 0:
             e = torch.zeros(0, dtype=torch.float32, device=hidden.device)
             stats = (e, e, e, torch.zeros(0, dtype=torch.long, device=hidden.device), e)
@@ -232,12 +231,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
             elif opts.two_pass:
                 stats = forward_stats(hidden, weight, bias, targets, opts.softcap, opts.backend, stats=opts.need_stats)
                 ctx.kept = _two_pass_gradients(hidden, weight, bias, targets, smoothing, token_weight, stats[0], opts,
-                                               nd, nw, nb)
+                                               nd, nw, nb, zy=stats[1])
             else:
                 stats, dh, dw, db = triton_train_pass(
                     hidden, weight, bias, targets, smoothing, token_weight, opts.softcap, need_dh=nd, need_dw=nw,
                     need_db=nb, z_loss=opts.z_loss, filter_eps=opts.filter_eps, sort_vocab=opts.sort_vocab,
-                    accum_dtype=opts.accum_dtype, info=ctx.filter_info)
+                    accum_dtype=opts.accum_dtype)
                 ctx.kept = (dh, dw, db)
         else:
             stats = forward_stats(hidden, weight, bias, targets, opts.softcap, opts.backend, stats=opts.need_stats)
@@ -267,7 +266,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         opts = ctx.opts
         need_dh, need_dw, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         kept, ctx.kept = ctx.kept, None
-        n, v = hidden.shape[0], weight.shape[0]
+        n = hidden.shape[0]
         none7 = (None,) * 5
         if n == 0 or (grad_loss is None and grad_lse is None):
             return (torch.zeros_like(hidden) if need_dh else None, torch.zeros_like(weight) if need_dw else None,
@@ -310,32 +309,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if grad_lse is not None:
                 extra = extra + grad_lse.float()
             extra = extra.contiguous()
-        if opts.backend == "triton" and opts.filter_eps > 0 and not (opts.softcap is not None and bool((b > 0).any())):
-            # Tile-skipping recomputing backward (the soft-cap remainder b/V tanh^2 is dense: never with it).
-            from .backward import triton_backward
-            from .config import backward_config
-
-            dh, dw, db, _ = triton_backward(
-                hidden, weight, bias, targets, lse, grad.contiguous(), b.contiguous(), opts.softcap,
-                backward_config(hidden.dtype, hidden.device), opts.filter_eps, need_dh=need_dh, need_dw=need_dw,
-                extra=extra)
-            # The rank-one smoothing term -b_n/V, exact (see backward.py).
-            c = grad * b / v
-            if need_dh:
-                dh -= c[:, None] * weight.sum(0, dtype=torch.float32)[None, :]
-            if need_dw:
-                dw -= (c[None, :] @ hidden.float())
-            if db is not None:
-                db -= c.sum()
-        else:
-            dh, dw, db = dense_backward(hidden, weight, bias, targets, lse, grad.contiguous(), b.contiguous(),
-                                        opts.softcap, opts.backend, need_dh=need_dh, need_dw=need_dw, extra=extra)
+        dh, dw, db = dense_backward(hidden, weight, bias, targets, lse, grad.contiguous(), b.contiguous(),
+                                    opts.softcap, opts.backend, need_dh=need_dh, need_dw=need_dw, extra=extra)
         return (dh.to(hidden.dtype) if need_dh else None, dw.to(weight.dtype) if need_dw else None,
                 db.to(bias.dtype) if need_db and db is not None else None) + none7
 
 
 def _two_pass_gradients(hidden, weight, bias, targets, smoothing, token_weight, lse, opts, need_dh, need_dw, need_db,
-                        chunk_bytes=None):
+                        chunk_bytes=None, zy=None):
     """The two-pass training path's gradients of ``sum_n token_weight_n loss_n``, given the forward kernel's lse:
     the logits recomputed tile by tile on chip, G = dL/dz written in the input dtype a chunk of vocabulary columns
     at a time (``chunk_bytes``, default 1 GiB), dW (one rounding) and dh (fp32 accumulator) from cuBLAS
@@ -347,7 +328,8 @@ def _two_pass_gradients(hidden, weight, bias, targets, smoothing, token_weight, 
     extra = token_weight * (2.0 * opts.z_loss) * lse if opts.z_loss else None
     return triton_gradients_by_columns(hidden, weight, bias, targets, lse, token_weight, smoothing, opts.softcap,
                                        grad_logits_config(hidden.dtype, hidden.device), need_dh=need_dh,
-                                       need_dw=need_dw, need_db=need_db, chunk_bytes=chunk_bytes, extra=extra)
+                                       need_dw=need_dw, need_db=need_db, chunk_bytes=chunk_bytes, extra=extra,
+                                       filter_eps=opts.filter_eps, sort_vocab=opts.sort_vocab, zy=zy)
 
 
 def _low_memory_gradients(hidden, weight, bias, targets, smoothing, token_weight, stats, opts, need_dh, need_dw,
@@ -397,12 +379,8 @@ def _uniform_ratio(grad: torch.Tensor, token_weight: torch.Tensor) -> float | No
     return lo if lo == hi else None
 
 
-# Gradient filtering chosen by filter_eps="auto": none (0). Filtering skips a tile when each entry of it is below
-# eps, which does not bound what a row loses: where many small probabilities add up along a shared direction of W
-# (the fitted realistic inputs at the Gemma2-2B shape), 2**-16 with the vocabulary sorted skips 75% of the tiles and
-# gives a dh error of 0.14, the same in exact fp64 torch on CPU and in the kernels on the H100 (so the criterion,
-# not the kernels); the sparse products were also slower than cuBLAS's dense ones there (55.7 against 51.2 ms).
-# On Gemma-3-270m's real softmax 2**-16 added only 4.3e-4 (docs/how_it_works.md). Opt in with filter_eps > 0.
+# Gradient filtering chosen by filter_eps="auto" (CUDA, half precision, V >= AUTO_FILTER_MIN_VOCAB, no soft-cap).
+# Off (0) until measured faster than the exact path on real inputs: see docs/how_it_works.md.
 AUTO_FILTER_EPS = 0.0
 AUTO_FILTER_MIN_VOCAB = 16384
 _MEMORY = ("auto", "fast", "low")
@@ -422,10 +400,10 @@ def _use_train_pass(hidden, weight, bias, backend) -> bool:
 
 def _use_two_pass(hidden, weight, filter_eps, accum_dtype) -> bool:
     """The two-pass training path where it is the faster one: hidden size up to ``config.TWO_PASS_MAX_D`` (see
-    there for the measurement), exact gradients (no filtering), dW accumulated in the weight's dtype."""
+    there for the measurement), dW accumulated in the weight's dtype (it is written once per row there)."""
     from . import config
 
-    if filter_eps > 0 or accum_dtype not in (None, weight.dtype):
+    if accum_dtype not in (None, weight.dtype):
         return False
     if config.TRAIN_PATH is not None:  # forced (tests, benchmarks)
         return config.TRAIN_PATH == "two-pass"
@@ -511,14 +489,12 @@ def linear_cross_entropy(
         return_stats: also return :class:`LCEStats` (per-token lse, argmax, nll, entropy, valid; no gradient).
         backend: ``"auto"`` (Triton kernels on CUDA, chunked torch elsewhere), ``"triton"``
             (also on CPU under ``TRITON_INTERPRET=1``) or ``"torch"``.
-        filter_eps: gradient filtering in training. A tile of 64 rows x 128 vocabulary columns of the gradient
-            with respect to the logits whose every entry (before the token weights, without the smoothing's
-            uniform term, which stays exact) is below ``filter_eps`` is skipped in the products that give dh
-            and dW. Approximate: the criterion bounds each skipped entry, not a row's skipped mass (see
-            docs/how_it_works.md for measured errors, 4.3e-4 on real Gemma-3 inputs at 2**-16 but 0.14 on
-            synthetic ones). ``"auto"``: ``AUTO_FILTER_EPS`` (currently 0: off, exact gradients). Never with
-            soft-cap and smoothing (that gradient is dense). See ``train_pass.py`` and ``sparse.py``; the torch
-            backend ignores it.
+        filter_eps: gradient filtering in training, with a per-row bound: each token's gradient with respect to
+            the logits (its softmax and target terms; the smoothing's uniform term stays exact) may lose at most
+            ``filter_eps`` of its L1 mass, in tiles of 64 rows x 128 vocabulary columns skipped by the products
+            that give dh and dW. ``"auto"``: ``AUTO_FILTER_EPS`` (currently 0: off, exact gradients). Not with
+            soft-cap. Measured errors and skip fractions: docs/how_it_works.md. The Triton training paths only;
+            the torch backend and the recomputing backward ignore it.
         process_group: vocabulary-parallel (tensor-parallel) LM head. ``weight`` (and ``bias``) is
             this rank's contiguous shard of the vocabulary, shards in rank order (what
             ``ColwiseParallel`` / ``torch.chunk(dim=0)`` gives); ``hidden`` and ``targets`` (full
@@ -595,12 +571,11 @@ def linear_cross_entropy(
     one_pass = shard is None and _use_train_pass(h2, weight, bias, backend)
     if filter_eps == "auto":
         filter_eps = AUTO_FILTER_EPS if (one_pass and h2.device.type == "cuda" and v >= AUTO_FILTER_MIN_VOCAB
-                                         and h2.dtype in (torch.float16, torch.bfloat16)) else 0.0
+                                         and softcap is None and h2.dtype in (torch.float16, torch.bfloat16)) else 0.0
     filter_eps = float(filter_eps)
     if softcap is not None and filter_eps > 0:
-        smoothed = bool((b1 > 0).any()) if torch.is_tensor(smoothing) else float(smoothing) > 0
-        if smoothed:
-            filter_eps = 0.0  # the smoothing's gradient through the cap is dense
+        raise ValueError("filter_eps > 0 (gradient filtering) is not available with softcap: the row budget is "
+                         "computed without the cap. Leave filter_eps at 'auto' (off with softcap) or 0.")
     sort = bool(filter_eps > 0 and (sort_vocab is True or sort_vocab == "auto"))
     mem = _resolve_memory(memory, one_pass, h2, weight, accum_dtype, sort)
     reduce = reduction != "none"

@@ -38,7 +38,7 @@ import triton.language as tl
 from .backward import add_chunk_gradients, add_column_chunk_gradients
 from .config import LOW_MEMORY_CHUNK_BYTES, TRAIN_CHUNK_BYTES, interpreting
 from .forward import _tanh
-from .sparse import TILE_V, sparse_dh, sparse_dw, tile_mask
+from .sparse import TILE_N, TILE_V, FilterStats, filter_active, sparse_dh, sparse_dw, vocabulary_order  # noqa: F401
 
 
 @triton.jit
@@ -56,7 +56,7 @@ def _logit_grad(z, is_target, lse, p_mult, uniform, b, softcap, SOFTCAP: tl.cons
 
 @triton.jit
 def _lce_rows_kernel(
-    Z, BIAS, Y, SMOOTH, SCALE, G, TMAX,
+    Z, BIAS, Y, SMOOTH, SCALE, G, MASS,
     LSE_OUT, ZY_OUT, SZ_OUT, AM_OUT, ENT_OUT,
     V, stride_z, stride_g, stride_t, softcap, inv_v, z_loss,
     HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, WRITE_G: tl.constexpr, SPARSE: tl.constexpr,
@@ -124,7 +124,7 @@ def _lce_rows_kernel(
         if SPARSE:  # the uniform term leaves G: a rank-one correction applied exactly by the products
             uniform = 0.0
         g_row = G + row.to(tl.int64) * stride_g
-        t_row = TMAX + row.to(tl.int64) * stride_t
+        m_row = MASS + row.to(tl.int64) * stride_t
         for v0 in range(0, V, BLOCK):
             offs = v0 + tl.arange(0, BLOCK)
             mask = offs < V
@@ -137,11 +137,11 @@ def _lce_rows_kernel(
             g = _logit_grad(z, offs == y, lse, p_mult, uniform, b, softcap, SOFTCAP)
             tl.store(g_row + offs, (g * scale).to(G.dtype.element_ty), mask=mask)
             if SPARSE:
-                # per TV columns, the largest |g| before the token weight (0 for a row without weight)
+                # per TV columns, the mass sum |g| before the token weight (0 for a row without weight)
                 gm = tl.where(mask, tl.abs(g), 0.0) * tl.where(scale != 0.0, 1.0, 0.0)
-                seg = tl.max(tl.reshape(gm, (BLOCK // TV, TV)), axis=1)
+                seg = tl.sum(tl.reshape(gm, (BLOCK // TV, TV)), axis=1)
                 t_offs = v0 // TV + tl.arange(0, BLOCK // TV)
-                tl.store(t_row + t_offs, seg, mask=t_offs * TV < V)
+                tl.store(m_row + t_offs, seg, mask=t_offs * TV < V)
 
 
 @triton.jit
@@ -208,16 +208,6 @@ def _addmm_f32(acc, a, b):
         acc += a.float() @ b.float()
 
 
-def vocabulary_order(hidden: torch.Tensor, weight: torch.Tensor):
-    """(order, inverse): the vocabulary sorted by mean logit over the rows, ``(mean_n h_n) . W_v`` (one
-    matrix-vector product). Tokens likely everywhere come first and share tiles."""
-    mean_logit = weight.float() @ hidden.float().mean(0)
-    order = torch.argsort(mean_logit, descending=True)
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device)
-    return order, inverse
-
-
 def triton_train_pass(hidden, weight, bias, targets, smoothing, scale, softcap,
                       need_dh=True, need_dw=True, need_db=True, chunk_bytes: int | None = None,
                       z_loss: float = 0.0, filter_eps: float = 0.0, sort_vocab: bool = False,
@@ -227,19 +217,17 @@ def triton_train_pass(hidden, weight, bias, targets, smoothing, scale, softcap,
     Returns ``(lse, zy, sz, argmax, entropy), dh, dw, db``; dh in hidden's dtype, dw in weight's,
     db fp32 (None where not needed). ``targets``: ids with -1 for ignored tokens; ``smoothing`` and
     ``scale``: fp32 per token. ``z_loss``: the coefficient of ``lse^2`` in each token's loss.
-    ``filter_eps > 0``: gradient filtering (see the module docstring; not with soft-cap and smoothing, whose
-    uniform term is dense), on the vocabulary sorted by mean logit when ``sort_vocab``. ``accum_dtype``: the
-    dtype dW is accumulated in across chunks (default: the weight's). ``info`` (a dict) receives the fraction
-    of tiles skipped and a bound on the largest per-row skipped mass ``sum |G|`` (before the token weights):
-    the skipped tiles' maxima times their width.
+    ``filter_eps > 0``: gradient filtering with a per-row bound (``sparse.py``: each row loses at most
+    ``filter_eps`` of the L1 mass of its G without the uniform term; not with soft-cap), on the vocabulary sorted by
+    mean logit when ``sort_vocab``. ``accum_dtype``: the dtype dW is accumulated in across chunks (default: the
+    weight's). ``info`` (a dict) receives the filter's statistics as device tensors (``sparse.FilterStats``).
     """
     n, d = hidden.shape
     v = weight.shape[0]
     dev = hidden.device
     sparse = filter_eps > 0
-    if sparse and softcap is not None and bool((smoothing > 0).any()):
-        raise ValueError("gradient filtering with soft-cap and smoothing: the uniform term times (1 - tanh^2) is "
-                         "dense; use filter_eps=0")
+    if sparse and softcap is not None:
+        raise ValueError("gradient filtering is not available with soft-cap; use filter_eps=0")
     bias = bias.contiguous() if bias is not None else None  # the row kernel reads it with unit stride
     order = inverse = None
     w_mm, b_mm, t_mm = weight, bias, targets
@@ -263,12 +251,14 @@ def triton_train_pass(hidden, weight, bias, targets, smoothing, scale, softcap,
     dw = torch.empty(v, d, dtype=acc_dt, device=dev) if need_dw else None
     db = torch.zeros(v, **f32) if need_db else None
     n_vt = triton.cdiv(v, TILE_V)
-    tmax = torch.empty(rows, n_vt, **f32) if sparse else buf
+    tile_mass = torch.empty(rows, n_vt, **f32) if sparse else buf
     colsum = w_mm.sum(0, dtype=torch.float32) if sparse and need_dh else None
     block, warps = _rows_launch_config(v, sparse)
-    any_smoothing = sparse and bool((smoothing > 0).any())
-    skipped_tiles = total_tiles = 0
-    worst_mass = 0.0
+    if sparse:
+        u = scale * smoothing / v  # the uniform term of each row: -u_n on every logit (rank one, exact)
+        rvec = (u[:, None] * hidden.float()).sum(0) if need_dw else None  # all rows: dW's first chunk writes it
+        stats = FilterStats(n, dev) if info is not None else None
+        budgets = []
     for s in range(0, n, rows):
         e = min(n, s + rows)
         z, g, h = buf[: e - s], g_all[: e - s], hidden[s:e]
@@ -279,9 +269,9 @@ def triton_train_pass(hidden, weight, bias, targets, smoothing, scale, softcap,
         else:
             torch.mm(h, w_mm.T, out_dtype=torch.float32, out=z)
         _lce_rows_kernel[(e - s,)](
-            z, b_mm if b_mm is not None else z, t_mm[s:e], smoothing[s:e], scale[s:e], g, tmax,
+            z, b_mm if b_mm is not None else z, t_mm[s:e], smoothing[s:e], scale[s:e], g, tile_mass,
             lse[s:e], zy[s:e], sz[s:e], am[s:e], ent[s:e],
-            v, z.stride(0), g.stride(0), tmax.stride(0), float(softcap) if softcap is not None else 1.0, 1.0 / v,
+            v, z.stride(0), g.stride(0), tile_mass.stride(0), float(softcap) if softcap is not None else 1.0, 1.0 / v,
             float(z_loss), HAS_BIAS=b_mm is not None, SOFTCAP=softcap is not None, WRITE_G=write_g,
             SPARSE=sparse and write_g, HAS_ZLOSS=z_loss != 0, TV=TILE_V, BLOCK=block, num_warps=warps)
         if not write_g:
@@ -296,30 +286,26 @@ def triton_train_pass(hidden, weight, bias, targets, smoothing, scale, softcap,
             else:
                 add_chunk_gradients(g, h, w_mm, dh[s:e] if need_dh else None, dw, db, first=s == 0)
             continue
-        rowmax = tmax[: e - s]
-        active = tile_mask(rowmax, filter_eps)
-        skipped_tiles += int((~active).sum())
-        total_tiles += active.numel()
-        if info is not None:  # a bound on the |G| mass a row loses (skipped tiles' maxima x width), for the report
-            lost = torch.where(active.repeat_interleave(64, 0)[: e - s], 0.0, rowmax).sum(1) * TILE_V
-            worst_mass = max(worst_mass, float(lost.max()))
-        c = scale[s:e] * smoothing[s:e] / v if any_smoothing else None
+        mass = tile_mass[: e - s]
+        budget = filter_eps * mass.sum(1)  # the row's whole mass: this chunk holds every column
+        if stats is not None:
+            budgets.append(budget)
+        plan = filter_active(mass, torch.div(t_mm[s:e], TILE_V, rounding_mode="floor"), budget, TILE_N, stats,
+                             row0=s)
+        c = u[s:e]
         if need_dh:
-            sparse_dh(g, w_mm, active, dh[s:e], rank1=c, colsum=colsum if c is not None else None)
+            sparse_dh(g, w_mm, plan, dh[s:e], rank1=c, colsum=colsum)
         if need_dw:
-            rvec = (c[:, None] * h.float()).sum(0) if c is not None else None
-            sparse_dw(g, h, active, dw, first=s == 0, rvec=rvec, perm=order)
+            sparse_dw(g, h, plan, dw, first=s == 0, rvec=rvec if s == 0 else None, perm=order)
         if need_db:
             db += g.sum(0, dtype=torch.float32)
-            if c is not None:
-                db -= c.sum()
+            db -= c.sum()
     if order is not None:
         am = order[am.long()].to(torch.int32)
         if db is not None:
             db = torch.empty_like(db).index_copy_(0, order, db)
-    if info is not None and sparse:
-        info.update(skipped_tiles=skipped_tiles / max(total_tiles, 1), row_mass_bound=worst_mass,
-                    tile=(64, TILE_V), eps=filter_eps, sorted=order is not None)
+    if sparse and stats is not None:
+        info.update(stats.finish(torch.cat(budgets), filter_eps, sorted=order is not None))
     if dw is not None and dw.dtype != weight.dtype:
         dw = dw.to(weight.dtype)
     return (lse, zy, sz, am.long(), ent), dh, dw, db
