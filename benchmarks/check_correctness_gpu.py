@@ -156,7 +156,6 @@ def new_paths_check(sname, n, d, v, params):
     import sys
 
     sys.path.insert(0, os.path.dirname(__file__))
-    import hf_lsce.ops.train_pass as tp
     from real_inputs import realistic_batch
 
     h, w, y = realistic_batch(n, d, v, seed=3, device="cuda", **params)
@@ -166,27 +165,16 @@ def new_paths_check(sname, n, d, v, params):
     same = chunked_reference(h, w, y, None, 0.1, None, "mean", None, torch.bfloat16)
     base = dict(shape=sname, inputs="realistic (fitted)", loss_err_torch_bf16=rel(same[0], ref[0]),
                 dh_err_torch_bf16=rel(same[1], ref[1]), dw_err_torch_bf16=rel(same[2], ref[2]))
-    info, real_pass = {}, tp.triton_train_pass
-
-    def reporting_pass(*a, **k):  # the same pass, asked for its filtering report
-        k["info"] = info
-        return real_pass(*a, **k)
-    variants = [("default (no filtering)", {}), ("filtering 2^-16, sorted", dict(filter_eps=2.0 ** -16)),
+    variants = [("default (no filtering)", {}), ("filter 2^-8, sorted", dict(filter_eps=2.0 ** -8)),
                 ("memory=low", dict(memory="low")), ("accum_dtype=fp32", dict(accum_dtype=torch.float32)),
-                ("filtering 2^-14", dict(filter_eps=2.0 ** -14)), ("filtering 2^-12", dict(filter_eps=2.0 ** -12)),
-                ("filtering 2^-16, natural order", dict(filter_eps=2.0 ** -16, sort_vocab=False))]
+                ("filter 2^-6", dict(filter_eps=2.0 ** -6)), ("filter 2^-10", dict(filter_eps=2.0 ** -10)),
+                ("filter 2^-8, natural order", dict(filter_eps=2.0 ** -8, sort_vocab=False))]
     for name, kw in variants:
         hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
-        info.clear()
-        tp.triton_train_pass = reporting_pass
-        try:
-            loss = linear_cross_entropy(hh, ww, y, label_smoothing=0.1, **kw)
-            loss.backward()
-        finally:
-            tp.triton_train_pass = real_pass
+        loss = linear_cross_entropy(hh, ww, y, label_smoothing=0.1, **kw)
+        loss.backward()
         out.append(dict(base, check=name, loss_err=rel(loss.detach().float(), ref[0]), dh_err=rel(hh.grad, ref[1]),
-                        dw_err=rel(ww.grad, ref[2]), skipped_tiles=info.get("skipped_tiles"),
-                        row_mass_bound=info.get("row_mass_bound")))
+                        dw_err=rel(ww.grad, ref[2])))
         print(json.dumps(out[-1]), flush=True)
     zref = chunked_reference(h, w, y, None, 0.1, None, "mean", None, torch.float32, z_loss=1e-4)
     hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
