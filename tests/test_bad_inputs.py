@@ -203,6 +203,8 @@ def _tiny():
     (lambda m: apply_lsce_patch(m, label_smoothing=float("nan")), ValueError, "label_smoothing"),
     (lambda m: apply_lsce_patch(m, label_smoothing=True), TypeError, "label_smoothing"),
     (lambda m: apply_lsce_patch(m, fused_eval_loss="yes"), TypeError, "fused_eval_loss"),
+    (lambda m: apply_lsce_patch(m, filter_eps=-1.0), ValueError, "filter_eps must be 'auto' or a finite number"),
+    (lambda m: apply_lsce_patch(m, filter_eps="on"), ValueError, "filter_eps"),
     (lambda m: apply_lsce_patch(model_type=3), TypeError, "model_type must be a string"),
     (lambda m: apply_lsce_patch(model_type="gpt2"), ValueError, "not supported"),
     (lambda m: apply_lsce_patch(m, model_type="gemma"), ValueError, "does not match"),

@@ -69,6 +69,15 @@ def _resolve_backend(backend: str, device: torch.device) -> str:
 _INT64 = (-(2 ** 63), 2 ** 63 - 1)
 
 
+def validate_filter_eps(filter_eps) -> None:
+    """``filter_eps``: 'auto' or a finite number >= 0 (the share of each token's gradient mass filtering may drop)."""
+    if filter_eps != "auto":
+        if isinstance(filter_eps, bool) or not isinstance(filter_eps, numbers.Real) or not (
+                math.isfinite(float(filter_eps)) and filter_eps >= 0):
+            raise ValueError(f"filter_eps must be 'auto' or a finite number >= 0 (the share of each token's gradient "
+                             f"mass that gradient filtering may drop, e.g. 2**-6), got {filter_eps!r}.")
+
+
 def _validate(hidden, weight, targets, bias, label_smoothing, ignore_index, reduction, softcap,
               num_items_in_batch, backend, filter_eps, shift=False, return_stats=False):
     """Check every argument but the values that live on the device (``checks.py``); raise
@@ -132,10 +141,7 @@ def _validate(hidden, weight, targets, bias, label_smoothing, ignore_index, redu
         if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not (
                 math.isfinite(float(softcap)) and softcap > 0):
             raise ValueError(f"softcap must be None or a finite positive number, got {softcap!r}.")
-    if filter_eps != "auto":
-        if isinstance(filter_eps, bool) or not isinstance(filter_eps, numbers.Real) or not (
-                math.isfinite(float(filter_eps)) and filter_eps >= 0):
-            raise ValueError(f"filter_eps must be 'auto' or a finite number >= 0, got {filter_eps!r}.")
+    validate_filter_eps(filter_eps)
     if num_items_in_batch is not None:
         if reduction == "none":
             raise ValueError("num_items_in_batch divides the summed loss; it cannot be used with reduction='none'.")

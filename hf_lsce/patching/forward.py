@@ -211,7 +211,8 @@ def lsce_forward(self, *args, **kwargs):
     backbone_out = self.model(**kwargs, return_dict=True)
     head = output_head(self)
     targets, shift = (shift_labels, False) if shift_labels is not None else (labels, True)
-    op_kwargs = dict(label_smoothing=b, softcap=softcap_of(self), shift=shift)
+    op_kwargs = dict(label_smoothing=b, softcap=softcap_of(self), shift=shift,
+                     filter_eps=getattr(self, "_lsce_filter_eps", "auto"))
 
     def head_loss(weight, bias, hidden, targets):
         hidden, targets = hidden.to(weight.device), targets.to(weight.device)
