@@ -7,6 +7,8 @@ For each model, the same data (real instruction text packed into sequences) and 
   hf_lsce   b=0.1  apply_lsce_patch(model), the same flag
   hf        b=0    the unpatched model
   hf_lsce   b=0
+  hf_lsce_fK       apply_lsce_patch(model, filter_eps=2**-K): gradient filtering with a per-row bound (only with
+                   --methods, e.g. hf_lsce_f6:0.1)
   liger     b=0    the Trainer's own use_liger_kernel=True (Liger-Kernel's fused linear cross-entropy; it drops
                    the Trainer's smoothing, so only b = 0)
 
@@ -148,8 +150,8 @@ def run_one(name, method, b, batch, seq, steps, out_dir, device, warmup=2, check
     v = model.config.get_text_config().vocab_size
     ids = _text_ids(tok, batch * seq * (steps + warmup) + 1) if tok is not None else \
         torch.randint(0, v, (batch * seq * (steps + warmup) + 1,), generator=torch.Generator().manual_seed(0))
-    if method == "hf_lsce":
-        apply_lsce_patch(model)
+    if method.startswith("hf_lsce"):  # hf_lsce, or hf_lsce_fK: filter_eps = 2**-K
+        apply_lsce_patch(model, filter_eps=2.0 ** -int(method[9:]) if method.startswith("hf_lsce_f") else "auto")
     calls = []
     model.get_output_embeddings().register_forward_hook(lambda *a: calls.append(1))
     cuda = device == "cuda"
@@ -170,7 +172,7 @@ def run_one(name, method, b, batch, seq, steps, out_dir, device, warmup=2, check
                step_s=dt, peak_gib=torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None,
                lm_head_calls=len(calls), fused_calls=ENGAGEMENT.fused_calls - before, checkpointing=checkpointing,
                loss=trainer.state.log_history[-1].get("train_loss"), host_syncs_per_step=timer.syncs)
-    if method == "hf_lsce":
+    if method.startswith("hf_lsce"):
         row["engaged"] = row["lm_head_calls"] == 0 and row["fused_calls"] == steps + warmup
     # no revert: the Trainer's accelerate wrapper now wraps the patched forward, and the model is dropped anyway
     del trainer, model

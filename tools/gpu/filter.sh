@@ -5,6 +5,7 @@
 #   bash tools/gpu/filter.sh stage STAGE_PART      only stage one part of the Gemma-3 GGUF (.gpu/stage)
 #   bash tools/gpu/filter.sh real [STAGE_PART]     Gemma-3-270m's real hidden states and head: what the filter
 #                                                  skips and costs, the sparse kernels' sweep, the op table
+#   bash tools/gpu/filter.sh trainer [STAGE_PART]  the real Gemma-3-270m through the bf16 Trainer, exact and filtered
 # Carry the part and its manifest; the first call of a machine also carries .whl/gguf-* and .whl/cut_cross_entropy-*
 # (installed once per machine), the `real` call .gpu/data/shared/alpaca (the text). Results under $OUT/filter.
 set -uo pipefail
@@ -27,6 +28,11 @@ case $STEP in
       ${SWEEP---sweep} --eps ${EPS:-6,8,10} --out-dir "$R" 2>&1 | tail -60
     timeout ${BENCH_S:-240} python3 benchmarks/bench_linear_cross_entropy.py --suite filter --real-inputs /tmp/gemma_real.pt \
       --stem bench_filter --out-dir "$R" 2>&1 | tail -40
+    ;;
+  trainer)
+    G=$(python3 tools/gpu/gpu_stage.py join gemma-3-270m-q4_k_m.gguf --to /tmp/stage | tail -1) || exit 3
+    timeout ${TRAINER_S:-400} python3 benchmarks/bench_trainer.py --models "$G" --batch 8 --seq 1024 --steps ${STEPS:-10} \
+      --methods ${METHODS:-hf:0.1,hf_lsce:0.1,hf_lsce_f6:0.1,hf_lsce_f8:0.1,hf_lsce:0.1} --out-dir "$R" 2>&1 | tail -30
     ;;
   *) echo "unknown step $STEP"; exit 2 ;;
 esac
