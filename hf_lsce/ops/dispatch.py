@@ -20,8 +20,8 @@ def forward_stats(hidden, weight, bias, targets, softcap, backend, stats=True):
 
 def dense_backward(hidden, weight, bias, targets, lse, grad, smoothing, softcap, backend, need_dh=True, need_dw=True,
                    extra=None):
-    """(dh, dw, db) of ``sum_n grad_n loss_n`` (+ ``extra_n p_n`` on the logits' gradient) without tile skipping,
-    from the chosen backend."""
+    """(dh, dw, db) of ``sum_n grad_n loss_n`` (+ ``extra_n p_n`` on the logits' gradient), exact, from the chosen
+    backend."""
     if backend == "triton":
         from .backward import triton_backward_dense
         from .config import grad_logits_config

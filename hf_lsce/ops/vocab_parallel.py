@@ -43,7 +43,7 @@ def vocab_shard(weight: torch.Tensor, group, return_stats: bool, filter_eps) -> 
         raise ValueError("return_stats=True is not available with process_group (the per-token stats would need "
                          "more all-reduces); compute them on an unsharded head.")
     if filter_eps not in ("auto", 0, 0.0):
-        raise ValueError("filter_eps > 0 (tile skipping) is not available with process_group; leave it at 'auto'.")
+        raise ValueError("filter_eps > 0 (gradient filtering) is not available with process_group; leave it at 'auto'.")
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         raise ValueError("weight must be this rank's (V_r, D) shard of the LM head.")
     sizes = [torch.zeros(1, dtype=torch.int64, device=weight.device) for _ in range(dist.get_world_size(group))]
