@@ -33,15 +33,12 @@ import time
 
 import torch
 
+from bench_training_step import MODELS
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the random-weight configurations shared with the full-step benchmark (Llama-3.2-1B, Gemma2-2B, ...), and more
 CONFIGS = {
-    "llama3.2-1b": dict(model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
-                        num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
-                        tie_word_embeddings=True, rope_theta=500000.0, max_position_embeddings=8192),
-    "gemma2-2b": dict(model_type="gemma2", vocab_size=256000, hidden_size=2304, intermediate_size=9216,
-                      num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
-                      final_logit_softcapping=30.0, attn_logit_softcapping=50.0, query_pre_attn_scalar=256,
-                      sliding_window=4096, tie_word_embeddings=True, max_position_embeddings=8192),
+    **MODELS,
     # the real models' configurations with random weights (no checkpoint to stage)
     "smollm2-135m-config": dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
                                 num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,

@@ -41,8 +41,8 @@ def main():
     from hf_lsce.ops.backward import (add_column_chunk_gradients, mass_width, triton_gradients_by_columns,
                                       write_grad_logits)
     from hf_lsce.ops.config import GRAD_CHUNK_BYTES, grad_logits_config
-    from hf_lsce.ops.sparse import (TILE_N, TILE_V, filter_active, row_mass, sparse_dh, sparse_dw, tile_masses,
-                                    vocabulary_order)
+    from hf_lsce.ops.sparse import (TILE_N, TILE_V, filter_active, row_mass, sorted_vocabulary, sparse_dh, sparse_dw,
+                                    tile_masses)
 
     def bench(fn):
         return do_bench(fn, warmup=20, rep=200, return_mode="median")
@@ -93,9 +93,7 @@ def main():
             print(json.dumps(row), flush=True)
         # where the time goes at 2^-8, chunk by chunk (sorted vocabulary)
         eps = 2.0 ** -8
-        order, inverse = vocabulary_order(h, w)
-        ws = w.index_select(0, order)
-        ts = torch.where(t >= 0, inverse[t.clamp(min=0)], t)
+        order, ws, _, ts = sorted_vocabulary(h, w, None, t)
         budget = eps * row_mass(h, w, None, t, lse, scale, sm)
         cols = GRAD_CHUNK_BYTES // (n * h.element_size()) // TILE_V * TILE_V
         g = torch.empty(n, cols, dtype=h.dtype, device="cuda")

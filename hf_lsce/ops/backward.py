@@ -244,8 +244,8 @@ def triton_gradients_by_columns(hidden, weight, bias, targets, lse, grad, smooth
     ``zy`` (computed when not given) and lse. ``sort_vocab``: the vocabulary sorted by mean logit first. ``info``
     receives the filter's statistics as device tensors (``sparse.FilterStats``)."""
     from .config import GRAD_CHUNK_BYTES
-    from .sparse import TILE_N, TILE_V, FilterStats, filter_active, sparse_dh, sparse_dw, row_mass, tile_masses, \
-        vocabulary_order
+    from .sparse import (TILE_N, TILE_V, FilterStats, filter_active, row_mass, sorted_vocabulary, sparse_dh,
+                         sparse_dw, tile_masses, uniform_terms)
 
     n, d = hidden.shape
     v = weight.shape[0]
@@ -264,15 +264,11 @@ def triton_gradients_by_columns(hidden, weight, bias, targets, lse, grad, smooth
     w_mm, b_mm, t_mm, order = weight, bias, targets, None
     if filt:
         if sort_vocab:
-            order, inverse = vocabulary_order(hidden, weight)
-            w_mm = weight.index_select(0, order)
-            b_mm = bias.index_select(0, order) if bias is not None else None
-            t_mm = torch.where(targets >= 0, inverse[targets.clamp(min=0)], targets)
+            order, w_mm, b_mm, t_mm = sorted_vocabulary(hidden, weight, bias, targets)
         mw = mass_width(config)
         mbuf = torch.empty(n * triton.cdiv(cols, mw), dtype=torch.float32, device=dev)
         budget = filter_eps * row_mass(hidden, weight, bias, targets, lse, grad, smoothing, extra, zy)
-        u = grad * smoothing / v  # the uniform term of each row: -u_n on every logit
-        rvec = (u[:, None] * hidden.float()).sum(0) if need_dw else None
+        u, rvec = uniform_terms(grad, smoothing, v, hidden, need_dw)
         stats = FilterStats(n, dev)
     for c0 in range(0, v, cols):
         c1 = min(v, c0 + cols)

@@ -404,7 +404,7 @@ def _use_train_pass(hidden, weight, bias, backend) -> bool:
     return supported(hidden)
 
 
-def _use_two_pass(hidden, weight, filter_eps, accum_dtype) -> bool:
+def _use_two_pass(hidden, weight, accum_dtype) -> bool:
     """The two-pass training path where it is the faster one: hidden size up to ``config.TWO_PASS_MAX_D`` (see
     there for the measurement), dW accumulated in the weight's dtype (it is written once per row there)."""
     from . import config
@@ -585,7 +585,7 @@ def linear_cross_entropy(
     sort = bool(filter_eps > 0 and (sort_vocab is True or sort_vocab == "auto"))
     mem = _resolve_memory(memory, one_pass, h2, weight, accum_dtype, sort)
     reduce = reduction != "none"
-    two_pass = one_pass and mem == "fast" and _use_two_pass(h2, weight, filter_eps, accum_dtype)
+    two_pass = one_pass and mem == "fast" and _use_two_pass(h2, weight, accum_dtype)
     opts = _Options(softcap=softcap, backend=backend, filter_eps=filter_eps if mem != "low" else 0.0,
                     sort_vocab=sort and mem != "low", z_loss=float(z_loss), memory=mem, accum_dtype=accum_dtype,
                     need_stats=return_stats, two_pass=two_pass, reduce=reduce)

@@ -11,7 +11,7 @@ within that budget (a chunk of columns gets the share of its width). A tile hold
 admitted. A (``TILE_N`` rows x ``TILE_V`` columns) tile is skipped only when every one of its rows admits it, so
 what a row loses is a subset of what it admitted: at most ``eps ||G_n||_1``, up to fp32 rounding. The uniform
 term is exact, as a rank-one correction: ``dh_n -= u_n sum_v W_v`` and ``dW_v -= sum_n u_n h_n``. No host
-synchronisation: the per-row choice is a sort, a running sum and a scatter on the device.
+synchronisation: the per-row choice is a sort and a running sum on the device.
 
 The sparse products are deterministic: every output tile is owned by one program that sums its active tiles in a
 fixed order (no atomics). The vocabulary may be sorted by mean logit first: tokens that are likely everywhere then
@@ -213,7 +213,8 @@ def admitted_tiles(mass: torch.Tensor, target_tile: torch.Tensor, budget: torch.
     ``mass`` (R, T): per row and tile of columns the exact ``sum |G'|`` over the tile (G' without the uniform
     smoothing term); ``target_tile`` (R,): the tile holding the row's target (out of range: none); ``budget``
     (R,): the most mass the row may lose in these tiles. Each row admits its smallest tiles, ascending, while
-    their running sum stays within its budget; a tile holding the row's target is never admitted. A (tile_n
+    their running sum stays within its budget (where masses tie at the cut, none of the tied ones); a tile holding
+    the row's target is never admitted. The torch form of ``filter_active``'s kernel (its oracle). A (tile_n
     rows x 1 tile) block is skippable when every one of its rows admits it, so what a row loses is a subset of
     what it admitted: at most its budget. No host synchronisation (sort, cumsum, scatter on the device).
     """
@@ -223,9 +224,12 @@ def admitted_tiles(mass: torch.Tensor, target_tile: torch.Tensor, budget: torch.
     rows = torch.arange(r, device=m.device)
     m[rows, target_tile.clamp(0, t - 1).long()] = torch.where(
         has_t, torch.full_like(budget, float("inf"), dtype=m.dtype), m[rows, target_tile.clamp(0, t - 1).long()])
-    sv, si = torch.sort(m, dim=1)
-    keep = torch.cumsum(sv, dim=1) <= budget.float()[:, None]
-    admitted = torch.zeros_like(keep).scatter_(1, si, keep)
+    sv = torch.sort(m, dim=1).values
+    ok = torch.cumsum(sv, dim=1) <= budget.float()[:, None]
+    thr = torch.where(ok, sv, torch.full_like(sv, -1.0)).amax(1, keepdim=True)  # the largest admitted mass
+    # masses tied at the cut: admit none of them when the sorted order admitted only some (as the kernel does)
+    strict = (m <= thr).sum(1, keepdim=True) > ok.sum(1, keepdim=True)
+    admitted = torch.where(strict, m < thr, m <= thr)
     pad = (-r) % tile_n
     if pad:
         admitted = torch.cat([admitted, admitted.new_ones(pad, t)])
@@ -302,6 +306,22 @@ def vocabulary_order(hidden: torch.Tensor, weight: torch.Tensor):
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
     return order, inverse
+
+
+def sorted_vocabulary(hidden, weight, bias, targets):
+    """(order, weight, bias, targets) in the order of ``vocabulary_order``: W and the bias copied in that order, the
+    targets mapped to it (ignored ones, -1, kept). The training paths' filtering works in this order; dW, db and the
+    argmax go back through ``order``."""
+    order, inverse = vocabulary_order(hidden, weight)
+    return (order, weight.index_select(0, order), bias.index_select(0, order) if bias is not None else None,
+            torch.where(targets >= 0, inverse[targets.clamp(min=0)], targets).contiguous())
+
+
+def uniform_terms(grad, smoothing, v: int, hidden, need_dw: bool):
+    """The smoothing's uniform term, left out of G when filtering: ``u_n = grad_n b_n / V`` (-u_n on every logit of
+    row n), and dW's rank-one correction ``sum_n u_n h_n`` (subtracted from every row; None unless ``need_dw``)."""
+    u = grad * smoothing / v
+    return u, ((u[:, None] * hidden.float()).sum(0) if need_dw else None)
 
 
 class FilterStats:

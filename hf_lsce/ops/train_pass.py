@@ -38,7 +38,7 @@ import triton.language as tl
 from .backward import add_chunk_gradients, add_column_chunk_gradients
 from .config import LOW_MEMORY_CHUNK_BYTES, TRAIN_CHUNK_BYTES, interpreting
 from .forward import _tanh
-from .sparse import TILE_N, TILE_V, FilterStats, filter_active, sparse_dh, sparse_dw, vocabulary_order  # noqa: F401
+from .sparse import TILE_N, TILE_V, FilterStats, filter_active, sorted_vocabulary, sparse_dh, sparse_dw, uniform_terms
 
 
 @triton.jit
@@ -229,13 +229,9 @@ def triton_train_pass(hidden, weight, bias, targets, smoothing, scale, softcap,
     if sparse and softcap is not None:
         raise ValueError("gradient filtering is not available with soft-cap; use filter_eps=0")
     bias = bias.contiguous() if bias is not None else None  # the row kernel reads it with unit stride
-    order = inverse = None
-    w_mm, b_mm, t_mm = weight, bias, targets
+    order, w_mm, b_mm, t_mm = None, weight, bias, targets
     if sparse and sort_vocab:
-        order, inverse = vocabulary_order(hidden, weight)
-        w_mm = weight.index_select(0, order)
-        b_mm = bias.index_select(0, order) if bias is not None else None
-        t_mm = torch.where(targets >= 0, inverse[targets.clamp(min=0)], targets).contiguous()
+        order, w_mm, b_mm, t_mm = sorted_vocabulary(hidden, weight, bias, targets)
     f32 = dict(dtype=torch.float32, device=dev)
     lse, zy, sz, ent = (torch.empty(n, **f32) for _ in range(4))
     am = torch.empty(n, dtype=torch.int32, device=dev)
@@ -255,8 +251,7 @@ def triton_train_pass(hidden, weight, bias, targets, smoothing, scale, softcap,
     colsum = w_mm.sum(0, dtype=torch.float32) if sparse and need_dh else None
     block, warps = _rows_launch_config(v, sparse)
     if sparse:
-        u = scale * smoothing / v  # the uniform term of each row: -u_n on every logit (rank one, exact)
-        rvec = (u[:, None] * hidden.float()).sum(0) if need_dw else None  # all rows: dW's first chunk writes it
+        u, rvec = uniform_terms(scale, smoothing, v, hidden, need_dw)  # rvec of all rows: dW's first chunk writes it
         stats = FilterStats(n, dev) if info is not None else None
         budgets = []
     for s in range(0, n, rows):
