@@ -9,6 +9,8 @@ For each model, the same data (real instruction text packed into sequences) and 
   hf_lsce   b=0
   hf_lsce_fK       apply_lsce_patch(model, filter_eps=2**-K): gradient filtering with a per-row bound (only with
                    --methods, e.g. hf_lsce_f6:0.1)
+  M+compile        method M with the Trainer's torch_compile=True (inductor; the patched forward compiles whole,
+                   the op as custom operators), compared with hf+compile (only with --methods)
   liger     b=0    the Trainer's own use_liger_kernel=True (Liger-Kernel's fused linear cross-entropy; it drops
                    the Trainer's smoothing, so only b = 0)
 
@@ -143,12 +145,14 @@ def run_one(name, method, b, batch, seq, steps, out_dir, device, warmup=2, check
     from hf_lsce import apply_lsce_patch
     from hf_lsce.patching import ENGAGEMENT
 
+    compiled = method.endswith("+compile")  # the Trainer's torch_compile=True (inductor, default mode)
+    method_base = method[: -len("+compile")] if compiled else method
     model, tok = load(name, device)
     v = model.config.get_text_config().vocab_size
     ids = _text_ids(tok, batch * seq * (steps + warmup) + 1) if tok is not None else \
         torch.randint(0, v, (batch * seq * (steps + warmup) + 1,), generator=torch.Generator().manual_seed(0))
     if method.startswith("hf_lsce"):  # hf_lsce, or hf_lsce_fK: filter_eps = 2**-K
-        apply_lsce_patch(model, filter_eps=2.0 ** -int(method[9:]) if method.startswith("hf_lsce_f") else "auto")
+        apply_lsce_patch(model, filter_eps=2.0 ** -int(method_base[9:]) if method.startswith("hf_lsce_f") else "auto")
     calls = []
     model.get_output_embeddings().register_forward_hook(lambda *a: calls.append(1))
     cuda = device == "cuda"
@@ -157,7 +161,7 @@ def run_one(name, method, b, batch, seq, steps, out_dir, device, warmup=2, check
                              bf16=cuda, use_cpu=not cuda, report_to=[], save_strategy="no", logging_steps=10 ** 6,
                              optim="adamw_torch_fused" if cuda else "adamw_torch", seed=0, disable_tqdm=True,
                              dataloader_drop_last=True, gradient_checkpointing=checkpointing,
-                             use_liger_kernel=method == "liger")
+                             use_liger_kernel=method_base == "liger", torch_compile=compiled)
     timer = _Timer(warmup)
     trainer = Trainer(model=model, args=args, train_dataset=_Data(ids, seq), callbacks=[timer.cb])
     before = ENGAGEMENT.fused_calls
@@ -215,7 +219,8 @@ def table(rows):
         if "error" in r:
             lines.append(f"| {r['model']} | {r['method']} | {r['label_smoothing']} | {r.get('batch')} | {r['error']} ||||||")
             continue
-        ref = next((x for x in rows if x["model"] == r["model"] and x["method"] == "hf" and "error" not in x
+        ref = next((x for x in rows if x["model"] == r["model"] and "error" not in x
+                    and x["method"] == ("hf+compile" if r["method"].endswith("+compile") else "hf")
                     and x["label_smoothing"] == r["label_smoothing"] and x["batch"] == r["batch"]), None)
         sp = f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}x" if ref else "-"
         mb = f"{r['max_batch']}{'+' if r.get('max_batch_capped') else ''}" if "max_batch" in r else "-"
@@ -261,7 +266,9 @@ def main():
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--search", default="", help="models to search the largest batch for (comma-separated)")
     ap.add_argument("--no-liger", action="store_true")
-    ap.add_argument("--methods", default=None, help="a subset, e.g. hf:0.1,hf_lsce:0.1 (default: all five)")
+    ap.add_argument("--methods", default=None,
+                    help="a subset, e.g. hf:0.1,hf_lsce:0.1 (default: all five); a method ending in +compile runs with "
+                         "the Trainer's torch_compile=True and is compared with hf+compile")
     ap.add_argument("--out-dir", default="bench_out")
     ap.add_argument("--deadline-s", type=float, default=None)
     ap.add_argument("--smoke", action="store_true", help="CPU, a tiny model, two steps")

@@ -153,9 +153,11 @@ def check_device_values(targets, vocab_size: int, ignore_index: int, num_items_i
         check_now(targets, vocab_size, ignore_index, num_items_in_batch, valid_count, smoothing, name=name)
         return None
     context = _context(vocab_size, ignore_index, num_items_in_batch, name)
-    raise_pending_errors(block=False)
+    tracing = _tracing()
+    if not tracing:  # (no event queries while a CUDA graph is captured)
+        raise_pending_errors(block=False)
     values, bad = _summary(targets, vocab_size, ignore_index, num_items_in_batch, valid_count, smoothing)
-    if not _tracing():
+    if not tracing:
         with _LOCK:
             _PENDING.append(_Pending(values, context))
             overflow = _PENDING.pop(0) if len(_PENDING) > 64 else None  # bounded: the oldest is long complete

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from .checks import _check_num_items, check_device_values
+from .compiled import check_values, compiling, token_losses
 from .dispatch import dense_backward, forward_stats
 
 _REDUCTIONS = ("mean", "sum", "none")
@@ -247,12 +248,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         else:
             stats = forward_stats(hidden, weight, bias, targets, opts.softcap, opts.backend, stats=opts.need_stats)
         lse, zy, sz, argmax, entropy = stats
-        b = smoothing.to(lse.dtype)
-        per = lse - (1.0 - b) * zy - b * sz / v
-        if opts.z_loss:
-            per = per + opts.z_loss * lse * lse
-        loss = torch.where(valid, per, torch.zeros_like(lse))
-        nll = torch.where(valid, lse - zy, torch.zeros_like(lse))
+        loss, nll = token_loss_terms(lse, zy, sz, smoothing, valid, v, opts.z_loss)
         ctx.save_for_backward(hidden, weight, bias, targets, lse, smoothing, token_weight)
         ctx.opts = opts
         ctx.denom = denom
@@ -306,19 +302,41 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     dh, dw, db = (t.mul_(c) if t is not None else None for t in kept)
                 return dh, dw, db.to(bias.dtype) if db is not None else None, *none7
         del kept  # an upstream gradient the kept one cannot be scaled to: recompute below
-        b = smoothing.float()
-        extra = None
-        if opts.z_loss or grad_lse is not None:  # extra_n p_n on the logits' gradient
-            extra = torch.zeros_like(grad)
-            if opts.z_loss:
-                extra = extra + grad * (2.0 * opts.z_loss) * lse.float()
-            if grad_lse is not None:
-                extra = extra + grad_lse.float()
-            extra = extra.contiguous()
-        dh, dw, db = dense_backward(hidden, weight, bias, targets, lse, grad.contiguous(), b.contiguous(),
-                                    opts.softcap, opts.backend, need_dh=need_dh, need_dw=need_dw, extra=extra)
+        dh, dw, db = loss_gradients(hidden, weight, bias, targets, lse, smoothing, grad, grad_lse, opts, False,
+                                    need_dh, need_dw, need_db and bias is not None)
         return (dh.to(hidden.dtype) if need_dh else None, dw.to(weight.dtype) if need_dw else None,
                 db.to(bias.dtype) if need_db and db is not None else None) + none7
+
+
+def token_loss_terms(lse, zy, sz, smoothing, valid, vocab_size: int, z_loss: float):
+    """(per-token smoothed loss, nll) from the forward statistics; 0 where ``valid`` is False."""
+    b = smoothing.to(lse.dtype)
+    per = lse - (1.0 - b) * zy - b * sz / vocab_size
+    if z_loss:
+        per = per + z_loss * lse * lse
+    zero = torch.zeros_like(lse)
+    return torch.where(valid, per, zero), torch.where(valid, lse - zy, zero)
+
+
+def loss_gradients(hidden, weight, bias, targets, lse, smoothing, grad, grad_lse, opts, training_path: bool,
+                   need_dh, need_dw, need_db):
+    """(dh, dw, db) of ``sum_n grad_n loss_n (+ grad_lse_n lse_n)``, exact up to ``opts.filter_eps``:
+    ``training_path`` (and no lse gradient) by the training path ``opts`` names (two-pass, one-pass, low-memory),
+    with ``grad`` as the token weights; otherwise the recomputing dense backward (exact)."""
+    if training_path and grad_lse is None:
+        return _recompute_kept(hidden, weight, bias, targets, smoothing, grad.float(), lse, opts, need_dh, need_dw,
+                               need_db)
+    extra = None
+    if opts.z_loss or grad_lse is not None:  # extra_n p_n on the logits' gradient
+        extra = torch.zeros_like(grad, dtype=torch.float32)
+        if opts.z_loss:
+            extra = extra + grad.float() * (2.0 * opts.z_loss) * lse.float()
+        if grad_lse is not None:
+            extra = extra + grad_lse.float()
+        extra = extra.contiguous()
+    return dense_backward(hidden, weight, bias, targets, lse, grad.float().contiguous(),
+                          smoothing.float().contiguous(), opts.softcap, opts.backend, need_dh=need_dh,
+                          need_dw=need_dw, extra=extra)
 
 
 def _two_pass_gradients(hidden, weight, bias, targets, smoothing, token_weight, lse, opts, need_dh, need_dw, need_db,
@@ -430,6 +448,35 @@ def _validate_options(z_loss, return_lse, memory, accum_dtype, sort_vocab, weigh
         raise TypeError(f"sort_vocab must be 'auto', True or False, got {sort_vocab!r}.")
     if process_group is not None and (return_lse or memory == "low" or sort_vocab is True):
         raise ValueError("return_lse, memory='low' and sort_vocab=True are not available with process_group.")
+
+
+def training_options(hidden, weight, softcap, backend, z_loss, filter_eps, sort_vocab, memory, accum_dtype,
+                     one_pass, need_stats=False, reduce=False) -> _Options:
+    """How a call runs, from the validated arguments (``filter_eps`` a number; ``sort_vocab`` resolved): the memory
+    mode (``"auto"`` resolved against CUDA's free memory) and, for training, the two-pass or one-pass path."""
+    filter_eps = float(filter_eps)
+    mem = _resolve_memory(memory, one_pass, hidden, weight, accum_dtype, sort_vocab)
+    two_pass = one_pass and mem == "fast" and _use_two_pass(hidden, weight, accum_dtype)
+    return _Options(softcap=softcap, backend=backend, filter_eps=filter_eps if mem != "low" else 0.0,
+                    sort_vocab=sort_vocab and mem != "low", z_loss=float(z_loss), memory=mem, accum_dtype=accum_dtype,
+                    need_stats=need_stats, two_pass=two_pass, reduce=reduce)
+
+
+# Functions called with the smoothing factor (a float; None when per-token) by every call of the op that trains
+# (gradients wanted), when it runs: eagerly, and from the compiled graph's operator under torch.compile. The
+# patching's engagement record subscribes here, so a training step proves that the op itself ran.
+_TRAINING_CALL_OBSERVERS: list = []
+
+
+def observe_training_calls(fn) -> None:
+    """Call ``fn(label_smoothing)`` at every training call of the op (idempotent)."""
+    if fn not in _TRAINING_CALL_OBSERVERS:
+        _TRAINING_CALL_OBSERVERS.append(fn)
+
+
+def notify_training_call(label_smoothing) -> None:
+    for fn in list(_TRAINING_CALL_OBSERVERS):
+        fn(label_smoothing)
 
 
 def _resolve_memory(memory, one_pass, hidden, weight, accum_dtype, sort) -> str:
@@ -569,8 +616,13 @@ def linear_cross_entropy(
         b1 = torch.full((n,), float(smoothing), dtype=torch.float32, device=hidden.device)
     # The checks of values on the device: synchronous on the CPU; on CUDA a device flag (bad -> NaN loss, no
     # gradient) whose summary raises at the next call (checks.py), with bad b clamped meanwhile.
-    bad = check_device_values(targets_given, vocab, ignore_index, num_items_in_batch, valid_count,
-                              smoothing if torch.is_tensor(smoothing) else None)
+    b_given = smoothing if torch.is_tensor(smoothing) else None
+    if compiling():  # an operator the compiled graph calls, so the checks run (and can raise) at every call
+        items = num_items_in_batch if torch.is_tensor(num_items_in_batch) else None
+        items_value = None if items is not None or num_items_in_batch is None else float(num_items_in_batch)
+        bad = check_values(targets_given, vocab, ignore_index, items, items_value, valid_count, b_given)
+    else:
+        bad = check_device_values(targets_given, vocab, ignore_index, num_items_in_batch, valid_count, b_given)
     if bad is not None and torch.is_tensor(smoothing):
         b1 = b1.nan_to_num(0.0).clamp(0.0, 1.0)
 
@@ -583,12 +635,13 @@ def linear_cross_entropy(
         raise ValueError("filter_eps > 0 (gradient filtering) is not available with softcap: the row budget is "
                          "computed without the cap. Leave filter_eps at 'auto' (off with softcap) or 0.")
     sort = bool(filter_eps > 0 and (sort_vocab is True or sort_vocab == "auto"))
-    mem = _resolve_memory(memory, one_pass, h2, weight, accum_dtype, sort)
     reduce = reduction != "none"
-    two_pass = one_pass and mem == "fast" and _use_two_pass(h2, weight, accum_dtype)
-    opts = _Options(softcap=softcap, backend=backend, filter_eps=filter_eps if mem != "low" else 0.0,
-                    sort_vocab=sort and mem != "low", z_loss=float(z_loss), memory=mem, accum_dtype=accum_dtype,
-                    need_stats=return_stats, two_pass=two_pass, reduce=reduce)
+    traced = compiling()
+    if not traced:  # (traced: resolved by the operator when the graph runs)
+        opts = training_options(h2, weight, softcap, backend, z_loss, filter_eps, sort, memory, accum_dtype,
+                                one_pass, need_stats=return_stats, reduce=reduce)
+    training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (h2, weight, bias))
+    observed_b = None if torch.is_tensor(label_smoothing) else float(label_smoothing)
 
     # The divisor of the summed token losses (None: the sum itself, or no reduction).
     denom = None
@@ -603,6 +656,14 @@ def linear_cross_entropy(
                                                    z_loss=float(z_loss))
             loss = loss_tok.reshape(out_shape) if not reduce else (
                 loss_tok.sum() if denom is None else loss_tok.sum() / denom)
+        elif traced:
+            loss, lse, argmax, nll, entropy = token_losses(
+                h2, weight, bias, t1, b1, softcap, backend, float(z_loss), return_stats, filter_eps, sort, memory,
+                accum_dtype, one_pass, training, observed_b)
+            if reduce:
+                loss = loss.sum() if denom is None else loss.sum() / denom
+            else:
+                loss = loss.reshape(out_shape)
         else:
             token_weight = None
             if one_pass:
@@ -614,6 +675,8 @@ def linear_cross_entropy(
                 loss = loss.reshape(out_shape)
         if bad is not None:
             loss = torch.where(bad, torch.full_like(loss, float("nan")), loss)
+    if training and not traced:  # (traced: the operator notifies when the graph runs)
+        notify_training_call(observed_b)
     out = [loss]
     if return_stats:
         out.append(LCEStats(lse.detach().reshape(out_shape), argmax.reshape(out_shape), nll.reshape(out_shape),

@@ -23,6 +23,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.utils import ModelOutput
 
 from ..ops import divide_summed_loss, linear_cross_entropy
+from ..ops.linear_cross_entropy import observe_training_calls
 from ..ops.checks import check_now
 from .models import check_supported, output_head, softcap_of
 
@@ -67,9 +68,12 @@ class Engagement:
         self.seen: set[float] = set()  # every b the fused op trained with in this process
         self.last_unfused_reason: str | None = None
 
-    def record_fused(self, b: float) -> None:
+    def record_fused(self, b: float | None) -> None:
+        """One training call of the op, with smoothing ``b`` (None: per-token smoothing, not recorded as a value)."""
         with self._lock:
             self.fused_calls += 1
+            if b is None:
+                return
             self.seen.add(b)
             if len(self.smoothing) < 64:
                 self.smoothing.append(b)
@@ -87,6 +91,7 @@ class Engagement:
 
 
 ENGAGEMENT = Engagement()
+observe_training_calls(ENGAGEMENT.record_fused)
 
 
 @dataclass
@@ -104,6 +109,12 @@ class FusedCausalLMOutput(ModelOutput):
     past_key_values: Any = None
     hidden_states: Any = None
     attentions: Any = None
+
+
+def _eager(fn):
+    """``fn`` run outside torch.compile's tracing (a graph break; the code around it still compiles)."""
+    disable = getattr(getattr(torch, "compiler", None), "disable", None)
+    return disable(fn) if disable is not None else fn
 
 
 def original_forward(model):
@@ -223,9 +234,8 @@ def lsce_forward(self, *args, **kwargs):
         return linear_cross_entropy(hidden, weight, targets, bias=bias, reduction="none", return_stats=True,
                                     **op_kwargs)
 
-    result = _call_head_eagerly(head, head_loss, backbone_out.last_hidden_state, targets)
-    if self.training and torch.is_grad_enabled():
-        ENGAGEMENT.record_fused(b)
+    # the op records the engagement itself (ENGAGEMENT observes its training calls), also from a compiled graph
+    result = call_head(head, head_loss, backbone_out.last_hidden_state, targets)
     if not fused_lm_head:
         out = CausalLMOutputWithPast(loss=result, logits=None, past_key_values=backbone_out.past_key_values,
                                      hidden_states=backbone_out.hidden_states, attentions=backbone_out.attentions)
@@ -243,14 +253,6 @@ def lsce_forward(self, *args, **kwargs):
         past_key_values=None, hidden_states=backbone_out.hidden_states, attentions=backbone_out.attentions))
 
 
-def _eager(fn):
-    """``fn`` run outside torch.compile's tracing: the op is Triton kernels (or the chunked fallback) with a
-    host-side target check; compiling it buys nothing and would graph-break anyway. The backbone around it
-    still compiles."""
-    disable = getattr(getattr(torch, "compiler", None), "disable", None)
-    return disable(fn) if disable is not None else fn
-
-
 def call_head(head: torch.nn.Module, fn, hidden: torch.Tensor, targets: torch.Tensor):
     """``fn(weight, bias, hidden, targets)`` with the head's full weight.
 
@@ -263,23 +265,30 @@ def call_head(head: torch.nn.Module, fn, hidden: torch.Tensor, targets: torch.Te
     if it is still a DTensor.
     """
     if _is_fsdp_unit(head) or hasattr(head.weight, "ds_id"):
-        computed = []
-
-        def forward(h, t):
-            computed.append(fn(head.weight, head.bias, h, t))
-            return computed[-1]
-
-        head.forward = forward
-        try:
-            out = head(hidden, targets)
-        finally:
-            del head.forward  # back to the class's forward
-        return undo_output_cast(out, computed[-1])
+        return _call_as_head_forward(head, fn, hidden, targets)
     weight, bias = head.weight, head.bias
     if hasattr(weight, "full_tensor"):  # a DTensor outside FSDP's forward: gather the head for the op
         weight = weight.full_tensor()
         bias = bias.full_tensor() if bias is not None else None
     return fn(weight, bias, hidden, targets)
+
+
+@_eager
+def _call_as_head_forward(head: torch.nn.Module, fn, hidden: torch.Tensor, targets: torch.Tensor):
+    """``fn`` run as ``head``'s forward (see :func:`call_head`), outside torch.compile's tracing: swapping a module's
+    forward is not something Dynamo traces, and the sharding engines' hooks run as they do eagerly."""
+    computed = []
+
+    def forward(h, t):
+        computed.append(fn(head.weight, head.bias, h, t))
+        return computed[-1]
+
+    head.forward = forward
+    try:
+        out = head(hidden, targets)
+    finally:
+        del head.forward  # back to the class's forward
+    return undo_output_cast(out, computed[-1])
 
 
 def undo_output_cast(out, computed):
@@ -332,4 +341,3 @@ def _is_fsdp_unit(module: torch.nn.Module) -> bool:
     return isinstance(module, FSDPModule)
 
 
-_call_head_eagerly = _eager(call_head)

@@ -1,0 +1,136 @@
+"""The op inside ``torch.compile`` graphs and CUDA-graph captures: ``torch.library`` custom operators.
+
+Eager calls run ``_LinearCrossEntropy`` (an ``autograd.Function`` whose forward already computes the training
+gradients and keeps them on its context for backward). That context state cannot be traced, so while Dynamo traces,
+``linear_cross_entropy`` calls the three operators below instead; each is opaque to the compiler and runs its Python
+body (the same kernels, chosen by the same code) when the compiled graph runs:
+
+* ``hf_lsce::check_values``: the checks of device values (``checks.check_device_values``): synchronous on the CPU,
+  a device flag plus a deferred error on CUDA; returns the flag (the loss is NaN where it is set);
+* ``hf_lsce::token_losses``: per-token smoothed losses and statistics from the forward kernels (no gradient work);
+  differentiable through ``torch.library.register_autograd``;
+* ``hf_lsce::token_loss_gradients``: its backward: dh, dW, db of ``sum_n g_n loss_n`` (``g`` the upstream gradient of
+  the per-token losses) by the training path the eager op would take (two-pass, one-pass with its gradient
+  filtering, or the low-memory path), and the recomputing dense backward when the lse output has a gradient.
+
+The reduction (sum / denominator) stays a traced torch op, so its gradient reaches the backward operator as the
+per-token ``g``. Compared with eager, the one-pass path (D > 1024) runs one more logits matmul (its forward no
+longer computes the gradients); the two-pass path (D <= 1024, the default there) does the same work. No operator
+synchronises with the host on CUDA, so a compiled step can be captured in a CUDA graph; replays then run no Python,
+so the deferred error of a bad target is raised only for calls that ran eagerly (the NaN loss still marks it).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .checks import check_device_values
+
+
+def compiling() -> bool:
+    """Whether Dynamo is tracing the caller (torch >= 2.3; False on older torch, which then runs eagerly)."""
+    compiler = getattr(torch, "compiler", None)
+    return bool(compiler is not None and getattr(compiler, "is_compiling", lambda: False)())
+
+
+@torch.library.custom_op("hf_lsce::check_values", mutates_args=())
+def check_values(targets: Tensor, vocab_size: int, ignore_index: int, items: Optional[Tensor],
+                 items_value: Optional[float], valid_count: Tensor, smoothing: Optional[Tensor]) -> Tensor:
+    num_items = items if items is not None else (None if items_value is None else items_value)
+    bad = check_device_values(targets, vocab_size, ignore_index, num_items, valid_count, smoothing)
+    if bad is None:
+        return torch.zeros((), dtype=torch.bool, device=targets.device)
+    return bad.clone()
+
+
+@check_values.register_fake
+def _(targets, vocab_size, ignore_index, items, items_value, valid_count, smoothing):
+    return targets.new_empty((), dtype=torch.bool)
+
+
+def _stats_dtype(hidden: Tensor) -> torch.dtype:
+    return torch.float64 if hidden.dtype == torch.float64 else torch.float32
+
+
+@torch.library.custom_op("hf_lsce::token_losses", mutates_args=())
+def token_losses(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, smoothing: Tensor,
+                 softcap: Optional[float], backend: str, z_loss: float, need_stats: bool, filter_eps: float,
+                 sort_vocab: bool, memory: str, accum_dtype: Optional[torch.dtype], one_pass: bool,
+                 training: bool, observed_smoothing: Optional[float]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(per-token loss, lse, argmax, nll, entropy); ignored tokens (target < 0) have loss and nll 0."""
+    from .dispatch import forward_stats
+    from .linear_cross_entropy import notify_training_call, token_loss_terms
+
+    n = hidden.shape[0]
+    if n == 0:
+        e = torch.zeros(0, dtype=_stats_dtype(hidden), device=hidden.device)
+        return e, e.clone(), torch.zeros(0, dtype=torch.long, device=hidden.device), e.clone(), e.clone()
+    lse, zy, sz, argmax, entropy = forward_stats(hidden, weight, bias, targets, softcap, backend, stats=need_stats)
+    loss, nll = token_loss_terms(lse, zy, sz, smoothing, targets >= 0, weight.shape[0], z_loss)
+    if training:
+        notify_training_call(observed_smoothing)
+    return loss, lse.clone(), argmax.clone(), nll, entropy.clone()
+
+
+@token_losses.register_fake
+def _(hidden, weight, bias, targets, smoothing, softcap, backend, z_loss, need_stats, filter_eps, sort_vocab, memory,
+      accum_dtype, one_pass, training, observed_smoothing):
+    n, dt = hidden.shape[0], _stats_dtype(hidden)
+    return (hidden.new_empty(n, dtype=dt), hidden.new_empty(n, dtype=dt), hidden.new_empty(n, dtype=torch.long),
+            hidden.new_empty(n, dtype=dt), hidden.new_empty(n, dtype=dt))
+
+
+@torch.library.custom_op("hf_lsce::token_loss_gradients", mutates_args=())
+def token_loss_gradients(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, lse: Tensor,
+                         smoothing: Tensor, grad: Tensor, grad_lse: Optional[Tensor], softcap: Optional[float],
+                         backend: str, z_loss: float, filter_eps: float, sort_vocab: bool, memory: str,
+                         accum_dtype: Optional[torch.dtype], one_pass: bool, need_dh: bool, need_dw: bool,
+                         need_db: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(dh, dw, db) of ``sum_n grad_n loss_n + grad_lse_n lse_n``; an output not needed is an empty tensor."""
+    from .linear_cross_entropy import loss_gradients, training_options
+
+    opts = training_options(hidden, weight, softcap, backend, z_loss, filter_eps, sort_vocab, memory, accum_dtype,
+                            one_pass)
+    need_db = need_db and bias is not None
+    dh, dw, db = loss_gradients(hidden, weight, bias, targets, lse, smoothing, grad, grad_lse, opts, one_pass,
+                                need_dh, need_dw, need_db)
+    empty = hidden.new_empty(0)
+    return (dh.to(hidden.dtype) if need_dh else empty, dw.to(weight.dtype) if need_dw else empty,
+            db.to(bias.dtype) if need_db and db is not None else empty)
+
+
+@token_loss_gradients.register_fake
+def _(hidden, weight, bias, targets, lse, smoothing, grad, grad_lse, softcap, backend, z_loss, filter_eps, sort_vocab,
+      memory, accum_dtype, one_pass, need_dh, need_dw, need_db):
+    empty = hidden.new_empty(0)
+    return (torch.empty_like(hidden) if need_dh else empty, torch.empty_like(weight) if need_dw else empty,
+            torch.empty_like(bias) if need_db and bias is not None else empty)
+
+
+def _setup_context(ctx, inputs, output):
+    (hidden, weight, bias, targets, smoothing, softcap, backend, z_loss, _, filter_eps, sort_vocab, memory,
+     accum_dtype, one_pass, _, _) = inputs
+    lse = output[1]
+    ctx.save_for_backward(hidden, weight, bias, targets, smoothing, lse)
+    ctx.options = (softcap, backend, z_loss, filter_eps, sort_vocab, memory, accum_dtype, one_pass)
+    ctx.mark_non_differentiable(output[2], output[3], output[4])
+
+
+def _backward(ctx, grad_loss, grad_lse, *unused):
+    hidden, weight, bias, targets, smoothing, lse = ctx.saved_tensors
+    softcap, backend, z_loss, filter_eps, sort_vocab, memory, accum_dtype, one_pass = ctx.options
+    need_dh, need_dw, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+    if grad_loss is None and grad_lse is None:
+        return (None,) * 16
+    grad = torch.zeros_like(lse) if grad_loss is None else grad_loss
+    grad = torch.where(targets >= 0, grad.to(lse.dtype), torch.zeros_like(lse))
+    dh, dw, db = token_loss_gradients(hidden, weight, bias, targets, lse, smoothing, grad.contiguous(),
+                                      None if grad_lse is None else grad_lse.to(lse.dtype).contiguous(), softcap,
+                                      backend, z_loss, filter_eps, sort_vocab, memory, accum_dtype, one_pass,
+                                      need_dh, need_dw, need_db and bias is not None)
+    return (dh if need_dh else None, dw if need_dw else None, db if need_db and bias is not None else None) + (None,) * 13
+
+
+torch.library.register_autograd("hf_lsce::token_losses", _backward, setup_context=_setup_context)

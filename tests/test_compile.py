@@ -1,0 +1,104 @@
+"""The op and the patched forward inside ``torch.compile(fullgraph=True)`` (CPU: the torch backend, and the Triton
+kernels under the interpreter), against fp64 cross-entropy on materialised logits and against HF's own loss."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hf_lsce import linear_cross_entropy
+from hf_lsce.ops import config
+from tests.test_ops import make_inputs, reference, rel
+from tests.tiny_models import tiny_model
+
+B = 0.1
+
+
+def _compiled(fn):
+    torch._dynamo.reset()
+    return torch.compile(fn, fullgraph=True, backend="aot_eager")  # the graph is what matters; inductor adds minutes
+
+
+@pytest.mark.parametrize("backend,path", [("torch", None), ("triton", "one-pass"), ("triton", "two-pass")])
+def test_op_compiles_fullgraph_and_matches_fp64(backend, path, monkeypatch):
+    monkeypatch.setattr(config, "TRAIN_PATH", path)
+    h, w, y, b = make_inputs(bias=True, peaked=True)
+    items = torch.tensor(41)
+
+    def loss_fn(h, w, b, y):
+        return linear_cross_entropy(h, w, y, bias=b, label_smoothing=B, num_items_in_batch=items, backend=backend)
+
+    hc, wc, bc = (t.float().requires_grad_() for t in (h, w, b))
+    loss = _compiled(loss_fn)(hc, wc, bc, y)
+    loss.backward()
+    ref, dh, dw, db = reference(h, w, y, b, smoothing=B, num_items=41)
+    assert abs(loss.item() - ref.item()) < 1e-5 * abs(ref.item())
+    for got, want in ((hc.grad, dh), (wc.grad, dw), (bc.grad, db)):
+        assert rel(got, want) < 1e-5
+
+
+def test_per_token_losses_stats_and_lse_gradient_under_compile():
+    """reduction='none' with statistics, z-loss and a loss on the returned lse (the recomputing backward)."""
+    h, w, y, _ = make_inputs(peaked=True)
+    z_loss = 1e-3
+
+    def loss_fn(h, w, y):
+        tok, stats, lse = linear_cross_entropy(h, w, y, label_smoothing=B, reduction="none", return_stats=True,
+                                               return_lse=True, z_loss=z_loss, backend="triton")
+        return (tok * torch.linspace(0.5, 1.5, tok.shape[0])).sum() + 0.01 * lse.sum(), stats.argmax, stats.valid
+
+    hc, wc = (t.float().requires_grad_() for t in (h, w))
+    loss, argmax, valid = _compiled(loss_fn)(hc, wc, y)
+    loss.backward()
+    hr, wr = (t.detach().clone().requires_grad_() for t in (h, w))
+    z = hr @ wr.T
+    lse = torch.logsumexp(z, -1)
+    tok = F.cross_entropy(z, y, label_smoothing=B, reduction="none") + z_loss * torch.where(y != -100, lse * lse, 0)
+    ref = (tok * torch.linspace(0.5, 1.5, tok.shape[0], dtype=torch.float64)).sum() + 0.01 * lse.sum()
+    ref.backward()
+    assert abs(loss.item() - ref.item()) < 1e-5 * abs(ref.item())
+    assert rel(hc.grad, hr.grad) < 1e-5 and rel(wc.grad, wr.grad) < 1e-5
+    assert torch.equal(valid, y != -100) and torch.equal(argmax, z.argmax(-1))
+
+
+def test_bad_targets_raise_from_a_compiled_call():
+    h, w, y, _ = make_inputs()
+    fn = _compiled(lambda h, w, y: linear_cross_entropy(h, w, y, label_smoothing=B, backend="torch"))
+    fn(h.float(), w.float(), y)
+    y = y.clone()
+    y[3] = w.shape[0] + 5
+    with pytest.raises(ValueError, match=rf"targets must be in \[0, {w.shape[0]}\).*found {w.shape[0] + 5}"):
+        fn(h.float(), w.float(), y)
+
+
+def test_patched_model_compiles_fullgraph_with_hf_loss_and_proof():
+    """A patched Llama under torch.compile(fullgraph=True): the loss and every gradient are HF's own smoothed loss on
+    the unpatched model's logits, no logits are returned, and each compiled step is counted as a fused call when it
+    runs (not only when it was traced)."""
+    from hf_lsce.patching import ENGAGEMENT, apply_lsce_patch
+
+    stock = tiny_model("llama")
+    model = tiny_model("llama")
+    apply_lsce_patch(model, label_smoothing=B)
+    model.train()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 100, (2, 12), generator=g)
+    labels = ids.clone()
+    labels[0, :5] = -100
+    items = torch.tensor(15)
+
+    logits = stock(input_ids=ids).logits.float()
+    shifted = F.pad(labels, (0, 1), value=-100)[:, 1:]
+    ref = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), shifted.reshape(-1), label_smoothing=B,
+                          reduction="sum") / items
+    ref.backward()
+
+    compiled = _compiled(model)
+    before = ENGAGEMENT.fused_calls
+    for step in range(2):
+        model.zero_grad(set_to_none=True)
+        out = compiled(input_ids=ids, labels=labels, num_items_in_batch=items)
+        out.loss.backward()
+        assert out.logits is None
+        assert ENGAGEMENT.fused_calls - before == step + 1
+        assert abs(out.loss.item() - ref.item()) < 1e-5 * ref.item()
+        for (name, p), q in zip(model.named_parameters(), stock.parameters()):
+            assert rel(p.grad, q.grad) < 1e-4, name
