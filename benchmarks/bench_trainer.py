@@ -154,7 +154,8 @@ def run_one(name, method, b, batch, seq, steps, out_dir, device, warmup=2, check
     if method.startswith("hf_lsce"):  # hf_lsce, or hf_lsce_fK: filter_eps = 2**-K
         apply_lsce_patch(model, filter_eps=2.0 ** -int(method_base[9:]) if method.startswith("hf_lsce_f") else "auto")
     calls = []
-    model.get_output_embeddings().register_forward_hook(lambda *a: calls.append(1))
+    if not compiled:  # under torch.compile a hook that counts would be traced (its guard recompiles every step)
+        model.get_output_embeddings().register_forward_hook(lambda *a: calls.append(1))
     cuda = device == "cuda"
     args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=batch, max_steps=steps + warmup,
                              learning_rate=1e-5, lr_scheduler_type="constant", label_smoothing_factor=b,
@@ -167,14 +168,22 @@ def run_one(name, method, b, batch, seq, steps, out_dir, device, warmup=2, check
     before = ENGAGEMENT.fused_calls
     if cuda:
         torch.cuda.reset_peak_memory_stats()
+    if compiled:
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
     trainer.train()
     dt = (timer.t1 - timer.t0) / steps
     row = dict(model=name, method=method, label_smoothing=b, batch=batch, seq=seq, tokens_per_s=batch * seq / dt,
                step_s=dt, peak_gib=torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None,
-               lm_head_calls=len(calls), fused_calls=ENGAGEMENT.fused_calls - before, checkpointing=checkpointing,
+               lm_head_calls=None if compiled else len(calls), fused_calls=ENGAGEMENT.fused_calls - before,
+               checkpointing=checkpointing,
                loss=trainer.state.log_history[-1].get("train_loss"), host_syncs_per_step=timer.syncs)
+    if compiled:  # what Dynamo did: graphs compiled and graph breaks (a break or a recompile costs each step)
+        c = torch._dynamo.utils.counters
+        row["compiled_graphs"] = int(c["stats"].get("unique_graphs", 0))
+        row["graph_breaks"] = int(sum(c["graph_break"].values()))
     if method.startswith("hf_lsce"):
-        row["engaged"] = row["lm_head_calls"] == 0 and row["fused_calls"] == steps + warmup
+        row["engaged"] = (compiled or row["lm_head_calls"] == 0) and row["fused_calls"] == steps + warmup
     # no revert: the Trainer's accelerate wrapper now wraps the patched forward, and the model is dropped anyway
     del trainer, model
     gc.collect()
@@ -212,6 +221,10 @@ def largest_batch(name, method, b, seq, out_dir, device, start=8, cap=512):
     return lo, False
 
 
+def _or_dash(x):
+    return "-" if x is None else x
+
+
 def table(rows):
     lines = ["| model | method | b | batch x seq | tokens/s | vs HF (same b) | peak GiB | lm_head calls | fused calls | "
              "host syncs / step | largest batch |", "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -225,8 +238,10 @@ def table(rows):
         sp = f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}x" if ref else "-"
         mb = f"{r['max_batch']}{'+' if r.get('max_batch_capped') else ''}" if "max_batch" in r else "-"
         pk = f"{r['peak_gib']:.1f}" if r.get("peak_gib") is not None else "-"
-        lines.append(f"| {r['model']} | {r['method']} | {r['label_smoothing']} | {r['batch']} x {r['seq']} | "
-                     f"{r['tokens_per_s']:,.0f} | {sp} | {pk} | {r['lm_head_calls']} | {r['fused_calls']} | "
+        method = r["method"] + (f" ({r['compiled_graphs']} graphs, {r['graph_breaks']} breaks)"
+                                if "compiled_graphs" in r else "")
+        lines.append(f"| {r['model']} | {method} | {r['label_smoothing']} | {r['batch']} x {r['seq']} | "
+                     f"{r['tokens_per_s']:,.0f} | {sp} | {pk} | {_or_dash(r['lm_head_calls'])} | {r['fused_calls']} | "
                      f"{r.get('host_syncs_per_step', '-')} | {mb} |")
     return "\n".join(lines)
 

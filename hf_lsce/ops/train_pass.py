@@ -180,7 +180,11 @@ def supported(hidden: torch.Tensor) -> bool:
         return False
     if hidden.dtype == torch.float32 or hidden.device.type != "cuda":
         return True
-    return "dtype_out" in torch.ops.aten.mm.overloads()
+    return _MM_OUT_DTYPE
+
+
+# torch.mm(..., out_dtype=) exists (torch >= 2.9); read once, at import (not while torch.compile traces)
+_MM_OUT_DTYPE = "dtype_out" in torch.ops.aten.mm.overloads()
 
 
 def _rows_launch_config(v: int, sparse: bool = False) -> tuple[int, int]:
