@@ -260,6 +260,29 @@ def _cmd_demo(args) -> int:
     return 0
 
 
+def _cmd_sweep(args) -> int:
+    import logging
+
+    from .outputs import output_folder
+    from .run import ConsoleHandler
+    from .sweep import format_sweep, parse_b_values, run_sweep
+
+    b_values = parse_b_values(args.b)  # a bad --b fails before any folder is made
+    logging.basicConfig(level=logging.INFO, format="%(message)s", handlers=[ConsoleHandler()])
+    for noisy in ("httpx", "urllib3", "datasets", "filelock"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    with output_folder(args.output_dir, command="sweep", overwrite=args.overwrite):
+        report = run_sweep(args.output_dir, model=args.model, b_values=b_values, dataset=args.dataset,
+                           eval_tasks=args.eval_tasks, data_dir=args.data_dir,
+                           budget="tiny" if args.tiny else args.budget, steps=args.steps, limit=args.limit,
+                           seed=args.seed)
+    print(format_sweep(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
 def _cmd_diagnose(args) -> int:
     import os
 
@@ -381,6 +404,28 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--output-dir", default="hf_lsce_demo")
     d.add_argument("--overwrite", action="store_true")
     d.set_defaults(func=_cmd_demo)
+    w = sub.add_parser("sweep", help="choose b from data: short fine-tunings over b, held-out ECE and signed gap",
+                       description="Fine-tune one checkpoint briefly at each b (and 0) from the same weights, data "
+                                   "order and seed through the fused op (TRL SFTTrainer), score every run on the same "
+                                   "held-out items, compare each b with 0 by paired bootstraps, flag under-confidence, "
+                                   "and suggest the b of lowest ECE among those that measurably lowered it.")
+    w.add_argument("--model", default="smollm2-135m-instruct",
+                   help="installed checkpoint (smollm2-135m-instruct, gemma-3-270m), .gguf file, folder or hub name")
+    w.add_argument("--b", default="0,0.05,0.1,0.2", help="the grid of b, comma-separated (0 is always added)")
+    w.add_argument("--dataset", default=None, help="instruction data: an Alpaca-style JSON/JSONL file, or real QA sets "
+                                                   "rendered as instructions (default: trivia_qa,nq_open)")
+    w.add_argument("--eval-tasks", default="arc_easy,sciq,mmlu", help="held-out tasks")
+    w.add_argument("--data-dir", default=None, help="local evaluation data (default: the installed evaluation data)")
+    w.add_argument("--budget", choices=["auto", "cpu", "gpu", "tiny"], default="auto",
+                   help="the demo's budgets: SFT steps and batch, items per task (auto: gpu with CUDA, else cpu)")
+    w.add_argument("--steps", type=_positive_int, default=None, help="SFT steps per b (default: the budget's)")
+    w.add_argument("--limit", default=None, help="items per task: N, or per task (mmlu=100,arc_easy=200)")
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--tiny", action="store_true", help="the smallest run (CI): same as --budget tiny")
+    w.add_argument("--json", default=None, help="also write the report here")
+    w.add_argument("--output-dir", default="hf_lsce_sweep")
+    w.add_argument("--overwrite", action="store_true")
+    w.set_defaults(func=_cmd_sweep)
     e = sub.add_parser("eval", help="accuracy and calibration (ECE, RMS, ...) on MMLU, HellaSwag, ARC",
                        description="Score multiple-choice tasks with a causal LM; print Acc/ECE/RMS per task, "
                                    "write calibration.json and reliability diagrams.")

@@ -71,12 +71,47 @@ def _device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def choose_budget(budget: str = "auto") -> Budget:
+def choose_budget(budget: str = "auto", *, steps: int | None = None, ats_steps: int | None = None) -> Budget:
+    """The named budget (``"auto"``: gpu with CUDA, else cpu), with ``steps`` / ``ats_steps`` over its own."""
     if budget == "auto":
-        return BUDGETS["gpu" if torch.cuda.is_available() else "cpu"]
+        budget = "gpu" if torch.cuda.is_available() else "cpu"
     if budget not in BUDGETS:
         raise ValueError(f"budget must be 'auto' or one of {sorted(BUDGETS)}, got {budget!r}")
-    return BUDGETS[budget]
+    plan = BUDGETS[budget]
+    for name, v in (("steps", steps), ("ats_steps", ats_steps)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"{name} must be a positive integer; got {v!r}")
+    if steps is not None or ats_steps is not None:
+        plan = Budget(**{**asdict(plan), "sft_steps": steps or plan.sft_steps, "ats_steps": ats_steps or plan.ats_steps})
+    return plan
+
+
+def task_plan(eval_tasks: str, plan: Budget, limit=None) -> tuple[list[str], dict, dict]:
+    """(task names, items per task, shots per task): the budget's, with ``limit`` (N, or per task) over it."""
+    from .calibration.tasks import parse_per_task, parse_task_names
+
+    names = parse_task_names(eval_tasks)
+    limits = {n: plan.limits.get(n, 200 if plan.name != "tiny" else 8) for n in names}
+    if limit is not None:
+        limits.update({k: v for k, v in parse_per_task(limit, names, "limit", allow_zero=False).items() if v})
+    return names, limits, {n: plan.shots.get(n, 0) for n in names}
+
+
+def instruction_split(dataset: str | None, task_names: list[str], data_dir: str | None, plan: Budget,
+                      command: str = "demo") -> tuple[list[dict], list[dict]]:
+    """(SFT records, held-out records) of the instruction data (default TriviaQA + NQ-Open as instructions),
+    refused when it overlaps the evaluation tasks, cut to the budget."""
+    from .data import check_disjoint, load_instruction_records
+
+    check_disjoint(dataset or DEFAULT_DATA, task_names)
+    records = load_instruction_records(dataset or DEFAULT_DATA, data_dir=data_dir if dataset else None)
+    if plan.records is not None:
+        records = records[: plan.records + plan.calibration_records]
+    n_cal = min(plan.calibration_records, max(1, len(records) // 5))
+    if len(records) < 2 * n_cal:
+        raise ValueError(f"{dataset or DEFAULT_DATA} gives {len(records)} records; the {command} needs at least "
+                         f"{2 * n_cal} (training and a held-out split)")
+    return records[:-n_cal], records[-n_cal:]
 
 
 def _sft(path, tokenizer, train, eval_records, callback_task, *, label_smoothing, budget: Budget, output_dir, seed):
@@ -116,23 +151,13 @@ def run_demo(output_dir: str = "hf_lsce_demo", *, model: str = DEFAULT_MODEL, da
     from .ats import ATSCalibrator
     from .ats.training import train_ats
     from .calibration import Task, paired_bootstrap, reliability_grid, score_task
-    from .calibration.tasks import parse_per_task, parse_task_names, resolve_tasks
+    from .calibration.tasks import resolve_tasks
     from .checkpoints import resolve_model_path
-    from .data import load_instruction_records
 
     if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) or not 0 < label_smoothing <= 1:
         raise ValueError(f"label_smoothing must lie in (0, 1]; got {label_smoothing!r} (the demo compares it to 0)")
-    plan = choose_budget(budget)
-    if steps is not None or ats_steps is not None:
-        for name, v in (("steps", steps), ("ats_steps", ats_steps)):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise ValueError(f"{name} must be a positive integer; got {v!r}")
-        plan = Budget(**{**asdict(plan), "sft_steps": steps or plan.sft_steps, "ats_steps": ats_steps or plan.ats_steps})
-    names = parse_task_names(eval_tasks)
-    limits = {n: plan.limits.get(n, 200 if plan.name != "tiny" else 8) for n in names}
-    if limit is not None:
-        limits.update({k: v for k, v in parse_per_task(limit, names, "limit", allow_zero=False).items() if v})
-    shots = {n: plan.shots.get(n, 0) for n in names}
+    plan = choose_budget(budget, steps=steps, ats_steps=ats_steps)
+    names, limits, shots = task_plan(eval_tasks, plan, limit)
     t_start = time.perf_counter()
 
     # -------------------------------------------------------------------------- model and data
@@ -142,17 +167,7 @@ def run_demo(output_dir: str = "hf_lsce_demo", *, model: str = DEFAULT_MODEL, da
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    from .data import check_disjoint
-
-    check_disjoint(dataset or DEFAULT_DATA, names)
-    records = load_instruction_records(dataset or DEFAULT_DATA, data_dir=data_dir if dataset else None)
-    if plan.records is not None:
-        records = records[: plan.records + plan.calibration_records]
-    n_cal = min(plan.calibration_records, max(1, len(records) // 5))
-    if len(records) < 2 * n_cal:
-        raise ValueError(f"{dataset or DEFAULT_DATA} gives {len(records)} records; the demo needs at least "
-                         f"{2 * n_cal} (training and a held-out calibration split)")
-    train, calib = records[:-n_cal], records[-n_cal:]
+    train, calib = instruction_split(dataset, names, data_dir, plan)
     tasks = resolve_tasks(names, data_dir, shots=shots, limit=limits)
     dev = _device()
     logger.info("demo on %s (%s budget, %s): %d SFT records, %d calibration records, tasks %s", model, plan.name, dev,

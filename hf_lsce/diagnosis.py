@@ -213,12 +213,6 @@ def _chance(task) -> float:
     return sum(1.0 / len(it.choices) for it in task.items) / len(task.items)
 
 
-def _gap_interval(conf: torch.Tensor, corr: torch.Tensor) -> tuple[float, float]:
-    d = (conf - corr).double()
-    half = 1.96 * float(d.std(unbiased=True)) / math.sqrt(d.numel()) if d.numel() > 1 else float("inf")
-    return float(d.mean()) - half, float(d.mean()) + half
-
-
 def _key(b: float) -> str:
     return f"{b:g}"
 
@@ -244,7 +238,7 @@ def diagnose_model(model, tokenizer, *, label_smoothing: float = 0.1, tasks=DEFA
     :func:`hf_lsce.calibration.tasks.resolve_tasks`."""
     from . import theory
     from .calibration import calibration_metrics, score_task
-    from .calibration.metrics import top_label
+    from .calibration.metrics import signed_gap_interval
     from .calibration.tasks import resolve_tasks
     from .data import load_instruction_records
     from .patching.models import softcap_of, text_config
@@ -292,8 +286,7 @@ def diagnose_model(model, tokenizer, *, label_smoothing: float = 0.1, tasks=DEFA
             s = score_task(model, tokenizer, task, batch_size=batch_size, n_bins=n_bins, progress=progress,
                            temperatures=sorted(set(tau.values())))
             scores[task.name] = s
-            conf, corr = top_label(s.probs.double(), s.labels)
-            lo, hi = _gap_interval(conf, corr)
+            lo, hi = signed_gap_interval(s.probs.double(), s.labels)
             chance = _chance(task)
             se = math.sqrt(chance * (1 - chance) / len(task))
             soft = {k: calibration_metrics(s.probs_at(t), s.labels, n_bins=n_bins) for k, t in tau.items()}

@@ -27,14 +27,16 @@ Conventions (all metrics compute in float64 on CPU; inputs may be tensors, array
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
+
 import torch
 
 __all__ = [
     "ReliabilityData", "CalibrationResult", "reliability_data", "expected_calibration_error",
     "maximum_calibration_error", "rms_calibration_error", "static_calibration_error",
     "adaptive_calibration_error", "brier_score", "top_label_brier_score", "negative_log_likelihood",
-    "calibration_metrics", "top_label",
+    "calibration_metrics", "top_label", "paired_bootstrap", "signed_gap_interval",
 ]
 
 _SUM_TOL = 1e-3  # rows of a probability matrix must sum to 1 within this (bf16 softmax sums ~1e-3 off)
@@ -377,6 +379,19 @@ _PAIRED = {"ece": lambda c, k, n: _ece(*_gaps_of(*_bin_stats(c, k, n, True)[1:],
            "rms": lambda c, k, n: _rms(*_gaps_of(*_bin_stats(c, k, n, True)[1:], c.numel())),
            "acc": lambda c, k, n: float(k.mean()),
            "signed_gap": lambda c, k, n: float(c.mean() - k.mean())}
+
+
+def signed_gap_interval(probs, labels, level: float = 0.95) -> tuple[float, float]:
+    """Normal-approximation interval of the top-label signed gap (mean confidence minus accuracy) over the items:
+    above 0 over-confident, below 0 under-confident, at that level."""
+    if not 0 < level < 1:
+        raise ValueError(f"level must lie in (0, 1), got {level!r}")
+    p, y = _check_probs(probs, labels)
+    conf, corr = _top_label(p, y)
+    d = (conf - corr).double()
+    z = float(torch.distributions.Normal(0.0, 1.0).icdf(torch.tensor(0.5 + level / 2, dtype=torch.float64)))
+    half = z * float(d.std(unbiased=True)) / math.sqrt(d.numel()) if d.numel() > 1 else float("inf")
+    return float(d.mean()) - half, float(d.mean()) + half
 
 
 def paired_bootstrap(probs_a, probs_b, labels, *, metric: str = "ece", n_bins: int = 15, n_boot: int = 1000,

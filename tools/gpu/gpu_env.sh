@@ -7,8 +7,9 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
       && touch /tmp/site/.installed
   fi
-  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
+# installed by an earlier call of this warm machine, or by this one
+[ -f /tmp/site/.installed ] && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export HF_LSCE_CACHE=/tmp/hf_lsce_cache                        # converted checkpoints, kept while warm

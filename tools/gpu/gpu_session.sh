@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The device calls of one GPU session, one step per call (each carries what it needs: see docs/benchmarks.md).
-#   bash tools/gpu/gpu_session.sh STEP [STAGE_PART]
+#   bash tools/gpu/gpu_session.sh STEP [STAGE_PART]      (STEP: sanity, trainer-config, stage-only, real, table1, ats, sweep)
 # STAGE_PART (a file under .gpu/stage): checked and moved to /tmp/stage first (tools/gpu/gpu_stage.py).
 # Every step writes under $OUT/STEP and packs it into $OUT/STEP.tar.gz (one file comes back).
 set -uo pipefail
@@ -57,6 +57,13 @@ case $STEP in
     S=$(python3 tools/gpu/gpu_stage.py join SmolLM2-135M-Instruct.Q4_1.gguf --to /tmp/stage | tail -1) || exit 3
     timeout ${ATS_S:-240} python3 benchmarks/table1.py --ats --ats-model "$S" --deadline-s $(( ${ATS_S:-240} - 40 )) \
       --out-dir "$R" 2>&1 | tee "$R/ats.log"
+    ;;
+  sweep)  # hf-lsce sweep on SmolLM2-135M-Instruct (staged GGUF): short SFT runs over b, held-out ECE and signed gap
+    S=$(python3 tools/gpu/gpu_stage.py join SmolLM2-135M-Instruct.Q4_1.gguf --to /tmp/stage | tail -1) || exit 3
+    timeout ${SWEEP_S:-560} python3 -m hf_lsce.cli sweep --model "$S" --budget gpu --b ${B:-0,0.05,0.1,0.2,0.3} \
+      --dataset ${DATASET:-.gpu/data/shared/alpaca/alpaca_en_demo.json} --eval-tasks ${TASKS:-arc_easy,sciq,boolq,mmlu} \
+      --limit ${LIMIT:-400} --steps ${STEPS:-60} --output-dir "$R/sweep" 2>&1 | grep -av "it/s\]\|s/it\]" | tail -40
+    rm -rf "$R"/sweep/sft_b*
     ;;
   *) echo "unknown step $STEP"; exit 2 ;;
 esac
