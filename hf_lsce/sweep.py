@@ -8,8 +8,10 @@ compared with b = 0 by paired bootstraps over the items (ECE, signed gap, accura
 calibrated) shows as such.
 
 Verdict per b against 0: ``better`` (some task's ECE lower with its interval below 0, none higher with its interval
-above 0), ``worse`` (the reverse), ``mixed`` (both), or ``no resolvable change``. The suggested b is the ``better`` b
-of lowest pooled ECE (items-weighted over the tasks), else 0. The budgets are the demo's (``--budget``, ``--steps``,
+above 0), ``worse`` (the reverse), ``mixed`` (both), or ``no resolvable change``; a b whose accuracy interval lies
+below 0 on some task is said to cost accuracy. The suggested b is the ``better`` b of lowest pooled ECE
+(items-weighted over the tasks) that costs no accuracy, else 0; ``lowest_ece_b`` is the same choice ignoring
+accuracy. The budgets are the demo's (``--budget``, ``--steps``,
 ``--limit``): short runs answer "which b, for this model and data, at this length of training", not what a long run
 would reach.
 """
@@ -68,9 +70,14 @@ def verdicts(comparisons: dict) -> dict:
     return out
 
 
-def suggest(pooled_ece: dict, verdict: dict) -> float:
-    """The ``better`` b of lowest pooled ECE, else 0."""
-    better = [k for k, v in verdict.items() if v == "better"]
+def accuracy_costs(comparisons: dict) -> dict:
+    """b (as text) -> the tasks whose accuracy is lower than at b = 0 with the interval below 0."""
+    return {key: [t for t, c in per_task.items() if c["acc"]["high"] < 0] for key, per_task in comparisons.items()}
+
+
+def suggest(pooled_ece: dict, verdict: dict, costs: dict | None = None) -> float:
+    """The ``better`` b of lowest pooled ECE among those with no accuracy cost (``costs``: b -> tasks), else 0."""
+    better = [k for k, v in verdict.items() if v == "better" and not (costs or {}).get(k)]
     return float(min(better, key=lambda k: pooled_ece[k])) if better else 0.0
 
 
@@ -139,14 +146,17 @@ def run_sweep(output_dir: str = "hf_lsce_sweep", *, model: str = DEFAULT_MODEL, 
                 metric: asdict(paired_bootstrap(ref.probs, s.probs, ref.labels, metric=metric, n_bins=n_bins,
                                                 seed=seed))
                 for metric in ("ece", "signed_gap", "acc")}
-    verdict = verdicts(comparisons)
-    suggested = suggest({k: v["ece"] for k, v in pooled.items()}, verdict)
+    verdict, costs = verdicts(comparisons), accuracy_costs(comparisons)
+    pooled_ece = {k: v["ece"] for k, v in pooled.items()}
+    suggested = suggest(pooled_ece, verdict, costs)
+    lowest = suggest(pooled_ece, verdict)  # the same, ignoring accuracy
     report = {"output_dir": output_dir, "model": model, "checkpoint": path, "device": str(dev),
               "budget": {"name": plan.name, "sft_steps": plan.sft_steps, "batch_size": plan.batch_size, "lr": plan.lr},
               "dataset": dataset or DEFAULT_DATA, "sft_records": len(train), "seed": seed, "b_values": bs,
               "tasks": {t.name: {"n": len(t), "split": t.split, "shots": shots[t.name]} for t in tasks},
               "results": results, "pooled": pooled, "versus_b0": comparisons, "verdict": verdict,
-              "suggested_b": suggested, "seconds": round(time.perf_counter() - t_start, 1)}
+              "accuracy_cost": costs, "suggested_b": suggested, "lowest_ece_b": lowest,
+              "seconds": round(time.perf_counter() - t_start, 1)}
     report["figure"] = plot_sweep(report, os.path.join(output_dir, "sweep.png"))
     with open(os.path.join(output_dir, "sweep.json"), "w") as f:
         json.dump(report, f, indent=1)
@@ -209,12 +219,18 @@ def format_sweep(report: dict) -> str:
         for t, c in per_task.items():
             e = c["ece"]
             parts.append(f"{t} ECE {e['diff']:+.3f} [{e['low']:+.3f}, {e['high']:+.3f}]")
-        lines.append(f"  b = {k}: {report['verdict'][k]}; " + "; ".join(parts))
+        cost = [f"{t} {per_task[t]['acc']['diff']:+.3f} [{per_task[t]['acc']['low']:+.3f}, "
+                f"{per_task[t]['acc']['high']:+.3f}]" for t in report["accuracy_cost"][k]]
+        lines.append(f"  b = {k}: {report['verdict'][k]}; " + "; ".join(parts)
+                     + (f"; accuracy lower on {', '.join(cost)}" if cost else ""))
     under = [f"{t} at b = {k}" for k in keys for t in tasks
              if report["results"][k][t]["state"] == "under-confident"]
     if under:
         lines.append("under-confident (signed gap's interval below 0): " + ", ".join(under))
-    lines.append(f"suggested b = {report['suggested_b']:g}" + (
-        "" if report["suggested_b"] else " (no b > 0 lowered ECE by more than these items can resolve)"))
+    why = ""
+    if not report["suggested_b"]:
+        why = (f" (b = {report['lowest_ece_b']:g} lowered ECE but cost accuracy)" if report["lowest_ece_b"] else
+               " (no b > 0 lowered ECE by more than these items can resolve)")
+    lines.append(f"suggested b = {report['suggested_b']:g}{why}")
     lines.append(f"report: {os.path.join(report['output_dir'], 'sweep.json')}; figure: {report['figure']}")
     return "\n".join(lines)

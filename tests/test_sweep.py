@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hf_lsce.calibration import signed_gap_interval
-from hf_lsce.sweep import parse_b_values, suggest, verdicts
+from hf_lsce.sweep import accuracy_costs, parse_b_values, suggest, verdicts
 
 
 def test_b_grid_is_sorted_with_zero_and_bad_grids_are_refused():
@@ -20,8 +20,8 @@ def test_b_grid_is_sorted_with_zero_and_bad_grids_are_refused():
             parse_b_values(bad)
 
 
-def _cmp(low, high):
-    return {"ece": {"low": low, "high": high}}
+def _cmp(low, high, acc_high=0.01):
+    return {"ece": {"low": low, "high": high}, "acc": {"low": acc_high - 0.03, "high": acc_high}}
 
 
 def test_verdicts_and_suggestion_follow_the_intervals():
@@ -37,6 +37,10 @@ def test_verdicts_and_suggestion_follow_the_intervals():
     pooled = {"0": 0.2, "0.05": 0.15, "0.1": 0.17, "0.2": 0.05, "0.3": 0.3, "0.4": 0.01}
     assert suggest(pooled, v) == 0.05  # the lowest pooled ECE among the better ones, not the mixed 0.2 or 0.4
     assert suggest(pooled, {k: "no resolvable change" for k in v}) == 0.0
+    comparisons["0.05"]["b"] = _cmp(-0.02, 0.01, acc_high=-0.002)  # 0.05 now costs accuracy on task b
+    costs = accuracy_costs(comparisons)
+    assert costs == {"0.05": ["b"], "0.1": [], "0.2": [], "0.3": [], "0.4": []}
+    assert suggest(pooled, v, costs) == 0.1 and suggest(pooled, v) == 0.05
 
 
 def test_signed_gap_interval_is_the_normal_interval_of_confidence_minus_correctness():
@@ -85,6 +89,7 @@ def test_sweep_tiny_end_to_end_on_the_real_checkpoint(tmp_path, capsys):
                                                         - rep["results"]["0"][task]["signed_gap"], abs=1e-6)
         assert c["ece"]["low"] <= c["ece"]["diff"] <= c["ece"]["high"]
     assert rep["verdict"]["0.1"] == verdicts(rep["versus_b0"])["0.1"]
+    assert rep["accuracy_cost"] == accuracy_costs(rep["versus_b0"])
     assert f"suggested b = {rep['suggested_b']:g}" in printed and (out / "sweep.png").exists()
     assert main(["sweep", "--tiny", "--output-dir", str(out)]) == 2  # not replaced without --overwrite
     assert "--overwrite" in capsys.readouterr().err

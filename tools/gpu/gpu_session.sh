@@ -58,8 +58,9 @@ case $STEP in
     timeout ${ATS_S:-240} python3 benchmarks/table1.py --ats --ats-model "$S" --deadline-s $(( ${ATS_S:-240} - 40 )) \
       --out-dir "$R" 2>&1 | tee "$R/ats.log"
     ;;
-  sweep)  # hf-lsce sweep on SmolLM2-135M-Instruct (staged GGUF): short SFT runs over b, held-out ECE and signed gap
-    S=$(python3 tools/gpu/gpu_stage.py join SmolLM2-135M-Instruct.Q4_1.gguf --to /tmp/stage | tail -1) || exit 3
+  sweep)  # hf-lsce sweep on a staged GGUF (GGUF=..., default SmolLM2-135M-Instruct): short SFT runs over b
+    S=$(python3 tools/gpu/gpu_stage.py join ${GGUF:-SmolLM2-135M-Instruct.Q4_1.gguf} --to /tmp/stage | tail -1) || exit 3
+    python3 -c "from hf_lsce.checkpoints import resolve_model_path as r; r('$S')" >/dev/null 2>&1; fix_gemma_tokenizer
     timeout ${SWEEP_S:-560} python3 -m hf_lsce.cli sweep --model "$S" --budget gpu --b ${B:-0,0.05,0.1,0.2,0.3} \
       --dataset ${DATASET:-.gpu/data/shared/alpaca/alpaca_en_demo.json} --eval-tasks ${TASKS:-arc_easy,sciq,boolq,mmlu} \
       --limit ${LIMIT:-400} --steps ${STEPS:-60} --output-dir "$R/sweep" 2>&1 | grep -av "it/s\]\|s/it\]" | tail -40
