@@ -81,6 +81,17 @@ def suggest(pooled_ece: dict, verdict: dict, costs: dict | None = None) -> float
     return float(min(better, key=lambda k: pooled_ece[k])) if better else 0.0
 
 
+def decide(report: dict) -> dict:
+    """Fill ``verdict``, ``accuracy_cost``, ``suggested_b`` and ``lowest_ece_b`` of a report from its paired
+    comparisons and pooled ECE (in place; also for a report saved by an earlier version)."""
+    comparisons = report["versus_b0"]
+    pooled_ece = {k: v["ece"] for k, v in report["pooled"].items()}
+    report["verdict"], report["accuracy_cost"] = verdicts(comparisons), accuracy_costs(comparisons)
+    report["suggested_b"] = suggest(pooled_ece, report["verdict"], report["accuracy_cost"])
+    report["lowest_ece_b"] = suggest(pooled_ece, report["verdict"])  # the same, ignoring accuracy
+    return report
+
+
 def run_sweep(output_dir: str = "hf_lsce_sweep", *, model: str = DEFAULT_MODEL, b_values=DEFAULT_B,
               dataset: str | None = None, eval_tasks: str = DEFAULT_TASKS, data_dir: str | None = None,
               budget: str = "auto", steps: int | None = None, limit=None, seed: int = 0, n_bins: int = 10) -> dict:
@@ -146,17 +157,13 @@ def run_sweep(output_dir: str = "hf_lsce_sweep", *, model: str = DEFAULT_MODEL, 
                 metric: asdict(paired_bootstrap(ref.probs, s.probs, ref.labels, metric=metric, n_bins=n_bins,
                                                 seed=seed))
                 for metric in ("ece", "signed_gap", "acc")}
-    verdict, costs = verdicts(comparisons), accuracy_costs(comparisons)
-    pooled_ece = {k: v["ece"] for k, v in pooled.items()}
-    suggested = suggest(pooled_ece, verdict, costs)
-    lowest = suggest(pooled_ece, verdict)  # the same, ignoring accuracy
     report = {"output_dir": output_dir, "model": model, "checkpoint": path, "device": str(dev),
               "budget": {"name": plan.name, "sft_steps": plan.sft_steps, "batch_size": plan.batch_size, "lr": plan.lr},
               "dataset": dataset or DEFAULT_DATA, "sft_records": len(train), "seed": seed, "b_values": bs,
               "tasks": {t.name: {"n": len(t), "split": t.split, "shots": shots[t.name]} for t in tasks},
-              "results": results, "pooled": pooled, "versus_b0": comparisons, "verdict": verdict,
-              "accuracy_cost": costs, "suggested_b": suggested, "lowest_ece_b": lowest,
+              "results": results, "pooled": pooled, "versus_b0": comparisons,
               "seconds": round(time.perf_counter() - t_start, 1)}
+    decide(report)
     report["figure"] = plot_sweep(report, os.path.join(output_dir, "sweep.png"))
     with open(os.path.join(output_dir, "sweep.json"), "w") as f:
         json.dump(report, f, indent=1)
@@ -229,8 +236,14 @@ def format_sweep(report: dict) -> str:
         lines.append("under-confident (signed gap's interval below 0): " + ", ".join(under))
     why = ""
     if not report["suggested_b"]:
-        why = (f" (b = {report['lowest_ece_b']:g} lowered ECE but cost accuracy)" if report["lowest_ece_b"] else
-               " (no b > 0 lowered ECE by more than these items can resolve)")
+        worse = [k for k, v in report["verdict"].items() if v in ("worse", "mixed")]
+        if report["lowest_ece_b"]:
+            why = f" (b = {report['lowest_ece_b']:g} lowered ECE most but cost accuracy)"
+        elif worse:
+            why = (" (no b > 0 lowered ECE without raising it on another task: "
+                   + ", ".join(f"b = {k} {report['verdict'][k]}" for k in report["verdict"]) + ")")
+        else:
+            why = " (no b > 0 lowered ECE by more than these items can resolve)"
     lines.append(f"suggested b = {report['suggested_b']:g}{why}")
     lines.append(f"report: {os.path.join(report['output_dir'], 'sweep.json')}; figure: {report['figure']}")
     return "\n".join(lines)

@@ -11,13 +11,17 @@ body (the same kernels, chosen by the same code) when the compiled graph runs:
   differentiable through ``torch.library.register_autograd``;
 * ``hf_lsce::token_loss_gradients``: its backward: dh, dW, db of ``sum_n g_n loss_n`` (``g`` the upstream gradient of
   the per-token losses) by the training path the eager op would take (two-pass, one-pass with its gradient
-  filtering, or the low-memory path), and the recomputing dense backward when the lse output has a gradient.
+  filtering, or the low-memory path), and the recomputing dense backward when the lse output has a gradient;
+* ``hf_lsce::reduced_training_loss``: a reduced training loss (the Trainer's: sum / ``num_items_in_batch``) without
+  an lse output: as eagerly, its forward runs the training path and returns the gradients of the loss with the
+  statistics; its backward multiplies them by the upstream scalar (a traced element-wise op), so the one-pass path
+  (D > 1024) costs no second logits pass.
 
-The reduction (sum / denominator) stays a traced torch op, so its gradient reaches the backward operator as the
-per-token ``g``. Compared with eager, the one-pass path (D > 1024) runs one more logits matmul (its forward no
-longer computes the gradients); the two-pass path (D <= 1024, the default there) does the same work. No operator
-synchronises with the host on CUDA, so a compiled step can be captured in a CUDA graph; replays then run no Python,
-so the deferred error of a bad target is raised only for calls that ran eagerly (the NaN loss still marks it).
+For per-token losses the reduction stays a traced torch op, so its gradient reaches the backward operator as the
+per-token ``g`` (the forward computes the statistics only: one more logits matmul than eagerly on the one-pass path;
+the two-pass path does the same work either way). No operator synchronises with the host on CUDA, so a compiled
+step can be captured in a CUDA graph; replays then run no Python, so the deferred error of a bad target is raised
+only for calls that ran eagerly (the NaN loss still marks it).
 """
 from __future__ import annotations
 
@@ -134,3 +138,80 @@ def _backward(ctx, grad_loss, grad_lse, *unused):
 
 
 torch.library.register_autograd("hf_lsce::token_losses", _backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op("hf_lsce::reduced_training_loss", mutates_args=())
+def reduced_training_loss(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, smoothing: Tensor,
+                          token_weight: Tensor, denom: Optional[Tensor], softcap: Optional[float], backend: str,
+                          z_loss: float, need_stats: bool, filter_eps: float, sort_vocab: bool, memory: str,
+                          accum_dtype: Optional[torch.dtype], observed_smoothing: Optional[float], need_dh: bool,
+                          need_dw: bool, need_db: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                                                                 Tensor, Tensor]:
+    """(loss = sum_n loss_n / denom, lse, argmax, nll, entropy, dh, dw, db), the gradients those of the loss; a
+    gradient not needed is an empty tensor."""
+    from .linear_cross_entropy import (notify_training_call, statistics_and_gradients, token_loss_terms,
+                                       training_options)
+
+    n, dt = hidden.shape[0], _stats_dtype(hidden)
+    need_db = need_db and bias is not None
+    empty = hidden.new_empty(0)
+    if n == 0:
+        e = torch.zeros(0, dtype=dt, device=hidden.device)
+        kept = (torch.zeros_like(hidden) if need_dh else empty, torch.zeros_like(weight) if need_dw else empty,
+                torch.zeros_like(bias) if need_db else empty)
+        return (torch.zeros((), dtype=dt, device=hidden.device), e, torch.zeros(0, dtype=torch.long,
+                device=hidden.device), e.clone(), e.clone(), *kept)
+    opts = training_options(hidden, weight, softcap, backend, z_loss, filter_eps, sort_vocab, memory, accum_dtype,
+                            True, need_stats=need_stats, reduce=True)
+    stats, (dh, dw, db) = statistics_and_gradients(hidden, weight, bias, targets, smoothing, token_weight, opts,
+                                                   need_dh, need_dw, need_db)
+    lse, zy, sz, argmax, entropy = stats
+    per, nll = token_loss_terms(lse, zy, sz, smoothing, targets >= 0, weight.shape[0], z_loss)
+    loss = per.sum() if denom is None else per.sum() / denom
+    notify_training_call(observed_smoothing)
+    return (loss, lse.clone(), argmax.clone(), nll, entropy.clone(), dh.to(hidden.dtype) if need_dh else empty,
+            dw.to(weight.dtype) if need_dw else empty, db.to(bias.dtype) if need_db and db is not None else empty)
+
+
+@reduced_training_loss.register_fake
+def _(hidden, weight, bias, targets, smoothing, token_weight, denom, softcap, backend, z_loss, need_stats, filter_eps,
+      sort_vocab, memory, accum_dtype, observed_smoothing, need_dh, need_dw, need_db):
+    n, dt = hidden.shape[0], _stats_dtype(hidden)
+    empty = hidden.new_empty(0)
+    return (hidden.new_empty((), dtype=dt), hidden.new_empty(n, dtype=dt), hidden.new_empty(n, dtype=torch.long),
+            hidden.new_empty(n, dtype=dt), hidden.new_empty(n, dtype=dt),
+            torch.empty_like(hidden) if need_dh else empty, torch.empty_like(weight) if need_dw else empty,
+            torch.empty_like(bias) if need_db and bias is not None else empty)
+
+
+def _setup_reduced(ctx, inputs, output):
+    ctx.save_for_backward(*output[5:])
+    ctx.has_bias = inputs[2] is not None
+    ctx.mark_non_differentiable(*output[1:])
+
+
+def _backward_reduced(ctx, grad_loss, *unused):
+    dh, dw, db = ctx.saved_tensors
+    need_dh, need_dw, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+    if grad_loss is None:
+        return (None,) * 19
+    g = grad_loss.reshape(()).float()
+
+    def scaled(t):
+        return (t.float() * g).to(t.dtype)
+
+    return (scaled(dh) if need_dh else None, scaled(dw) if need_dw else None,
+            scaled(db) if need_db and ctx.has_bias else None) + (None,) * 16
+
+
+torch.library.register_autograd("hf_lsce::reduced_training_loss", _backward_reduced, setup_context=_setup_reduced)
+
+
+def reduced_loss(hidden, weight, bias, targets, smoothing, token_weight, denom, softcap, backend, z_loss, need_stats,
+                 filter_eps, sort_vocab, memory, accum_dtype, observed_smoothing):
+    """``reduced_training_loss`` with the gradients it needs read from ``requires_grad``: (loss, lse, argmax, nll,
+    entropy)."""
+    out = reduced_training_loss(hidden, weight, bias, targets, smoothing, token_weight, denom, softcap, backend,
+                                z_loss, need_stats, filter_eps, sort_vocab, memory, accum_dtype, observed_smoothing,
+                                hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
+    return out[:5]

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from .checks import _check_num_items, check_device_values
-from .compiled import check_values, compiling, token_losses
+from .compiled import check_values, compiling, reduced_loss, token_losses
 from .dispatch import dense_backward, forward_stats
 
 _REDUCTIONS = ("mean", "sum", "none")
@@ -228,23 +228,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             e = torch.zeros(0, dtype=torch.float32, device=hidden.device)
             stats = (e, e, e, torch.zeros(0, dtype=torch.long, device=hidden.device), e)
         elif token_weight is not None:
-            from .train_pass import triton_train_pass
-
-            nd, nw, nb = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2] and bias is not None
-            if opts.memory == "low":
-                stats = forward_stats(hidden, weight, bias, targets, opts.softcap, opts.backend, stats=True)
-                ctx.kept = _low_memory_gradients(hidden, weight, bias, targets, smoothing, token_weight, stats, opts,
-                                                 nd, nw, nb)
-            elif opts.two_pass:
-                stats = forward_stats(hidden, weight, bias, targets, opts.softcap, opts.backend, stats=opts.need_stats)
-                ctx.kept = _two_pass_gradients(hidden, weight, bias, targets, smoothing, token_weight, stats[0], opts,
-                                               nd, nw, nb, zy=stats[1])
-            else:
-                stats, dh, dw, db = triton_train_pass(
-                    hidden, weight, bias, targets, smoothing, token_weight, opts.softcap, need_dh=nd, need_dw=nw,
-                    need_db=nb, z_loss=opts.z_loss, filter_eps=opts.filter_eps, sort_vocab=opts.sort_vocab,
-                    accum_dtype=opts.accum_dtype)
-                ctx.kept = (dh, dw, db)
+            stats, ctx.kept = statistics_and_gradients(
+                hidden, weight, bias, targets, smoothing, token_weight, opts, ctx.needs_input_grad[0],
+                ctx.needs_input_grad[1], ctx.needs_input_grad[2] and bias is not None)
         else:
             stats = forward_stats(hidden, weight, bias, targets, opts.softcap, opts.backend, stats=opts.need_stats)
         lse, zy, sz, argmax, entropy = stats
@@ -306,6 +292,27 @@ class _LinearCrossEntropy(torch.autograd.Function):
                                     need_dh, need_dw, need_db and bias is not None)
         return (dh.to(hidden.dtype) if need_dh else None, dw.to(weight.dtype) if need_dw else None,
                 db.to(bias.dtype) if need_db and db is not None else None) + none7
+
+
+def statistics_and_gradients(hidden, weight, bias, targets, smoothing, token_weight, opts, need_dh, need_dw,
+                             need_db):
+    """The training paths' forward: (statistics, (dh, dw, db) of ``sum_n token_weight_n loss_n``) by the path
+    ``opts`` names (low-memory, two-pass, or the one-pass ``train_pass``)."""
+    from .train_pass import triton_train_pass
+
+    if opts.memory == "low":
+        stats = forward_stats(hidden, weight, bias, targets, opts.softcap, opts.backend, stats=True)
+        return stats, _low_memory_gradients(hidden, weight, bias, targets, smoothing, token_weight, stats, opts,
+                                            need_dh, need_dw, need_db)
+    if opts.two_pass:
+        stats = forward_stats(hidden, weight, bias, targets, opts.softcap, opts.backend, stats=opts.need_stats)
+        return stats, _two_pass_gradients(hidden, weight, bias, targets, smoothing, token_weight, stats[0], opts,
+                                          need_dh, need_dw, need_db, zy=stats[1])
+    stats, dh, dw, db = triton_train_pass(
+        hidden, weight, bias, targets, smoothing, token_weight, opts.softcap, need_dh=need_dh, need_dw=need_dw,
+        need_db=need_db, z_loss=opts.z_loss, filter_eps=opts.filter_eps, sort_vocab=opts.sort_vocab,
+        accum_dtype=opts.accum_dtype)
+    return stats, (dh, dw, db)
 
 
 def token_loss_terms(lse, zy, sz, smoothing, valid, vocab_size: int, z_loss: float):
@@ -656,6 +663,12 @@ def linear_cross_entropy(
                                                    z_loss=float(z_loss))
             loss = loss_tok.reshape(out_shape) if not reduce else (
                 loss_tok.sum() if denom is None else loss_tok.sum() / denom)
+        elif traced and reduce and one_pass and not return_lse:
+            # a reduced training loss: the gradients computed in the forward, as eagerly (no second logits pass)
+            token_weight = valid1.float() if denom is None else valid1.float() / denom
+            loss, lse, argmax, nll, entropy = reduced_loss(
+                h2, weight, bias, t1, b1, token_weight, denom, softcap, backend, float(z_loss), return_stats,
+                filter_eps, sort, memory, accum_dtype, observed_b)
         elif traced:
             loss, lse, argmax, nll, entropy = token_losses(
                 h2, weight, bias, t1, b1, softcap, backend, float(z_loss), return_stats, filter_eps, sort, memory,
