@@ -10,10 +10,13 @@ R=$OUT/$STEP; mkdir -p "$R"
 [ -n "$PART" ] && python3 tools/gpu/gpu_stage.py put "$PART" --to /tmp/stage
 # The tokenizer converted from Gemma-3's GGUF by the device's transformers differs from the one converted here (14.5
 # against 33.4 MB; ' A' after "Answer:" is not one token there): carried as .gpu/tok/gemma (gzip), it replaces it.
+# (carried in this call, or by an earlier call of this warm machine that ran with KEEP_TOK=1: kept in /tmp/tok)
+[ -n "${KEEP_TOK:-}" ] && [ -d .gpu/tok/gemma ] && mkdir -p /tmp/tok && cp -r .gpu/tok/gemma /tmp/tok/
 fix_gemma_tokenizer() {
-  local D; D=$(ls -d /tmp/hf_lsce_cache/models/gemma-3-270m*/ 2>/dev/null | head -1)
-  if [ -n "$D" ] && [ -f .gpu/tok/gemma/tokenizer.json.gz ]; then
-    zcat .gpu/tok/gemma/tokenizer.json.gz > "$D/tokenizer.json" && cp .gpu/tok/gemma/tokenizer_config.json "$D/" \
+  local D T=.gpu/tok/gemma; D=$(ls -d /tmp/hf_lsce_cache/models/gemma-3-270m*/ 2>/dev/null | head -1)
+  [ -f $T/tokenizer.json.gz ] || T=/tmp/tok/gemma
+  if [ -n "$D" ] && [ -f $T/tokenizer.json.gz ]; then
+    zcat $T/tokenizer.json.gz > "$D/tokenizer.json" && cp $T/tokenizer_config.json "$D/" \
       && echo "gemma tokenizer replaced in $D"
   fi
 }
