@@ -86,6 +86,24 @@ def choose_budget(budget: str = "auto", *, steps: int | None = None, ats_steps: 
     return plan
 
 
+def prepare(model: str, plan: Budget, eval_tasks: str, limit, dataset: str | None, data_dir: str | None,
+            command: str = "demo"):
+    """(checkpoint path, tokenizer with a pad token, shots per task, SFT records, held-out records, tasks): what the
+    demo and the sweep start from."""
+    from transformers import AutoTokenizer
+
+    from .calibration.tasks import resolve_tasks
+    from .checkpoints import resolve_model_path
+
+    names, limits, shots = task_plan(eval_tasks, plan, limit)
+    path = resolve_model_path(model)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    train, held_out = instruction_split(dataset, names, data_dir, plan, command=command)
+    return path, tokenizer, shots, train, held_out, resolve_tasks(names, data_dir, shots=shots, limit=limits)
+
+
 def task_plan(eval_tasks: str, plan: Budget, limit=None) -> tuple[list[str], dict, dict]:
     """(task names, items per task, shots per task): the budget's, with ``limit`` (N, or per task) over it."""
     from .calibration.tasks import parse_per_task, parse_task_names
@@ -151,24 +169,15 @@ def run_demo(output_dir: str = "hf_lsce_demo", *, model: str = DEFAULT_MODEL, da
     from .ats import ATSCalibrator
     from .ats.training import train_ats
     from .calibration import Task, paired_bootstrap, reliability_grid, score_task
-    from .calibration.tasks import resolve_tasks
-    from .checkpoints import resolve_model_path
-
     if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) or not 0 < label_smoothing <= 1:
         raise ValueError(f"label_smoothing must lie in (0, 1]; got {label_smoothing!r} (the demo compares it to 0)")
     plan = choose_budget(budget, steps=steps, ats_steps=ats_steps)
-    names, limits, shots = task_plan(eval_tasks, plan, limit)
     t_start = time.perf_counter()
 
     # -------------------------------------------------------------------------- model and data
-    path = resolve_model_path(model)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    train, calib = instruction_split(dataset, names, data_dir, plan)
-    tasks = resolve_tasks(names, data_dir, shots=shots, limit=limits)
+    path, tokenizer, shots, train, calib, tasks = prepare(model, plan, eval_tasks, limit, dataset, data_dir)
     dev = _device()
     logger.info("demo on %s (%s budget, %s): %d SFT records, %d calibration records, tasks %s", model, plan.name, dev,
                 len(train), len(calib), {t.name: len(t) for t in tasks})

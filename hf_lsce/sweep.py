@@ -27,7 +27,7 @@ from dataclasses import asdict
 
 import torch
 
-from .demo import DEFAULT_DATA, DEFAULT_MODEL, _device, _sft, choose_budget, instruction_split, task_plan
+from .demo import DEFAULT_DATA, DEFAULT_MODEL, _device, _sft, choose_budget, prepare
 
 logger = logging.getLogger(__name__)
 
@@ -96,22 +96,13 @@ def run_sweep(output_dir: str = "hf_lsce_sweep", *, model: str = DEFAULT_MODEL, 
               dataset: str | None = None, eval_tasks: str = DEFAULT_TASKS, data_dir: str | None = None,
               budget: str = "auto", steps: int | None = None, limit=None, seed: int = 0, n_bins: int = 10) -> dict:
     """Run the sweep; returns the report (also written to ``output_dir/sweep.json``, with ``sweep.png``)."""
-    from transformers import AutoTokenizer
-
     from .calibration import paired_bootstrap, score_task, signed_gap_interval
-    from .calibration.tasks import resolve_tasks
-    from .checkpoints import resolve_model_path
 
     bs = parse_b_values(b_values)
     plan = choose_budget(budget, steps=steps)
-    names, limits, shots = task_plan(eval_tasks, plan, limit)
     t_start = time.perf_counter()
-    path = resolve_model_path(model)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    train, held_out = instruction_split(dataset, names, data_dir, plan, command="sweep")
-    tasks = resolve_tasks(names, data_dir, shots=shots, limit=limits)
+    path, tokenizer, shots, train, held_out, tasks = prepare(model, plan, eval_tasks, limit, dataset, data_dir,
+                                                             command="sweep")
     watch = tasks[0]
     from .calibration import Task
 
