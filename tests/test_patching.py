@@ -407,3 +407,25 @@ def test_filter_eps_reaches_the_op_and_soft_capped_heads_refuse_it(monkeypatch):
     assert seen[-1] == "auto"
     with pytest.raises(ValueError, match="not available for a soft-capped head"):
         apply_lsce_patch(tiny("gemma2"), filter_eps=2.0 ** -6)
+
+
+def test_cuda_graph_replays_are_trusted_only_after_a_counted_step(monkeypatch):
+    """Under the Trainer's torch_compile_mode='reduce-overhead' a replayed step runs no Python, so the op reports no
+    call: accepted once an earlier (recorded) step was counted through the op, refused otherwise and in other modes."""
+    from types import SimpleNamespace
+
+    from hf_lsce.patching import ENGAGEMENT
+    from hf_lsce.patching.trainer import LsceNotEngagedError, _verify_engaged
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    model = tiny("llama")
+
+    def trainer(mode, confirmed):
+        return SimpleNamespace(args=SimpleNamespace(torch_compile=True, torch_compile_mode=mode),
+                               compute_loss_func=None, _lsce_confirmed=confirmed)
+
+    before = ENGAGEMENT.start()  # no fused call follows
+    _verify_engaged(trainer("reduce-overhead", True), model, 0.1, "label_smoothing_factor", before)
+    for mode, confirmed in (("reduce-overhead", False), (None, True), ("default", True)):
+        with pytest.raises(LsceNotEngagedError, match="did not run through the fused op"):
+            _verify_engaged(trainer(mode, confirmed), model, 0.1, "label_smoothing_factor", before)

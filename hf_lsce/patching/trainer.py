@@ -114,12 +114,31 @@ def _not_engaged_reason(trainer, target) -> str:
             "another fused loss")
 
 
+# torch.compile modes whose steps are CUDA-graph replays (after the recorded warm-up calls)
+_CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
+def _replays_cuda_graphs(trainer) -> bool:
+    """The Trainer compiles the model with a mode that captures CUDA graphs: its replayed steps run no Python, so the
+    op cannot report them (it reported the recorded calls, which captured it)."""
+    args = getattr(trainer, "args", None)
+    return bool(getattr(args, "torch_compile", False)) and getattr(args, "torch_compile_mode", None) in \
+        _CUDA_GRAPH_MODES and torch.cuda.is_available()
+
+
 def _verify_engaged(trainer, target, b: float, source: str, before: int) -> None:
     from .forward import ENGAGEMENT
 
     ran = ENGAGEMENT.fused_calls - before
     used = list(ENGAGEMENT.smoothing)
     name = type(target).__name__
+    if not ran and getattr(trainer, "_lsce_confirmed", False) and _replays_cuda_graphs(trainer):
+        if not getattr(trainer, "_lsce_replay_noted", False):
+            logger.info("%s: this step replayed a captured CUDA graph (torch_compile_mode=%r), which runs no Python: "
+                        "the fused op is in that graph (it ran when the graph was recorded); replayed steps are not "
+                        "counted", name, trainer.args.torch_compile_mode)
+            trainer._lsce_replay_noted = True
+        return
     if ran and all(abs(x - b) <= 1e-12 for x in used):
         if not getattr(trainer, "_lsce_confirmed", False):
             logger.info("%s: the first training step ran through the fused op (label_smoothing=%s from %s; no logits "
