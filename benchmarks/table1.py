@@ -160,7 +160,13 @@ def run_table(args):
                                                  args.sweep):
         if (model_name, dataset, b, lr, seed) in done:
             continue
-        if args.deadline_s is not None and time.time() - start > args.deadline_s:
+        # a run is started only if it can end before the deadline: its expected length is the longest earlier run
+        # of the same model and data (resumed ones included;
+        # of the same data when this model has none), so a call is not killed in the middle of one
+        same = [r["seconds"] for r in results["runs"] if r["dataset"] == dataset]
+        expected = max([r["seconds"] for r in results["runs"] if (r["model"], r["dataset"]) == (model_name, dataset)]
+                       or same or [0.0])
+        if args.deadline_s is not None and time.time() - start + expected > args.deadline_s:
             print(f"deadline: not run: {model_name} {dataset} b={b} lr={lr} seed={seed}", flush=True)
             results.setdefault("not_run", []).append([model_name, dataset, b, lr, seed])
             continue
@@ -365,7 +371,35 @@ def table_markdown(results) -> str:
         verdict = "helps" if d_gap < -m else "hurts" if d_gap > m else "little-effect"
         lines.append(f"| {os.path.basename(model)} | {d['prediction']} | {d['suggested_b']:g} | {d['current_gap']:.3f} -> "
                      f"{d['predicted_gap']['0.1']:.3f} | {d_ece:+.3f} | {d_gap:+.3f} | {verdict} ({len(pairs)} seeds) |")
+    lines += token_table(runs)
     return "\n".join(lines)
+
+
+def token_table(runs) -> list:
+    """The next-token state on the held-out instructions of every (model, data, lr) with b = 0 and b = 0.1 runs of
+    the same seeds (mean over them): the signed gap and ECE at b = 0 and 0.1, and whether smoothing moved the
+    |signed gap| down or up by more than 0.01 (the diagnosis' margin)."""
+    lines = ["", "Next-token calibration on the held-out instructions (the level the loss acts on), b = 0 against "
+             "b = 0.1, mean over paired seeds:", "",
+             "| model | SFT data | lr | seeds | signed gap b = 0 | b = 0.1 | ECE b = 0 | b = 0.1 | effect |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r1 in runs:
+        if r1["b"] != 0.1 or r1["seed"] != min(r["seed"] for r in runs if r["b"] == 0.1 and
+                                               (r["model"], r["dataset"], r["lr"]) == (r1["model"], r1["dataset"], r1["lr"])):
+            continue
+        pairs = [(r0, r) for r in runs for r0 in runs if r["b"] == 0.1 and r0["b"] == 0.0 and
+                 (r["model"], r["dataset"], r["lr"]) == (r1["model"], r1["dataset"], r1["lr"]) and
+                 (r0["model"], r0["dataset"], r0["lr"], r0["seed"]) == (r["model"], r["dataset"], r["lr"], r["seed"])]
+        if not pairs:
+            continue
+
+        def mean(i, key):
+            return sum(p[i]["tokens"][key] for p in pairs) / len(pairs)
+        g0, g1 = mean(0, "signed_gap"), mean(1, "signed_gap")
+        effect = "helps" if abs(g1) < abs(g0) - 0.01 else "hurts" if abs(g1) > abs(g0) + 0.01 else "little-effect"
+        lines.append(f"| {os.path.basename(r1['model'])} | {r1['dataset']} | {r1['lr']} | {len(pairs)} | {g0:+.3f} | "
+                     f"{g1:+.3f} | {mean(0, 'ece'):.3f} | {mean(1, 'ece'):.3f} | {effect} |")
+    return lines
 
 
 # ------------------------------------------------------------------------------------------------ ATS

@@ -174,6 +174,9 @@ class ModelDiagnosis:
     tasks: list                        # TaskState dicts
     bound: dict                        # the spectral entropy bound (hf_lsce.theory.diagnose) and the observed one
     margin: float = 0.01
+    # the same rule on the next-token |signed gap| of the instruction records: what smoothing does to the level it
+    # trains (measured to follow the sign of the b = 0 model's token gap, docs/theory.md)
+    token_prediction: str = ""
     evidence: list = field(default_factory=list)
     caveats: list = field(default_factory=list)
 
@@ -204,6 +207,10 @@ class ModelDiagnosis:
                      + ", ".join(f"{v:.3f}" for v in self.predicted_ece.values()))
         lines.append(f"prediction at b = {self.label_smoothing:g}: {self.prediction.upper()}; suggested b = "
                      f"{self.suggested_b:g}")
+        if self.token_prediction:
+            lines.append(f"next-token level at b = {self.label_smoothing:g}: {self.token_prediction.upper()} "
+                         f"(|signed gap| {abs(t['signed_gap']):.3f} now, "
+                         f"{abs(t['predicted_gap'][_key(self.label_smoothing)]):.3f} predicted)")
         lines += [f"- {e}" for e in self.evidence]
         lines += [f"(caveat) {c}" for c in self.caveats]
         return "\n".join(lines)
@@ -313,6 +320,7 @@ def diagnose_model(model, tokenizer, *, label_smoothing: float = 0.1, tasks=DEFA
         caveats.append("no task is above chance for this model: the prediction rests on next-token calibration "
                        "of the instruction records alone")
     prediction, suggested = decide(current, predicted, b, margin)
+    token_prediction, _ = decide(abs(tokens["signed_gap"]), {k: abs(v) for k, v in tok_gap.items()}, b, margin)
     spectral = theory.measure_rho(model, tokenizer) if hasattr(model, "get_output_embeddings") else {}
     spec_diag = theory.diagnose(d, v, spectral.get("rho", 0.0), b, softcap=softcap_of(model))
     observed_rho = tokens["max_logit_norm"] / math.sqrt(d)
@@ -341,7 +349,8 @@ def diagnose_model(model, tokenizer, *, label_smoothing: float = 0.1, tasks=DEFA
                    "be wrong)")
     out = ModelDiagnosis(name or getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__,
                          float(b), d, v, prediction, suggested, basis, current, predicted, current_ece, predicted_ece,
-                         temps, tokens, [asdict(s) for s in states], bound, margin, evidence, caveats)
+                         temps, tokens, [asdict(s) for s in states], bound, margin, token_prediction, evidence,
+                         caveats)
     out.scores = scores  # {task: TaskScores} of the model as it is (not serialised): callers reuse them
     return out
 

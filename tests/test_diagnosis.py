@@ -175,6 +175,10 @@ def test_diagnose_model_on_a_tiny_model(tiny_model_and_tokenizer, tmp_path):
     assert s["n"] == 30 and s["chance"] == 0.5
     assert set(d.predicted_ece) == {"0.1", "0.2"} and d.temperatures["0.2"] >= d.temperatures["0.1"]
     assert "prediction at b = 0.1" in d.format()
+    # the token-level prediction: the same rule on the tokens' |signed gap|, now against softened by tau(b)
+    gap, soft = abs(d.tokens["signed_gap"]), abs(d.tokens["predicted_gap"]["0.1"])
+    assert d.token_prediction == ("helps" if soft < gap - 0.01 else "hurts" if soft > gap + 0.01 else "little-effect")
+    assert f"next-token level at b = 0.1: {d.token_prediction.upper()}" in d.format()
     diagnosis.plot_diagnosis(d, str(tmp_path / "d.png"))
     assert (tmp_path / "d.png").stat().st_size > 0
     with pytest.raises(ValueError, match="label_smoothing"):
@@ -192,6 +196,7 @@ def test_cli_diagnose_writes_a_prediction(tiny_model_dir, tmp_path, capsys):
                  "--json", str(out), "--figure", str(tmp_path / "f.png")]) == 0
     d = json.loads(out.read_text())
     assert d["prediction"] in diagnosis.PREDICTIONS and d["tasks"][0]["name"] == "arc_easy"
+    assert d["token_prediction"] in diagnosis.PREDICTIONS
     assert "prediction at b = 0.1" in capsys.readouterr().out
     assert main(["diagnose", str(tiny_model_dir), "--bound-only", "--json", str(out)]) == 0
     assert json.loads(out.read_text())["prediction"] is None

@@ -53,7 +53,7 @@ case $STEP in
     [ -f .gpu/t1/table1.json ] && [ ! -f /tmp/t1/table1.json ] && cp .gpu/t1/table1.json .gpu/t1/table1_probs.pt /tmp/t1/
     python3 -c "from hf_lsce.checkpoints import resolve_model_path as r; r('$G')" >/dev/null 2>&1; fix_gemma_tokenizer
     timeout ${TABLE1_S:-540} python3 benchmarks/table1.py --models "$G,$S" --resume ${LIMITS:+--limits "$LIMITS"} ${TABLE1_ARGS:-} \
-      --deadline-s $(( ${TABLE1_S:-540} - 75 )) --out-dir /tmp/t1 2>&1 | tee -a /tmp/t1/table1.log
+      --deadline-s $(( ${TABLE1_S:-540} - 25 )) --out-dir /tmp/t1 2>&1 | tee -a /tmp/t1/table1.log
     cp /tmp/t1/table1* "$R"/ 2>/dev/null
     ;;
   ats)  # ATS and temperature scaling on SmolLM2-135M-Instruct
