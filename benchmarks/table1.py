@@ -117,16 +117,19 @@ def diagnosis(model, tok, tasks, b=0.1) -> dict:
                           progress=False, batch_size=32).to_dict()
 
 
-def token_state(model, tok) -> dict:
+def token_state(model, tok, b=0.1) -> dict:
     """The trained model's next-token state on the held-out records: signed gap and fitted temperature (the
-    diagnosis predicts the ratio of the latter between b and 0)."""
-    from hf_lsce.calibration import calibration_metrics
-    from hf_lsce.diagnosis import fitted_temperature, token_statistics
+    diagnosis predicts the ratio of the latter between b and 0), and the diagnosis' next-token prediction for
+    smoothing this model at ``b``."""
+    from hf_lsce.diagnosis import token_level, token_statistics
+    from hf_lsce.patching.models import text_config
 
     st = token_statistics(model, tok, held_out_records(), progress=False)
-    r = calibration_metrics(confidences=st["confidence"], correct=st["correct"])
-    return {"accuracy": r.accuracy, "mean_confidence": r.mean_confidence, "signed_gap": r.signed_gap, "ece": r.ece,
-            "temperature": fitted_temperature(st, 0.0)}
+    t, temps, _ = token_level(st, b, (b,), int(text_config(model).vocab_size))
+    # prediction: what `hf-lsce diagnose` says of smoothing this model at b on these records (token_prediction)
+    return {"accuracy": t["accuracy"], "mean_confidence": t["mean_confidence"], "signed_gap": t["signed_gap"],
+            "ece": t["ece"], "temperature": temps["0"], "predicted_gap": t["predicted_gap"][f"{b:g}"],
+            "prediction": t["prediction"]}
 
 
 def plan(models, datasets, seeds, lrs, smoothing, sweep):
@@ -402,6 +405,64 @@ def token_table(runs) -> list:
     return lines
 
 
+def run_token_check(args):
+    """The diagnosis asked of the model one would smooth: each (model, data) is trained at b = 0 exactly as its
+    Table 1 run (first lr and seed), then ``token_state`` gives the diagnosis' next-token prediction for b = 0.1.
+    Written beside the measured effect of the b = 0.1 run of the same seed (``table1.json`` in ``--out-dir``):
+    ``table1_token_check.{json,md}``."""
+    from hf_lsce.checkpoints import resolve_model_path
+
+    start = time.time()
+    table = os.path.join(args.out_dir, "table1.json")
+    runs = json.load(open(table))["runs"] if os.path.exists(table) else []
+    out_path = os.path.join(args.out_dir, "table1_token_check.json")
+    rows = json.load(open(out_path)) if os.path.exists(out_path) and args.resume else []
+    done = {(r["model"], r["dataset"]) for r in rows}
+    lr, seed = args.lrs[0], args.seeds[0]
+    for model_name in args.models:
+        for dataset in args.datasets:
+            if (model_name, dataset) in done:
+                continue
+            measured = {r["b"]: r for r in runs if (r["model"], r["dataset"], r["lr"], r["seed"]) ==
+                        (model_name, dataset, lr, seed) and r["b"] in (0.0, 0.1)}
+            expected = measured[0.0]["seconds"] if 0.0 in measured else 0.0
+            if args.deadline_s is not None and time.time() - start + expected > args.deadline_s:
+                print(f"deadline: not run: {model_name} {dataset}", flush=True)
+                continue
+            t0 = time.time()
+            model, tok, _ = sft(resolve_model_path(model_name), instruction_data(dataset, args.records), 0.0, lr, seed,
+                                os.path.join(args.out_dir, "sft_tmp"), max_steps=args.max_steps, batch=args.batch)
+            row = dict(model=model_name, dataset=dataset, lr=lr, seed=seed, b0=token_state(model, tok),
+                       seconds=round(time.time() - t0, 1))
+            if len(measured) == 2:
+                g0, g1 = measured[0.0]["tokens"]["signed_gap"], measured[0.1]["tokens"]["signed_gap"]
+                row["measured"] = dict(gap_b0=g0, gap_b01=g1, effect="helps" if abs(g1) < abs(g0) - 0.01 else
+                                       "hurts" if abs(g1) > abs(g0) + 0.01 else "little-effect")
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            with open(out_path, "w") as f:
+                json.dump(rows, f, indent=1)
+            del model
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    lines = ["The diagnosis' next-token prediction (b = 0.1) asked of the b = 0 SFT model, against the measured "
+             "effect of the b = 0.1 run of the same data, lr and seed:", "",
+             "| model | SFT data | lr | seed | b = 0 gap (retrained / table) | predicted gap at 0.1 | prediction | "
+             "measured gap at 0.1 | measured effect |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        m = r.get("measured", {})
+        lines.append(f"| {os.path.basename(r['model'])} | {r['dataset']} | {r['lr']} | {r['seed']} | "
+                     f"{r['b0']['signed_gap']:+.3f} / {m.get('gap_b0', float('nan')):+.3f} | "
+                     f"{r['b0']['predicted_gap']:+.3f} | {r['b0']['prediction']} | {m.get('gap_b01', float('nan')):+.3f} | "
+                     f"{m.get('effect', '-')} |")
+    md = "\n".join(lines)
+    with open(os.path.join(args.out_dir, "table1_token_check.md"), "w") as f:
+        f.write(md + "\n")
+    print(md)
+    return rows
+
+
 # ------------------------------------------------------------------------------------------------ ATS
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 
@@ -587,6 +648,9 @@ def main():
     ap.add_argument("--resume", action="store_true", help="keep the runs already in table1.json")
     ap.add_argument("--out-dir", default="table1_out")
     ap.add_argument("--smoke", action="store_true", help="CPU, a tiny model, two steps, a few items")
+    ap.add_argument("--token-check", action="store_true",
+                    help="retrain the b = 0 runs (first lr and seed, each --datasets) and ask the diagnosis' "
+                         "next-token prediction of each, against the measured b = 0.1 effect in table1.json")
     ap.add_argument("--report-only", action="store_true", help="rebuild the tables and pictures from --out-dir")
     args = ap.parse_args()
     os.makedirs(args.out_dir, exist_ok=True)
@@ -608,6 +672,8 @@ def main():
         return report(json.load(open(os.path.join(args.out_dir, "table1.json"))), args.out_dir)
     if args.ats:
         return run_ats(args)
+    if args.token_check:
+        return run_token_check(args)
     return run_table(args)
 
 

@@ -134,6 +134,35 @@ def _params(model) -> set:
         return set()
 
 
+def token_level(st: dict, b: float, grid, vocab_size: int, *, margin: float = 0.01, n_bins: int = 15):
+    """The next-token state of :func:`token_statistics`' output ``st`` and what smoothing at each b of ``grid``
+    would do to it: ``(tokens, temperatures, tau)``. ``tokens`` holds accuracy, mean confidence, signed gap, ECE,
+    the share of tokens on which smoothing at ``b`` binds, the logit norms, the ECE and signed gap of the tokens
+    softened by ``tau(b) = T*(b) / T*(0)`` per b, and ``prediction``: :func:`decide` on their |signed gap| at ``b``."""
+    from .calibration import calibration_metrics
+
+    grid = sorted({float(x) for x in grid} | {float(b)})
+    temps = {"0": fitted_temperature(st, 0.0)}
+    for x in grid:
+        temps[_key(x)] = fitted_temperature(st, x)
+    tau = {_key(x): temps[_key(x)] / temps["0"] for x in grid}
+    res = calibration_metrics(confidences=st["confidence"], correct=st["correct"], n_bins=n_bins)
+    p_top = 1 - b + b / vocab_size
+    tokens = dict(n=res.n, accuracy=res.accuracy, mean_confidence=res.mean_confidence, signed_gap=res.signed_gap,
+                  ece=res.ece, rms=res.rms, mean_entropy=float(st["entropy"].mean()),
+                  binding_share=float((st["confidence"] > p_top).float().mean()),
+                  max_logit_norm=float(st["logit_norm"].max()), median_logit_norm=float(st["logit_norm"].median()))
+    pred_ece, pred_gap = {}, {}
+    for x in grid:  # the counterfactual: the tokens with logits / tau(b)
+        t = tau[_key(x)]
+        c = (st["top"][:, 0] / t - _lse_at(st["top"], st["tail_mean"], st["tail_count"], t)).exp()
+        r = calibration_metrics(confidences=c, correct=st["correct"], n_bins=n_bins)
+        pred_ece[_key(x)], pred_gap[_key(x)] = r.ece, r.signed_gap
+    tokens["predicted_ece"], tokens["predicted_gap"] = pred_ece, pred_gap
+    tokens["prediction"] = decide(abs(res.signed_gap), {k: abs(g) for k, g in pred_gap.items()}, b, margin)[0]
+    return tokens, temps, tau
+
+
 # ------------------------------------------------------------------------------------------ the report
 @dataclass
 class TaskState:
@@ -267,25 +296,8 @@ def diagnose_model(model, tokenizer, *, label_smoothing: float = 0.1, tasks=DEFA
     try:
         # ---------------------------------------------------------------- 1-2: the tokens and the temperatures
         st = token_statistics(model, tokenizer, recs, max_length=max_length, n_bins=n_bins, progress=progress)
-        temps = {"0": fitted_temperature(st, 0.0)}
-        for x in grid:
-            temps[_key(x)] = fitted_temperature(st, x)
-        tau = {_key(x): temps[_key(x)] / temps["0"] for x in grid}
-        tok_res = calibration_metrics(confidences=st["confidence"], correct=st["correct"], n_bins=n_bins)
-        p_top = 1 - b + b / v
-        tokens = dict(n=tok_res.n, accuracy=tok_res.accuracy, mean_confidence=tok_res.mean_confidence,
-                      signed_gap=tok_res.signed_gap, ece=tok_res.ece, rms=tok_res.rms,
-                      mean_entropy=float(st["entropy"].mean()),
-                      binding_share=float((st["confidence"] > p_top).float().mean()),
-                      max_logit_norm=float(st["logit_norm"].max()), median_logit_norm=float(st["logit_norm"].median()))
-        # the token-level counterfactual: the ECE of the tokens with logits / tau(b)
-        tok_pred, tok_gap = {}, {}
-        for x in grid:
-            t = tau[_key(x)]
-            c = (st["top"][:, 0] / t - _lse_at(st["top"], st["tail_mean"], st["tail_count"], t)).exp()
-            r = calibration_metrics(confidences=c, correct=st["correct"], n_bins=n_bins)
-            tok_pred[_key(x)], tok_gap[_key(x)] = r.ece, r.signed_gap
-        tokens["predicted_ece"], tokens["predicted_gap"] = tok_pred, tok_gap
+        tokens, temps, tau = token_level(st, b, grid, v, margin=margin, n_bins=n_bins)
+        tok_gap = tokens["predicted_gap"]
 
         # ---------------------------------------------------------------- 3: the tasks, softened by tau(b)
         states, scores = [], {}
@@ -315,12 +327,12 @@ def diagnose_model(model, tokenizer, *, label_smoothing: float = 0.1, tasks=DEFA
         predicted = {k: sum(abs(s.predicted_gap[k]) * s.n for s in used) / n for k in tau}
         basis = "tasks above chance (" + ", ".join(s.name for s in used) + ")"
     else:
-        current_ece, predicted_ece, basis = tokens["ece"], dict(tok_pred), "tokens (no task above chance)"
+        current_ece, predicted_ece, basis = tokens["ece"], dict(tokens["predicted_ece"]), "tokens (no task above chance)"
         current, predicted = abs(tokens["signed_gap"]), {k: abs(v) for k, v in tok_gap.items()}
         caveats.append("no task is above chance for this model: the prediction rests on next-token calibration "
                        "of the instruction records alone")
     prediction, suggested = decide(current, predicted, b, margin)
-    token_prediction, _ = decide(abs(tokens["signed_gap"]), {k: abs(v) for k, v in tok_gap.items()}, b, margin)
+    token_prediction = tokens["prediction"]
     spectral = theory.measure_rho(model, tokenizer) if hasattr(model, "get_output_embeddings") else {}
     spec_diag = theory.diagnose(d, v, spectral.get("rho", 0.0), b, softcap=softcap_of(model))
     observed_rho = tokens["max_logit_norm"] / math.sqrt(d)

@@ -79,6 +79,12 @@ def test_table1_and_ats_smoke(tmp_path, shared_data):
     table = json.loads((tmp_path / "table1.json").read_text())
     assert {(r["dataset"], r["b"]) for r in table["runs"]} == {("base", None), ("alpaca", 0.0), ("alpaca", 0.1)}
     assert "vs_b0" in table["runs"][-1] and (tmp_path / "table1.md").exists()
+    # the token check retrains the b = 0 run: on CPU the same seed gives the same next-token state
+    _run([str(BENCH / "table1.py"), "--smoke", "--token-check", "--out-dir", str(tmp_path)], tmp_path, env_extra=env)
+    check = json.loads((tmp_path / "table1_token_check.json").read_text())
+    b0 = next(r for r in table["runs"] if r["b"] == 0.0)["tokens"]
+    assert check[0]["b0"]["signed_gap"] == pytest.approx(b0["signed_gap"], abs=1e-6)
+    assert check[0]["b0"]["prediction"] == b0["prediction"] and "measured" in check[0]
     _run([str(BENCH / "table1.py"), "--smoke", "--ats", "--out-dir", str(tmp_path)], tmp_path, env_extra=env)
     ats = json.loads((tmp_path / "ats_real.json").read_text())
     assert set(ats["tasks"]) >= {"mmlu", "truthfulqa_mc1"}

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The device calls of one GPU session, one step per call (each carries what it needs: see docs/benchmarks.md).
-#   bash tools/gpu/gpu_session.sh STEP [STAGE_PART]      (STEP: sanity, trainer-config, stage-only, real, table1, ats, sweep)
+#   bash tools/gpu/gpu_session.sh STEP [STAGE_PART]      (STEP: sanity, trainer-config, stage-only, real, table1, token-check, ats, sweep)
 # STAGE_PART (a file under .gpu/stage): checked and moved to /tmp/stage first (tools/gpu/gpu_stage.py).
 # Every step writes under $OUT/STEP and packs it into $OUT/STEP.tar.gz (one file comes back).
 set -uo pipefail
@@ -55,6 +55,17 @@ case $STEP in
     timeout ${TABLE1_S:-540} python3 benchmarks/table1.py --models "$G,$S" --resume ${LIMITS:+--limits "$LIMITS"} ${TABLE1_ARGS:-} \
       --deadline-s $(( ${TABLE1_S:-540} - 25 )) --out-dir /tmp/t1 2>&1 | tee -a /tmp/t1/table1.log
     cp /tmp/t1/table1* "$R"/ 2>/dev/null
+    ;;
+  token-check)  # the diagnosis' next-token prediction of each b = 0 SFT model against Table 1's measured b = 0.1 effect
+    G=$(python3 tools/gpu/gpu_stage.py join gemma-3-270m-q4_k_m.gguf --to /tmp/stage | tail -1) || exit 3
+    S=$(python3 tools/gpu/gpu_stage.py join SmolLM2-135M-Instruct.Q4_1.gguf --to /tmp/stage | tail -1) || exit 3
+    mkdir -p /tmp/t1
+    [ -f .gpu/t1/table1.json ] && cp .gpu/t1/table1.json /tmp/t1/
+    python3 -c "from hf_lsce.checkpoints import resolve_model_path as r; r('$G')" >/dev/null 2>&1; fix_gemma_tokenizer
+    timeout ${TABLE1_S:-540} python3 benchmarks/table1.py --token-check --models "$G,$S" --resume ${TABLE1_ARGS:-} \
+      --deadline-s $(( ${TABLE1_S:-540} - 25 )) --out-dir /tmp/t1 > /tmp/t1/token_check.log 2>&1
+    grep -a "^{\|deadline\|Error" /tmp/t1/token_check.log | cut -c1-300
+    cp /tmp/t1/table1_token_check* /tmp/t1/token_check.log "$R"/ 2>/dev/null
     ;;
   ats)  # ATS and temperature scaling on SmolLM2-135M-Instruct
     S=$(python3 tools/gpu/gpu_stage.py join SmolLM2-135M-Instruct.Q4_1.gguf --to /tmp/stage | tail -1) || exit 3
