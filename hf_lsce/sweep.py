@@ -5,7 +5,8 @@ seed, through ``apply_lsce_patch`` and TRL's ``SFTTrainer`` (``CalibrationCallba
 a watch task while each trains). Every run is then scored on the same held-out multiple-choice items; each b is
 compared with b = 0 by paired bootstraps over the items (ECE, signed gap, accuracy), and each run's signed gap
 (mean confidence minus accuracy) gets a 95% interval, so that under-confidence (smoothing pushing the model past
-calibrated) shows as such.
+calibrated) shows as such. Each run's next-token calibration on the held-out instruction records is reported too,
+with the diagnosis' prediction for each b asked of the b = 0 run (``tokens``): the level the loss acts on.
 
 Verdict per b against 0: ``better`` (some task's ECE lower with its interval below 0, none higher with its interval
 above 0), ``worse`` (the reverse), ``mixed`` (both), or ``no resolvable change``; a b whose accuracy interval lies
@@ -111,7 +112,7 @@ def run_sweep(output_dir: str = "hf_lsce_sweep", *, model: str = DEFAULT_MODEL, 
     logger.info("sweep on %s (%s budget, %s): b in %s, %d SFT steps of %d, %d SFT records, tasks %s", model,
                 plan.name, dev, bs, plan.sft_steps, plan.batch_size, len(train), {t.name: len(t) for t in tasks})
 
-    scores, runs = {}, {}
+    scores, runs, tokens = {}, {}, {}
     for i, b in enumerate(bs):
         key = f"{b:g}"
         logger.info("run %d of %d: fine-tuning with label smoothing %s through the fused op", i + 1, len(bs), key)
@@ -124,6 +125,7 @@ def run_sweep(output_dir: str = "hf_lsce_sweep", *, model: str = DEFAULT_MODEL, 
             scores[key][t.name] = score_task(m, tokenizer, t, batch_size=16, n_bins=n_bins, progress=True)
         runs[key] = {"train_loss": info["train_loss"], "seconds": info["seconds"],
                      "calibration_history": info["history"]}
+        tokens[key] = token_state(m, tokenizer, held_out, bs, predict=b == 0)
         del m
         gc.collect()
         if dev.type == "cuda":
@@ -152,13 +154,32 @@ def run_sweep(output_dir: str = "hf_lsce_sweep", *, model: str = DEFAULT_MODEL, 
               "budget": {"name": plan.name, "sft_steps": plan.sft_steps, "batch_size": plan.batch_size, "lr": plan.lr},
               "dataset": dataset or DEFAULT_DATA, "sft_records": len(train), "seed": seed, "b_values": bs,
               "tasks": {t.name: {"n": len(t), "split": t.split, "shots": shots[t.name]} for t in tasks},
-              "results": results, "pooled": pooled, "versus_b0": comparisons,
+              "results": results, "pooled": pooled, "versus_b0": comparisons, "tokens": tokens,
               "seconds": round(time.perf_counter() - t_start, 1)}
     decide(report)
     report["figure"] = plot_sweep(report, os.path.join(output_dir, "sweep.png"))
     with open(os.path.join(output_dir, "sweep.json"), "w") as f:
         json.dump(report, f, indent=1)
     return report
+
+
+def token_state(model, tokenizer, records: list, bs: list, *, predict: bool = False) -> dict:
+    """A run's next-token calibration on the held-out instruction records (the level the loss acts on). With
+    ``predict`` (the b = 0 run) also what the diagnosis says smoothing at each b > 0 of ``bs`` would do to it:
+    ``predicted_gap`` and ``prediction`` per b (:func:`hf_lsce.diagnosis.token_level`). In Table 1's check the sign
+    of the b = 0 model's gap gave the direction of the measured effect four times of four (docs/theory.md)."""
+    from .diagnosis import decide, token_level, token_statistics
+    from .patching.models import text_config
+
+    st = token_statistics(model, tokenizer, records, progress=False)
+    nonzero = [b for b in bs if b]
+    t, _, _ = token_level(st, nonzero[0], nonzero, int(text_config(model).vocab_size))
+    out = {k: t[k] for k in ("n", "accuracy", "mean_confidence", "signed_gap", "ece")}
+    if predict:
+        out["predicted_gap"] = {f"{b:g}": t["predicted_gap"][f"{b:g}"] for b in nonzero}
+        out["prediction"] = {k: decide(abs(t["signed_gap"]), {k: abs(g)}, float(k))[0]
+                             for k, g in out["predicted_gap"].items()}
+    return out
 
 
 def plot_sweep(report: dict, path: str) -> str:
@@ -187,6 +208,8 @@ def plot_sweep(report: dict, path: str) -> str:
     ax1.set_xlabel("label smoothing b")
     ax1.set_ylabel("ECE (held-out)")
     ax1.legend(fontsize=8)
+    if report.get("tokens"):
+        ax2.plot(bs, [report["tokens"][k]["signed_gap"] for k in keys], "k*--", ms=9, label="next tokens")
     ax2.axhline(0, color="k", lw=0.8)
     ax2.set_xlabel("label smoothing b")
     ax2.set_ylabel("signed gap: confidence - accuracy")
@@ -221,6 +244,12 @@ def format_sweep(report: dict) -> str:
                 f"{per_task[t]['acc']['high']:+.3f}]" for t in report["accuracy_cost"][k]]
         lines.append(f"  b = {k}: {report['verdict'][k]}; " + "; ".join(parts)
                      + (f"; accuracy lower on {', '.join(cost)}" if cost else ""))
+    if report.get("tokens"):
+        tk = report["tokens"]
+        lines.append(f"next-token signed gap on {tk['0']['n']} held-out instruction tokens: "
+                     + ", ".join(f"b = {k} {tk[k]['signed_gap']:+.3f}" for k in keys)
+                     + "; predicted from the b = 0 run: "
+                     + ", ".join(f"b = {k} {tk['0']['prediction'][k]}" for k in keys if k != "0"))
     under = [f"{t} at b = {k}" for k in keys for t in tasks
              if report["results"][k][t]["state"] == "under-confident"]
     if under:

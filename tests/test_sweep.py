@@ -89,6 +89,14 @@ def test_sweep_tiny_end_to_end_on_the_real_checkpoint(tmp_path, capsys):
                                                         - rep["results"]["0"][task]["signed_gap"], abs=1e-6)
         assert c["ece"]["low"] <= c["ece"]["diff"] <= c["ece"]["high"]
     assert rep["verdict"]["0.1"] == verdicts(rep["versus_b0"])["0.1"]
+    tk = rep["tokens"]  # the next-token level on the held-out instructions, and the b = 0 run's prediction
+    assert set(tk) == {"0", "0.1"} and tk["0"]["n"] == tk["0.1"]["n"] > 0
+    for t in tk.values():
+        assert t["signed_gap"] == pytest.approx(t["mean_confidence"] - t["accuracy"], abs=1e-9)
+    g0, g1 = abs(tk["0"]["signed_gap"]), abs(tk["0"]["predicted_gap"]["0.1"])
+    assert tk["0"]["prediction"]["0.1"] == ("helps" if g1 < g0 - 0.01 else "hurts" if g1 > g0 + 0.01 else
+                                            "little-effect") and "prediction" not in tk["0.1"]
+    assert "next-token signed gap on" in printed
     assert rep["accuracy_cost"] == accuracy_costs(rep["versus_b0"])
     assert f"suggested b = {rep['suggested_b']:g}" in printed and (out / "sweep.png").exists()
     assert main(["sweep", "--tiny", "--output-dir", str(out)]) == 2  # not replaced without --overwrite
