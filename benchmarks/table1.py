@@ -202,12 +202,9 @@ def run_table(args):
                                     for m in ("ece", "rms", "acc", "signed_gap")} for t in res}
         results["runs"].append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "vs_b0"}), flush=True)
-        with open(out_path, "w") as f:
-            json.dump(results, f, indent=1)
+        _write(out_path, results)
         del model
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        _release()
     report(results, args.out_dir)
     return results
 
@@ -378,6 +375,24 @@ def table_markdown(results) -> str:
     return "\n".join(lines)
 
 
+def _effect(gap0: float, gap1: float, margin: float = 0.01) -> str:
+    """The measured effect of smoothing on a signed gap (b = 0 -> b > 0): the diagnosis' rule and margin."""
+    from hf_lsce.diagnosis import decide
+
+    return decide(abs(gap0), {"1": abs(gap1)}, 1.0, margin)[0]
+
+
+def _write(path, obj):
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
+
+
+def _release():
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def token_table(runs) -> list:
     """The next-token state on the held-out instructions of every (model, data, lr) with b = 0 and b = 0.1 runs of
     the same seeds (mean over them): the signed gap and ECE at b = 0 and 0.1, and whether smoothing moved the
@@ -399,7 +414,7 @@ def token_table(runs) -> list:
         def mean(i, key):
             return sum(p[i]["tokens"][key] for p in pairs) / len(pairs)
         g0, g1 = mean(0, "signed_gap"), mean(1, "signed_gap")
-        effect = "helps" if abs(g1) < abs(g0) - 0.01 else "hurts" if abs(g1) > abs(g0) + 0.01 else "little-effect"
+        effect = _effect(g0, g1)
         lines.append(f"| {os.path.basename(r1['model'])} | {r1['dataset']} | {r1['lr']} | {len(pairs)} | {g0:+.3f} | "
                      f"{g1:+.3f} | {mean(0, 'ece'):.3f} | {mean(1, 'ece'):.3f} | {effect} |")
     return lines
@@ -436,16 +451,12 @@ def run_token_check(args):
                        seconds=round(time.time() - t0, 1))
             if len(measured) == 2:
                 g0, g1 = measured[0.0]["tokens"]["signed_gap"], measured[0.1]["tokens"]["signed_gap"]
-                row["measured"] = dict(gap_b0=g0, gap_b01=g1, effect="helps" if abs(g1) < abs(g0) - 0.01 else
-                                       "hurts" if abs(g1) > abs(g0) + 0.01 else "little-effect")
+                row["measured"] = dict(gap_b0=g0, gap_b01=g1, effect=_effect(g0, g1))
             rows.append(row)
             print(json.dumps(row), flush=True)
-            with open(out_path, "w") as f:
-                json.dump(rows, f, indent=1)
+            _write(out_path, rows)
             del model
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            _release()
     lines = ["The diagnosis' next-token prediction (b = 0.1) asked of the b = 0 SFT model, against the measured "
              "effect of the b = 0.1 run of the same data, lr and seed:", "",
              "| model | SFT data | lr | seed | b = 0 gap (retrained / table) | predicted gap at 0.1 | prediction | "
