@@ -375,13 +375,6 @@ def table_markdown(results) -> str:
     return "\n".join(lines)
 
 
-def _effect(gap0: float, gap1: float, margin: float = 0.01) -> str:
-    """The measured effect of smoothing on a signed gap (b = 0 -> b > 0): the diagnosis' rule and margin."""
-    from hf_lsce.diagnosis import decide
-
-    return decide(abs(gap0), {"1": abs(gap1)}, 1.0, margin)[0]
-
-
 def _write(path, obj):
     with open(path, "w") as f:
         json.dump(obj, f, indent=1)
@@ -397,6 +390,8 @@ def token_table(runs) -> list:
     """The next-token state on the held-out instructions of every (model, data, lr) with b = 0 and b = 0.1 runs of
     the same seeds (mean over them): the signed gap and ECE at b = 0 and 0.1, and whether smoothing moved the
     |signed gap| down or up by more than 0.01 (the diagnosis' margin)."""
+    from hf_lsce.diagnosis import measured_effect
+
     lines = ["", "Next-token calibration on the held-out instructions (the level the loss acts on), b = 0 against "
              "b = 0.1, mean over paired seeds:", "",
              "| model | SFT data | lr | seeds | signed gap b = 0 | b = 0.1 | ECE b = 0 | b = 0.1 | effect |",
@@ -414,7 +409,7 @@ def token_table(runs) -> list:
         def mean(i, key):
             return sum(p[i]["tokens"][key] for p in pairs) / len(pairs)
         g0, g1 = mean(0, "signed_gap"), mean(1, "signed_gap")
-        effect = _effect(g0, g1)
+        effect = measured_effect(g0, g1)
         lines.append(f"| {os.path.basename(r1['model'])} | {r1['dataset']} | {r1['lr']} | {len(pairs)} | {g0:+.3f} | "
                      f"{g1:+.3f} | {mean(0, 'ece'):.3f} | {mean(1, 'ece'):.3f} | {effect} |")
     return lines
@@ -426,6 +421,7 @@ def run_token_check(args):
     Written beside the measured effect of the b = 0.1 run of the same seed (``table1.json`` in ``--out-dir``):
     ``table1_token_check.{json,md}``."""
     from hf_lsce.checkpoints import resolve_model_path
+    from hf_lsce.diagnosis import measured_effect
 
     start = time.time()
     table = os.path.join(args.out_dir, "table1.json")
@@ -451,7 +447,7 @@ def run_token_check(args):
                        seconds=round(time.time() - t0, 1))
             if len(measured) == 2:
                 g0, g1 = measured[0.0]["tokens"]["signed_gap"], measured[0.1]["tokens"]["signed_gap"]
-                row["measured"] = dict(gap_b0=g0, gap_b01=g1, effect=_effect(g0, g1))
+                row["measured"] = dict(gap_b0=g0, gap_b01=g1, effect=measured_effect(g0, g1))
             rows.append(row)
             print(json.dumps(row), flush=True)
             _write(out_path, rows)

@@ -197,14 +197,17 @@ def run_demo(output_dir: str = "hf_lsce_demo", *, model: str = DEFAULT_MODEL, da
     with torch.no_grad():
         diag = diagnose_model(base, tokenizer, label_smoothing=label_smoothing, tasks=tasks, records=calib,
                               n_records=min(len(calib), 16 if plan.name != "gpu" else 64), b_grid=(0.05, 0.1, 0.2),
-                              name=model, progress=True)
+                              name=model, progress=True, n_bins=10)  # the demo's bins: its scores are the base row
     scores = {"base": diag.scores}  # the diagnosis scored the base on the same items
     diagnosis = {**diag.to_dict(), "text": diag.format()}
     del base
     gc.collect()
 
     # -------------------------------------------------------------------------- 3: SFT, b = 0 and b
-    sft, trained = {}, {}
+    from .diagnosis import token_report
+
+    sft, trained, tokens = {}, {}, {}
+    tok_records = calib[-min(len(calib), 16 if plan.name != "gpu" else 64):]  # the diagnosis' own records
     watch = next((t for t in tasks if t.name == "arc_easy"), tasks[0])  # logged during training: a cheap task
     watch = Task(name=watch.name, kind=watch.kind, items=watch.items[:20], split=watch.split)
     for b in (0.0, label_smoothing):
@@ -214,6 +217,7 @@ def run_demo(output_dir: str = "hf_lsce_demo", *, model: str = DEFAULT_MODEL, da
                        output_dir=os.path.join(output_dir, f"sft_b{b:g}"), seed=seed)
         trained[key], sft[key] = m.to(dev), info
         scores[key] = score_all(trained[key], key)
+        tokens[key] = token_report(trained[key], tokenizer, tok_records, (label_smoothing,), predict=b == 0.0)
         if b != 0.0:
             del trained[key]
             gc.collect()
@@ -257,7 +261,7 @@ def run_demo(output_dir: str = "hf_lsce_demo", *, model: str = DEFAULT_MODEL, da
               "label_smoothing": label_smoothing, "dataset": dataset or DEFAULT_DATA, "sft_records": len(train),
               "calibration_records": len(calib), "tasks": {t.name: {"n": len(t), "split": t.split, "source": t.source,
                                                                      "shots": shots[t.name]} for t in tasks},
-              "diagnosis": diagnosis, "sft": sft, "results": results, "what_moved": moved, "diagrams": diagrams,
+              "diagnosis": diagnosis, "sft": sft, "tokens": tokens, "results": results, "what_moved": moved, "diagrams": diagrams,
               "seconds": round(time.perf_counter() - t_start, 1)}
     report["summary"] = _summary(report, label_smoothing)
     with open(os.path.join(output_dir, "report.json"), "w") as f:
@@ -286,6 +290,15 @@ def _summary(report: dict, b: float) -> list[str]:
                        for t in used) / n
         line += f"; measured after SFT on the same tasks: {measured:+.3f} (b = {b:g} minus b = 0)"
     lines.append(line)
+    tk = report.get("tokens", {})
+    if "SFT b=0" in tk and b_key in tk:
+        t0, t1 = tk["SFT b=0"], tk[b_key]
+        from .diagnosis import measured_effect
+
+        effect = measured_effect(t0["signed_gap"], t1["signed_gap"])
+        lines.append(f"next tokens of {t0['n']} held-out instruction tokens: signed gap {t0['signed_gap']:+.3f} after "
+                     f"SFT at b = 0, for which the diagnosis predicts smoothing {t0['prediction'][f'{b:g}']} "
+                     f"({t0['predicted_gap'][f'{b:g}']:+.3f}); measured at b = {b:g}: {t1['signed_gap']:+.3f} ({effect})")
     return lines
 
 

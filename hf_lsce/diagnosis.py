@@ -163,6 +163,27 @@ def token_level(st: dict, b: float, grid, vocab_size: int, *, margin: float = 0.
     return tokens, temps, tau
 
 
+def token_report(model, tokenizer, records: list, bs, *, predict: bool = False) -> dict:
+    """A fine-tuned run's next-token calibration on held-out instruction records (the level the loss acts on):
+    n, accuracy, mean confidence, signed gap, ECE. With ``predict`` (for the b = 0 run) also what smoothing at each
+    b > 0 of ``bs`` would do to it: ``predicted_gap`` and ``prediction`` per b (:func:`token_level`). In Table 1's
+    check the b = 0 model's prediction had the direction of the measured effect four times of four
+    (docs/theory.md). Used by ``hf-lsce sweep`` and ``hf-lsce demo``."""
+    from .patching.models import text_config
+
+    nonzero = [float(b) for b in bs if b]
+    if not nonzero:
+        raise ValueError(f"bs must hold a label smoothing b > 0; got {list(bs)!r}")
+    st = token_statistics(model, tokenizer, records, progress=False)
+    t, _, _ = token_level(st, nonzero[0], nonzero, int(text_config(model).vocab_size))
+    out = {k: t[k] for k in ("n", "accuracy", "mean_confidence", "signed_gap", "ece")}
+    if predict:
+        out["predicted_gap"] = {_key(b): t["predicted_gap"][_key(b)] for b in nonzero}
+        out["prediction"] = {k: decide(abs(t["signed_gap"]), {k: abs(g)}, float(k))[0]
+                             for k, g in out["predicted_gap"].items()}
+    return out
+
+
 # ------------------------------------------------------------------------------------------ the report
 @dataclass
 class TaskState:
@@ -262,6 +283,12 @@ def decide(current: float, predicted: dict, b: float, margin: float = 0.01) -> t
     prediction = "helps" if delta < -margin else "hurts" if delta > margin else "little-effect"
     best_b, best = min(predicted.items(), key=lambda kv: kv[1])
     return prediction, (float(best_b) if best < current - margin else 0.0)
+
+
+def measured_effect(gap_before: float, gap_after: float, margin: float = 0.01) -> str:
+    """What smoothing did, in the prediction's own terms: ``"helps"`` if the |signed gap| fell by more than
+    ``margin``, ``"hurts"`` if it rose by more, else ``"little-effect"``."""
+    return decide(abs(gap_before), {"1": abs(gap_after)}, 1.0, margin)[0]
 
 
 def diagnose_model(model, tokenizer, *, label_smoothing: float = 0.1, tasks=DEFAULT_TASKS, records=DEFAULT_RECORDS,

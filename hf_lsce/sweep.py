@@ -29,6 +29,7 @@ from dataclasses import asdict
 import torch
 
 from .demo import DEFAULT_DATA, DEFAULT_MODEL, _device, _sft, choose_budget, prepare
+from .diagnosis import token_report
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +126,7 @@ def run_sweep(output_dir: str = "hf_lsce_sweep", *, model: str = DEFAULT_MODEL, 
             scores[key][t.name] = score_task(m, tokenizer, t, batch_size=16, n_bins=n_bins, progress=True)
         runs[key] = {"train_loss": info["train_loss"], "seconds": info["seconds"],
                      "calibration_history": info["history"]}
-        tokens[key] = token_state(m, tokenizer, held_out, bs, predict=b == 0)
+        tokens[key] = token_report(m, tokenizer, held_out, bs, predict=b == 0)
         del m
         gc.collect()
         if dev.type == "cuda":
@@ -161,25 +162,6 @@ def run_sweep(output_dir: str = "hf_lsce_sweep", *, model: str = DEFAULT_MODEL, 
     with open(os.path.join(output_dir, "sweep.json"), "w") as f:
         json.dump(report, f, indent=1)
     return report
-
-
-def token_state(model, tokenizer, records: list, bs: list, *, predict: bool = False) -> dict:
-    """A run's next-token calibration on the held-out instruction records (the level the loss acts on). With
-    ``predict`` (the b = 0 run) also what the diagnosis says smoothing at each b > 0 of ``bs`` would do to it:
-    ``predicted_gap`` and ``prediction`` per b (:func:`hf_lsce.diagnosis.token_level`). In Table 1's check the sign
-    of the b = 0 model's gap gave the direction of the measured effect four times of four (docs/theory.md)."""
-    from .diagnosis import decide, token_level, token_statistics
-    from .patching.models import text_config
-
-    st = token_statistics(model, tokenizer, records, progress=False)
-    nonzero = [b for b in bs if b]
-    t, _, _ = token_level(st, nonzero[0], nonzero, int(text_config(model).vocab_size))
-    out = {k: t[k] for k in ("n", "accuracy", "mean_confidence", "signed_gap", "ece")}
-    if predict:
-        out["predicted_gap"] = {f"{b:g}": t["predicted_gap"][f"{b:g}"] for b in nonzero}
-        out["prediction"] = {k: decide(abs(t["signed_gap"]), {k: abs(g)}, float(k))[0]
-                             for k, g in out["predicted_gap"].items()}
-    return out
 
 
 def plot_sweep(report: dict, path: str) -> str:

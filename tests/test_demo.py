@@ -59,6 +59,16 @@ def test_demo_tiny_end_to_end_on_the_real_checkpoint(tmp_path, capsys):
     # the diagnosis scored the base model: its task states are the base row of the table
     for t in rep["diagnosis"]["tasks"]:
         assert t["ece"] == pytest.approx(rep["results"][t["name"]]["base"]["ece"])
+    for task, items in rep["what_moved"].items():  # every row and every comparison with the same bins
+        for d in items:
+            if d["metric"] == "ece":
+                assert d["a"] == pytest.approx(rep["results"][task][d["from"]]["ece"], abs=1e-6)
+                assert d["b"] == pytest.approx(rep["results"][task][d["to"]]["ece"], abs=1e-6)
+    # the next-token level of both fine-tunings on the diagnosis' held-out records, predicted from the b = 0 run
+    tk = rep["tokens"]
+    assert tk["SFT b=0"]["n"] == tk["SFT b=0.1"]["n"] == rep["diagnosis"]["tokens"]["n"]
+    assert set(tk["SFT b=0"]["prediction"]) == {"0.1"} and "prediction" not in tk["SFT b=0.1"]
+    assert f"measured at b = 0.1: {tk['SFT b=0.1']['signed_gap']:+.3f}" in printed
     assert (out / "ats" / "model.safetensors").exists() and (out / "temperature" / "config.json").exists()
     capsys.readouterr()
     assert main(["demo", "--tiny", "--output-dir", str(out)]) == 2  # not replaced without --overwrite
