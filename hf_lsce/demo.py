@@ -67,6 +67,12 @@ BUDGETS = {
 }
 
 
+def token_records(records: list, plan: Budget) -> list:
+    """The held-out instruction records whose next tokens the diagnosis, the demo and the sweep measure: the last
+    64 on the GPU budget, 16 elsewhere (a forward pass each)."""
+    return records[-min(len(records), 64 if plan.name == "gpu" else 16):]
+
+
 def _device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -196,7 +202,7 @@ def run_demo(output_dir: str = "hf_lsce_demo", *, model: str = DEFAULT_MODEL, da
     logger.info("diagnosing the base model: its calibration now, and what smoothing at b would do to it")
     with torch.no_grad():
         diag = diagnose_model(base, tokenizer, label_smoothing=label_smoothing, tasks=tasks, records=calib,
-                              n_records=min(len(calib), 16 if plan.name != "gpu" else 64), b_grid=(0.05, 0.1, 0.2),
+                              n_records=len(token_records(calib, plan)), b_grid=(0.05, 0.1, 0.2),
                               name=model, progress=True, n_bins=10)  # the demo's bins: its scores are the base row
     scores = {"base": diag.scores}  # the diagnosis scored the base on the same items
     diagnosis = {**diag.to_dict(), "text": diag.format()}
@@ -207,7 +213,7 @@ def run_demo(output_dir: str = "hf_lsce_demo", *, model: str = DEFAULT_MODEL, da
     from .diagnosis import token_report
 
     sft, trained, tokens = {}, {}, {}
-    tok_records = calib[-min(len(calib), 16 if plan.name != "gpu" else 64):]  # the diagnosis' own records
+    tok_records = token_records(calib, plan)  # the diagnosis' own records
     watch = next((t for t in tasks if t.name == "arc_easy"), tasks[0])  # logged during training: a cheap task
     watch = Task(name=watch.name, kind=watch.kind, items=watch.items[:20], split=watch.split)
     for b in (0.0, label_smoothing):

@@ -28,7 +28,7 @@ from dataclasses import asdict
 
 import torch
 
-from .demo import DEFAULT_DATA, DEFAULT_MODEL, _device, _sft, choose_budget, prepare
+from .demo import DEFAULT_DATA, DEFAULT_MODEL, _device, _sft, choose_budget, prepare, token_records
 from .diagnosis import token_report
 
 logger = logging.getLogger(__name__)
@@ -126,7 +126,7 @@ def run_sweep(output_dir: str = "hf_lsce_sweep", *, model: str = DEFAULT_MODEL, 
             scores[key][t.name] = score_task(m, tokenizer, t, batch_size=16, n_bins=n_bins, progress=True)
         runs[key] = {"train_loss": info["train_loss"], "seconds": info["seconds"],
                      "calibration_history": info["history"]}
-        tokens[key] = token_report(m, tokenizer, held_out, bs, predict=b == 0)
+        tokens[key] = token_report(m, tokenizer, token_records(held_out, plan), bs, predict=b == 0)
         del m
         gc.collect()
         if dev.type == "cuda":
