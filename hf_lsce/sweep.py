@@ -124,8 +124,7 @@ def run_sweep(output_dir: str = "hf_lsce_sweep", *, model: str = DEFAULT_MODEL, 
         for t in tasks:
             logger.info("run %d of %d (b = %s): scoring %s (%d items)", i + 1, len(bs), key, t.name, len(t))
             scores[key][t.name] = score_task(m, tokenizer, t, batch_size=16, n_bins=n_bins, progress=True)
-        runs[key] = {"train_loss": info["train_loss"], "seconds": info["seconds"],
-                     "calibration_history": info["history"]}
+        runs[key] = info  # train_loss, seconds, the callback's history (the demo's "sft" record)
         tokens[key] = token_report(m, tokenizer, token_records(held_out, plan), bs, predict=b == 0)
         del m
         gc.collect()
@@ -155,7 +154,7 @@ def run_sweep(output_dir: str = "hf_lsce_sweep", *, model: str = DEFAULT_MODEL, 
               "budget": {"name": plan.name, "sft_steps": plan.sft_steps, "batch_size": plan.batch_size, "lr": plan.lr},
               "dataset": dataset or DEFAULT_DATA, "sft_records": len(train), "seed": seed, "b_values": bs,
               "tasks": {t.name: {"n": len(t), "split": t.split, "shots": shots[t.name]} for t in tasks},
-              "results": results, "pooled": pooled, "versus_b0": comparisons, "tokens": tokens,
+              "runs": runs, "results": results, "pooled": pooled, "versus_b0": comparisons, "tokens": tokens,
               "seconds": round(time.perf_counter() - t_start, 1)}
     decide(report)
     report["figure"] = plot_sweep(report, os.path.join(output_dir, "sweep.png"))

@@ -89,6 +89,9 @@ def test_sweep_tiny_end_to_end_on_the_real_checkpoint(tmp_path, capsys):
                                                         - rep["results"]["0"][task]["signed_gap"], abs=1e-6)
         assert c["ece"]["low"] <= c["ece"]["diff"] <= c["ece"]["high"]
     assert rep["verdict"]["0.1"] == verdicts(rep["versus_b0"])["0.1"]
+    for run in rep["runs"].values():  # each run's training record: its losses and the callback's signed gap
+        assert run["train_loss"] and run["seconds"] > 0
+        assert run["history"] and all("eval_calib/arc_easy_signed_gap" in h for h in run["history"])
     tk = rep["tokens"]  # the next-token level on the held-out instructions, and the b = 0 run's prediction
     assert set(tk) == {"0", "0.1"} and tk["0"]["n"] == tk["0.1"]["n"] > 0
     for t in tk.values():
