@@ -390,27 +390,24 @@ def token_table(runs) -> list:
     """The next-token state on the held-out instructions of every (model, data, lr) with b = 0 and b = 0.1 runs of
     the same seeds (mean over them): the signed gap and ECE at b = 0 and 0.1, and whether smoothing moved the
     |signed gap| down or up by more than 0.01 (the diagnosis' margin)."""
-    from hf_lsce.diagnosis import measured_effect
+    from hf_lsce.diagnosis import gap_verdict
 
     lines = ["", "Next-token calibration on the held-out instructions (the level the loss acts on), b = 0 against "
              "b = 0.1, mean over paired seeds:", "",
              "| model | SFT data | lr | seeds | signed gap b = 0 | b = 0.1 | ECE b = 0 | b = 0.1 | effect |",
              "|---|---|---|---|---|---|---|---|---|"]
+    groups = {}  # (model, data, lr) -> its (b = 0, b = 0.1) runs of the same seed
     for r1 in runs:
-        if r1["b"] != 0.1 or r1["seed"] != min(r["seed"] for r in runs if r["b"] == 0.1 and
-                                               (r["model"], r["dataset"], r["lr"]) == (r1["model"], r1["dataset"], r1["lr"])):
-            continue
-        pairs = [(r0, r) for r in runs for r0 in runs if r["b"] == 0.1 and r0["b"] == 0.0 and
-                 (r["model"], r["dataset"], r["lr"]) == (r1["model"], r1["dataset"], r1["lr"]) and
-                 (r0["model"], r0["dataset"], r0["lr"], r0["seed"]) == (r["model"], r["dataset"], r["lr"], r["seed"])]
-        if not pairs:
-            continue
-
+        r0 = next((r for r in runs if r1["b"] == 0.1 and r["b"] == 0.0 and (r["model"], r["dataset"], r["lr"], r["seed"])
+                   == (r1["model"], r1["dataset"], r1["lr"], r1["seed"])), None)
+        if r0 is not None:
+            groups.setdefault((r1["model"], r1["dataset"], r1["lr"]), []).append((r0, r1))
+    for (model, dataset, lr), pairs in groups.items():
         def mean(i, key):
             return sum(p[i]["tokens"][key] for p in pairs) / len(pairs)
         g0, g1 = mean(0, "signed_gap"), mean(1, "signed_gap")
-        effect = measured_effect(g0, g1)
-        lines.append(f"| {os.path.basename(r1['model'])} | {r1['dataset']} | {r1['lr']} | {len(pairs)} | {g0:+.3f} | "
+        effect = gap_verdict(g0, g1)
+        lines.append(f"| {os.path.basename(model)} | {dataset} | {lr} | {len(pairs)} | {g0:+.3f} | "
                      f"{g1:+.3f} | {mean(0, 'ece'):.3f} | {mean(1, 'ece'):.3f} | {effect} |")
     return lines
 
@@ -421,7 +418,7 @@ def run_token_check(args):
     Written beside the measured effect of the b = 0.1 run of the same seed (``table1.json`` in ``--out-dir``):
     ``table1_token_check.{json,md}``."""
     from hf_lsce.checkpoints import resolve_model_path
-    from hf_lsce.diagnosis import measured_effect
+    from hf_lsce.diagnosis import gap_verdict
 
     start = time.time()
     table = os.path.join(args.out_dir, "table1.json")
@@ -447,7 +444,7 @@ def run_token_check(args):
                        seconds=round(time.time() - t0, 1))
             if len(measured) == 2:
                 g0, g1 = measured[0.0]["tokens"]["signed_gap"], measured[0.1]["tokens"]["signed_gap"]
-                row["measured"] = dict(gap_b0=g0, gap_b01=g1, effect=measured_effect(g0, g1))
+                row["measured"] = dict(gap_b0=g0, gap_b01=g1, effect=gap_verdict(g0, g1))
             rows.append(row)
             print(json.dumps(row), flush=True)
             _write(out_path, rows)

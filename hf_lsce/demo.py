@@ -200,9 +200,10 @@ def run_demo(output_dir: str = "hf_lsce_demo", *, model: str = DEFAULT_MODEL, da
 
     base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(dev).eval()
     logger.info("diagnosing the base model: its calibration now, and what smoothing at b would do to it")
+    tok_records = token_records(calib, plan)  # the next tokens measured: the base's here, the fine-tunings' below
     with torch.no_grad():
-        diag = diagnose_model(base, tokenizer, label_smoothing=label_smoothing, tasks=tasks, records=calib,
-                              n_records=len(token_records(calib, plan)), b_grid=(0.05, 0.1, 0.2),
+        diag = diagnose_model(base, tokenizer, label_smoothing=label_smoothing, tasks=tasks, records=tok_records,
+                              n_records=len(tok_records), b_grid=(0.05, 0.1, 0.2),
                               name=model, progress=True, n_bins=10)  # the demo's bins: its scores are the base row
     scores = {"base": diag.scores}  # the diagnosis scored the base on the same items
     diagnosis = {**diag.to_dict(), "text": diag.format()}
@@ -213,7 +214,6 @@ def run_demo(output_dir: str = "hf_lsce_demo", *, model: str = DEFAULT_MODEL, da
     from .diagnosis import token_report
 
     sft, trained, tokens = {}, {}, {}
-    tok_records = token_records(calib, plan)  # the diagnosis' own records
     watch = next((t for t in tasks if t.name == "arc_easy"), tasks[0])  # logged during training: a cheap task
     watch = Task(name=watch.name, kind=watch.kind, items=watch.items[:20], split=watch.split)
     for b in (0.0, label_smoothing):
@@ -299,9 +299,9 @@ def _summary(report: dict, b: float) -> list[str]:
     tk = report.get("tokens", {})
     if "SFT b=0" in tk and b_key in tk:
         t0, t1 = tk["SFT b=0"], tk[b_key]
-        from .diagnosis import measured_effect
+        from .diagnosis import gap_verdict
 
-        effect = measured_effect(t0["signed_gap"], t1["signed_gap"])
+        effect = gap_verdict(t0["signed_gap"], t1["signed_gap"])
         lines.append(f"next tokens of {t0['n']} held-out instruction tokens: signed gap {t0['signed_gap']:+.3f} after "
                      f"SFT at b = 0, for which the diagnosis predicts smoothing {t0['prediction'][f'{b:g}']} "
                      f"({t0['predicted_gap'][f'{b:g}']:+.3f}); measured at b = {b:g}: {t1['signed_gap']:+.3f} ({effect})")

@@ -159,7 +159,7 @@ def token_level(st: dict, b: float, grid, vocab_size: int, *, margin: float = 0.
         r = calibration_metrics(confidences=c, correct=st["correct"], n_bins=n_bins)
         pred_ece[_key(x)], pred_gap[_key(x)] = r.ece, r.signed_gap
     tokens["predicted_ece"], tokens["predicted_gap"] = pred_ece, pred_gap
-    tokens["prediction"] = decide(abs(res.signed_gap), {k: abs(g) for k, g in pred_gap.items()}, b, margin)[0]
+    tokens["prediction"] = gap_verdict(res.signed_gap, pred_gap[_key(b)], margin)
     return tokens, temps, tau
 
 
@@ -169,18 +169,20 @@ def token_report(model, tokenizer, records: list, bs, *, predict: bool = False) 
     b > 0 of ``bs`` would do to it: ``predicted_gap`` and ``prediction`` per b (:func:`token_level`). In Table 1's
     check the b = 0 model's prediction had the direction of the measured effect four times of four
     (docs/theory.md). Used by ``hf-lsce sweep`` and ``hf-lsce demo``."""
+    from .calibration import calibration_metrics
     from .patching.models import text_config
 
     nonzero = [float(b) for b in bs if b]
     if not nonzero:
         raise ValueError(f"bs must hold a label smoothing b > 0; got {list(bs)!r}")
     st = token_statistics(model, tokenizer, records, progress=False)
+    if not predict:  # the state only: no temperatures to fit
+        r = calibration_metrics(confidences=st["confidence"], correct=st["correct"])
+        return dict(n=r.n, accuracy=r.accuracy, mean_confidence=r.mean_confidence, signed_gap=r.signed_gap, ece=r.ece)
     t, _, _ = token_level(st, nonzero[0], nonzero, int(text_config(model).vocab_size))
     out = {k: t[k] for k in ("n", "accuracy", "mean_confidence", "signed_gap", "ece")}
-    if predict:
-        out["predicted_gap"] = {_key(b): t["predicted_gap"][_key(b)] for b in nonzero}
-        out["prediction"] = {k: decide(abs(t["signed_gap"]), {k: abs(g)}, float(k))[0]
-                             for k, g in out["predicted_gap"].items()}
+    out["predicted_gap"] = {_key(b): t["predicted_gap"][_key(b)] for b in nonzero}
+    out["prediction"] = {k: gap_verdict(t["signed_gap"], g) for k, g in out["predicted_gap"].items()}
     return out
 
 
@@ -285,9 +287,10 @@ def decide(current: float, predicted: dict, b: float, margin: float = 0.01) -> t
     return prediction, (float(best_b) if best < current - margin else 0.0)
 
 
-def measured_effect(gap_before: float, gap_after: float, margin: float = 0.01) -> str:
-    """What smoothing did, in the prediction's own terms: ``"helps"`` if the |signed gap| fell by more than
-    ``margin``, ``"hurts"`` if it rose by more, else ``"little-effect"``."""
+def gap_verdict(gap_before: float, gap_after: float, margin: float = 0.01) -> str:
+    """The prediction's rule on one signed gap, before and after smoothing (measured, or predicted by the
+    counterfactual): ``"helps"`` if its absolute value falls by more than ``margin``, ``"hurts"`` if it rises by more,
+    else ``"little-effect"``."""
     return decide(abs(gap_before), {"1": abs(gap_after)}, 1.0, margin)[0]
 
 

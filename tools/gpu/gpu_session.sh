@@ -20,6 +20,13 @@ fix_gemma_tokenizer() {
       && echo "gemma tokenizer replaced in $D"
   fi
 }
+# Table 1's steps: both staged checkpoints joined (G, S), Gemma's converted with its tokenizer replaced, /tmp/t1 made
+both_checkpoints() {
+  G=$(python3 tools/gpu/gpu_stage.py join gemma-3-270m-q4_k_m.gguf --to /tmp/stage | tail -1) || exit 3
+  S=$(python3 tools/gpu/gpu_stage.py join SmolLM2-135M-Instruct.Q4_1.gguf --to /tmp/stage | tail -1) || exit 3
+  mkdir -p /tmp/t1
+  python3 -c "from hf_lsce.checkpoints import resolve_model_path as r; r('$G')" >/dev/null 2>&1; fix_gemma_tokenizer
+}
 case $STEP in
   sanity)  # versions, the new paths' correctness, the kernel benchmark on synthetic and fitted-realistic inputs
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$R/device.txt"
@@ -46,22 +53,16 @@ case $STEP in
       --search "$G" --deadline-s $(( ${TRAINER_S:-240} - 50 )) --out-dir "$R" 2>&1 | tee "$R/trainer_real.log"
     ;;
   table1)  # the paper's Table 1 in miniature; resumable across calls (results kept in /tmp/t1 while the machine is warm)
-    G=$(python3 tools/gpu/gpu_stage.py join gemma-3-270m-q4_k_m.gguf --to /tmp/stage | tail -1) || exit 3
-    S=$(python3 tools/gpu/gpu_stage.py join SmolLM2-135M-Instruct.Q4_1.gguf --to /tmp/stage | tail -1) || exit 3
-    mkdir -p /tmp/t1
+    both_checkpoints
     # runs of an earlier machine, carried back as .gpu/t1 (table1.json, table1_probs.pt): resumed, not redone
     [ -f .gpu/t1/table1.json ] && [ ! -f /tmp/t1/table1.json ] && cp .gpu/t1/table1.json .gpu/t1/table1_probs.pt /tmp/t1/
-    python3 -c "from hf_lsce.checkpoints import resolve_model_path as r; r('$G')" >/dev/null 2>&1; fix_gemma_tokenizer
     timeout ${TABLE1_S:-540} python3 benchmarks/table1.py --models "$G,$S" --resume ${LIMITS:+--limits "$LIMITS"} ${TABLE1_ARGS:-} \
       --deadline-s $(( ${TABLE1_S:-540} - 25 )) --out-dir /tmp/t1 2>&1 | tee -a /tmp/t1/table1.log
     cp /tmp/t1/table1* "$R"/ 2>/dev/null
     ;;
   token-check)  # the diagnosis' next-token prediction of each b = 0 SFT model against Table 1's measured b = 0.1 effect
-    G=$(python3 tools/gpu/gpu_stage.py join gemma-3-270m-q4_k_m.gguf --to /tmp/stage | tail -1) || exit 3
-    S=$(python3 tools/gpu/gpu_stage.py join SmolLM2-135M-Instruct.Q4_1.gguf --to /tmp/stage | tail -1) || exit 3
-    mkdir -p /tmp/t1
+    both_checkpoints
     [ -f .gpu/t1/table1.json ] && cp .gpu/t1/table1.json /tmp/t1/
-    python3 -c "from hf_lsce.checkpoints import resolve_model_path as r; r('$G')" >/dev/null 2>&1; fix_gemma_tokenizer
     timeout ${TABLE1_S:-540} python3 benchmarks/table1.py --token-check --models "$G,$S" --resume ${TABLE1_ARGS:-} \
       --deadline-s $(( ${TABLE1_S:-540} - 25 )) --out-dir /tmp/t1 > /tmp/t1/token_check.log 2>&1
     grep -a "^{\|deadline\|Error" /tmp/t1/token_check.log | cut -c1-300
