@@ -97,6 +97,7 @@ def method_fns(compile_: bool = True):
         return fn
     fns["hf_lsce (one-pass)"] = forced("one-pass")
     fns["hf_lsce (two-pass)"] = forced("two-pass")
+    fns["hf_lsce (fused)"] = forced("fused")
     for k in FILTER_EXPONENTS:  # gradient filtering with a per-row bound, the vocabulary sorted
         fns[f"hf_lsce (filter 2^-{k})"] = (lambda e: lambda h, w, y, b, cap: linear_cross_entropy(
             h, w, y, label_smoothing=b, softcap=cap, filter_eps=e, sort_vocab=True))(2.0 ** -k)
@@ -420,6 +421,17 @@ def suite(name):
                 ("llama3-8b", 0.1, None, "realistic", both + ["torch.compile", "floor (3 matmuls)"], None, False),
                 ("llama3-8b", 0.0, None, "realistic", ["hf_lsce", "cce"], None, False),
                 ("gemma2-2b", 0.0, None, "realistic", ["hf_lsce", "cce"], None, False)]
+    if name == "v3":  # issue 27: the fused training path (one logits pass storing exp(z - c)) against the others
+        paths = ["hf_lsce", "hf_lsce (fused)", "hf_lsce (one-pass)", "hf_lsce (two-pass)"]
+        return [("gemma3-270m", 0.1, None, "realistic", paths + ["torch eager", "torch.compile", "floor (3 matmuls)"], None,
+                 True),
+                ("gemma3-270m", 0.0, None, "realistic", ["hf_lsce", "cce", "torch.compile"], None, False),
+                ("smollm2-135m", 0.1, None, "realistic", paths + ["torch.compile", "floor (3 matmuls)"], None, False),
+                ("qwen2.5-0.5b", 0.1, None, "realistic", paths[1:], None, False),
+                ("gemma2-2b", 0.1, None, "realistic", paths + ["torch.compile", "floor (3 matmuls)"], None, True),
+                ("gemma2-2b", 0.0, None, "realistic", ["hf_lsce", "cce"], None, False),
+                ("llama3-8b", 0.1, None, "realistic", paths + ["torch.compile", "floor (3 matmuls)"], None, True),
+                ("llama3-8b", 0.0, None, "realistic", ["hf_lsce", "cce"], None, False)]
     if name == "v2-low":  # issue 27: memory="low" (two-pass computation in 32 MiB column chunks) against the default
         low = ["hf_lsce", "hf_lsce (low memory)", "torch.compile"]
         return [("gemma2-2b", 0.1, None, "realistic", low, None, True),
@@ -513,7 +525,7 @@ def write_outputs(rows, out_dir, meta, stem="bench_linear_cross_entropy"):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--suite", choices=["smoke", "quick", "main", "full", "real", "v2", "v2-low", "filter"], default="main")
+    ap.add_argument("--suite", choices=["smoke", "quick", "main", "full", "real", "v2", "v3", "v2-low", "filter"], default="main")
     ap.add_argument("--out-dir", default="benchmarks/results")
     ap.add_argument("--real-inputs", default=None, help="for --suite real: the capture file (real_inputs.py)")
     ap.add_argument("--deadline-s", type=float, default=None, help="stop starting new configurations after this")

@@ -1,6 +1,6 @@
 """GPU checks of kernel v2 (issue 27), one process: prints JSON lines and writes $OUT/check_v2_gpu.json.
 
-1. The training paths (one-pass, two-pass, the default) against fp64 on materialised logits: bf16, ragged and
+1. The training paths (fused, one-pass, two-pass, the default) against fp64 on materialised logits: bf16, ragged and
    aligned vocabularies (TMA and pointer kernels), soft-cap, bias, per-token b, a tensor num_items_in_batch.
 2. No host synchronisation: a training call of the op (each path) and its backward under
    ``torch.cuda.set_sync_debug_mode("error")``, which raises on any synchronising call.
@@ -48,7 +48,7 @@ def main():
     dev = "cuda"
     g = torch.Generator(device=dev).manual_seed(0)
     for n, d, v, cap, with_bias in ((1500, 640, 32768, None, False), (1500, 576, 50257, 30.0, True),
-                                    (777, 2304, 40000, None, False)):
+                                    (777, 2304, 40000, None, False), (1500, 640, 32771, None, True)):
         w = (torch.randn(v, d, device=dev, generator=g) / d ** 0.5).bfloat16()
         h = (torch.randn(n, d, device=dev, generator=g) * 3).bfloat16()
         y = torch.randint(0, v, (n,), device=dev, generator=g)
@@ -57,7 +57,7 @@ def main():
         b = torch.rand(n, device=dev, generator=g) * 0.2
         items = (y >= 0).sum() + 5
         ref = ref64(h, w, bias, y, b, cap, float(items))
-        for path in ("one-pass", "two-pass", None):
+        for path in ("fused", "one-pass", "two-pass", None):
             config.TRAIN_PATH = path
             hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
             bb = bias.clone().requires_grad_() if bias is not None else None

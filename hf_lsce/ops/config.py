@@ -98,17 +98,19 @@ def grad_logits_config(dtype: torch.dtype, device: torch.device) -> KernelConfig
     return config if config.tma else backward_config(dtype, device)
 
 
-# The training path by hidden size: up to this D the two-pass path (forward kernel for the lse, then the logits
+# The training path by hidden size: up to this D the fused path (bf16 with the TMA kernel; fused_pass.py) or else the
+# two-pass path (forward kernel for the lse, then the logits
 # recomputed on chip and G written in the input dtype, dh and dW from cuBLAS), above it the one-pass path (fp32
 # logits from cuBLAS, read twice). The one-pass path saves a logits matmul (2 N D V FLOPs) but moves about 14 N V
 # bytes more; the crossing sits near D = 12 * (tensor FLOP/s) / (2 * HBM bytes/s), about 1,400 on an H100.
 # Measured: see docs/how_it_works.md ("Two training paths").
 TWO_PASS_MAX_D = 1024
-# Force one training path: "one-pass" or "two-pass" (tests run both under the interpreter; benchmarks compare them).
-# Unset: by TWO_PASS_MAX_D on CUDA, the one-pass path elsewhere.
+# Force one training path where it can run: "fused", "one-pass" or "two-pass" (tests run each under the interpreter;
+# benchmarks compare them). Unset: the fused path where it runs (linear_cross_entropy._train_path), else by
+# TWO_PASS_MAX_D on CUDA, the one-pass path elsewhere.
 TRAIN_PATH = os.environ.get("HF_LSCE_TRAIN_PATH") or None
-if TRAIN_PATH not in (None, "one-pass", "two-pass"):
-    raise ValueError(f"HF_LSCE_TRAIN_PATH must be 'one-pass' or 'two-pass' (or unset), got {TRAIN_PATH!r}.")
+if TRAIN_PATH not in (None, "fused", "one-pass", "two-pass"):
+    raise ValueError(f"HF_LSCE_TRAIN_PATH must be 'fused', 'one-pass' or 'two-pass' (or unset), got {TRAIN_PATH!r}.")
 
 # Memory for one chunk of the gradient-of-logits buffer of the recomputing backward (backward.py).
 GRAD_CHUNK_BYTES = 1 << 30

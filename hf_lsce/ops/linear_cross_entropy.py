@@ -201,7 +201,8 @@ class _Options:
     memory: str = "fast"
     accum_dtype: torch.dtype | None = None
     need_stats: bool = False
-    two_pass: bool = False  # training: the two-pass path (_two_pass_gradients) instead of the one-pass one
+    # training: "one-pass" (train_pass), "two-pass" (_two_pass_gradients) or "fused" (fused_pass)
+    path: str = "one-pass"
     reduce: bool = False  # the first output is the reduced loss (sum / denom), not per-token losses
 
 
@@ -297,14 +298,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
 def statistics_and_gradients(hidden, weight, bias, targets, smoothing, token_weight, opts, need_dh, need_dw,
                              need_db):
     """The training paths' forward: (statistics, (dh, dw, db) of ``sum_n token_weight_n loss_n``) by the path
-    ``opts`` names (low-memory, two-pass, or the one-pass ``train_pass``)."""
+    ``opts`` names (low-memory, fused, two-pass, or the one-pass ``train_pass``)."""
     from .train_pass import triton_train_pass
 
+    if opts.path == "fused" and opts.memory != "low":
+        return _fused_gradients(hidden, weight, bias, targets, smoothing, token_weight, opts, need_dh, need_dw, need_db)
     if opts.memory == "low":
         stats = forward_stats(hidden, weight, bias, targets, opts.softcap, opts.backend, stats=True)
         return stats, _low_memory_gradients(hidden, weight, bias, targets, smoothing, token_weight, stats, opts,
                                             need_dh, need_dw, need_db)
-    if opts.two_pass:
+    if opts.path == "two-pass":
         stats = forward_stats(hidden, weight, bias, targets, opts.softcap, opts.backend, stats=opts.need_stats)
         return stats, _two_pass_gradients(hidden, weight, bias, targets, smoothing, token_weight, stats[0], opts,
                                           need_dh, need_dw, need_db, zy=stats[1])
@@ -346,6 +349,18 @@ def loss_gradients(hidden, weight, bias, targets, lse, smoothing, grad, grad_lse
                           need_dw=need_dw, extra=extra)
 
 
+def _fused_gradients(hidden, weight, bias, targets, smoothing, token_weight, opts, need_dh, need_dw, need_db):
+    """The fused training path (``fused_pass``): statistics and gradients from one logits pass whose kernel stores
+    the shifted exponentials; ``(stats, (dh, dw, db))``."""
+    from .config import forward_config
+    from .fused_pass import triton_fused_pass
+
+    stats, dh, dw, db = triton_fused_pass(hidden, weight, bias, targets, smoothing, token_weight,
+                                          forward_config(hidden.dtype, hidden.device), need_dh=need_dh,
+                                          need_dw=need_dw, need_db=need_db, need_stats=opts.need_stats)
+    return stats, (dh, dw, db)
+
+
 def _two_pass_gradients(hidden, weight, bias, targets, smoothing, token_weight, lse, opts, need_dh, need_dw, need_db,
                         chunk_bytes=None, zy=None):
     """The two-pass training path's gradients of ``sum_n token_weight_n loss_n``, given the forward kernel's lse:
@@ -383,7 +398,10 @@ def _recompute_kept(hidden, weight, bias, targets, smoothing, token_weight, lse,
     """The one-pass gradients again, by the same computation as the forward's (for a second backward)."""
     from .train_pass import triton_train_pass
 
-    if opts.two_pass:
+    if opts.path == "fused" and opts.memory != "low":
+        return _fused_gradients(hidden, weight, bias, targets, smoothing, token_weight, opts, need_dh, need_dw,
+                                need_db)[1]
+    if opts.path == "two-pass":
         return _two_pass_gradients(hidden, weight, bias, targets, smoothing, token_weight, lse, opts, need_dh, need_dw,
                                    need_db)
 
@@ -429,16 +447,24 @@ def _use_train_pass(hidden, weight, bias, backend) -> bool:
     return supported(hidden)
 
 
-def _use_two_pass(hidden, weight, accum_dtype) -> bool:
-    """The two-pass training path where it is the faster one: hidden size up to ``config.TWO_PASS_MAX_D`` (see
-    there for the measurement), dW accumulated in the weight's dtype (it is written once per row there)."""
+def _train_path(hidden, weight, bias, softcap, z_loss, filter_eps, accum_dtype) -> str:
+    """The training path. On CUDA, up to hidden size ``config.TWO_PASS_MAX_D``: the fused path where it can run (bf16,
+    the TMA kernel, no soft-cap, z-loss or filtering: ``fused_pass.supported``), else the two-pass path (with dW
+    accumulated in the weight's dtype: it is written once per row there); above that D, and off CUDA, the one-pass
+    path. ``config.TRAIN_PATH`` forces a path where it can run. Measured: see docs/how_it_works.md ("Training
+    paths"): at D = 640 the fused path took 15.8 ms against 18.6 (two-pass), at D = 2304 and 4096 the same time
+    as the one-pass path with more memory."""
     from . import config
+    from .fused_pass import supported as fused_supported
 
-    if accum_dtype not in (None, weight.dtype):
-        return False
-    if config.TRAIN_PATH is not None:  # forced (tests, benchmarks)
-        return config.TRAIN_PATH == "two-pass"
-    return hidden.is_cuda and hidden.shape[1] <= config.TWO_PASS_MAX_D
+    cfg = config.forward_config(hidden.dtype, hidden.device) if hidden.is_cuda or config.interpreting() else None
+    can = {"fused": cfg is not None and fused_supported(hidden, weight, bias, softcap, z_loss, filter_eps, cfg),
+           "two-pass": accum_dtype in (None, weight.dtype), "one-pass": True}
+    if config.TRAIN_PATH is not None and can[config.TRAIN_PATH]:
+        return config.TRAIN_PATH
+    if hidden.is_cuda and hidden.shape[1] <= config.TWO_PASS_MAX_D:
+        return "fused" if can["fused"] else "two-pass" if can["two-pass"] else "one-pass"
+    return "one-pass"
 
 
 def _validate_options(z_loss, return_lse, memory, accum_dtype, sort_vocab, weight, process_group) -> None:
@@ -462,11 +488,11 @@ def training_options(hidden, weight, softcap, backend, z_loss, filter_eps, sort_
     """How a call runs, from the validated arguments (``filter_eps`` a number; ``sort_vocab`` resolved): the memory
     mode (``"auto"`` resolved against CUDA's free memory) and, for training, the two-pass or one-pass path."""
     filter_eps = float(filter_eps)
-    mem = _resolve_memory(memory, one_pass, hidden, weight, accum_dtype, sort_vocab)
-    two_pass = one_pass and mem == "fast" and _use_two_pass(hidden, weight, accum_dtype)
+    path = _train_path(hidden, weight, None, softcap, z_loss, filter_eps, accum_dtype) if one_pass else "one-pass"
+    mem = _resolve_memory(memory, one_pass, hidden, weight, accum_dtype, sort_vocab, path)
     return _Options(softcap=softcap, backend=backend, filter_eps=filter_eps if mem != "low" else 0.0,
                     sort_vocab=sort_vocab and mem != "low", z_loss=float(z_loss), memory=mem, accum_dtype=accum_dtype,
-                    need_stats=need_stats, two_pass=two_pass, reduce=reduce)
+                    need_stats=need_stats, path=path if mem == "fast" else "one-pass", reduce=reduce)
 
 
 # Functions called with the smoothing factor (a float; None when per-token) by every call of the op that trains
@@ -486,19 +512,23 @@ def notify_training_call(label_smoothing) -> None:
         fn(label_smoothing)
 
 
-def _resolve_memory(memory, one_pass, hidden, weight, accum_dtype, sort) -> str:
+def _resolve_memory(memory, one_pass, hidden, weight, accum_dtype, sort, path="one-pass") -> str:
     """'auto': the low-memory path when CUDA's free memory cannot hold the fast path's buffers."""
     if memory != "auto":
         return memory
     if not one_pass or hidden.device.type != "cuda":
         return "fast"
     from .config import TRAIN_CHUNK_BYTES
+    from .fused_pass import FUSED_CHUNK_BYTES
 
     n, (v, d) = hidden.shape[0], weight.shape
-    need = min(n, max(1, TRAIN_CHUNK_BYTES // (v * 4))) * v * 4  # one chunk of fp32 logits
+    if path == "fused":  # one chunk of R (bf16) and dW's fp32 accumulator
+        need = min(n, max(1, FUSED_CHUNK_BYTES // (v * 2))) * v * 2 + v * d * 4
+    else:
+        need = min(n, max(1, TRAIN_CHUNK_BYTES // (v * 4))) * v * 4  # one chunk of fp32 logits
     if sort:
         need += v * d * weight.element_size()  # the sorted copy of W
-    if accum_dtype == torch.float32 and weight.dtype != torch.float32:
+    if accum_dtype == torch.float32 and weight.dtype != torch.float32 and path != "fused":
         need += v * d * 4
     free, _ = torch.cuda.mem_get_info(hidden.device)
     return "low" if free < 1.25 * need else "fast"

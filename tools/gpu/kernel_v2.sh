@@ -6,7 +6,7 @@ source "$(dirname "$0")/gpu_env.sh"
 while [ $# -gt 0 ]; do
   case "$1" in
     check) timeout 150 python3 benchmarks/check_v2_gpu.py 2>&1 | tail -12; shift ;;
-    ops) python3 benchmarks/bench_linear_cross_entropy.py --suite "${OPS_SUITE:-v2}" --only "$2" --out-dir "$OUT/bench" --stem bench_v2 \
+    ops) python3 benchmarks/bench_linear_cross_entropy.py --suite "${OPS_SUITE:-v2}" --only "$2" --out-dir "$OUT/bench" --stem "${OPS_STEM:-bench_v2}" \
            --deadline-s "${OPS_DEADLINE:-240}" 2>&1 | grep -v -i warn | grep "^|" ; shift 2 ;;
     e2e) python3 benchmarks/bench_trainer.py --models "$2" --methods "${E2E_METHODS:-hf:0.1,hf_lsce:0.1,hf:0.0,hf_lsce:0.0}" \
            --out-dir "$OUT/e2e" --deadline-s "${E2E_DEADLINE:-300}" 2>&1 | grep "^|" ; shift 2 ;;

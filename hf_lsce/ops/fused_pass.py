@@ -1,0 +1,344 @@
+"""The fused training path: one logits matmul for the loss and its gradients, no fp32 logits in memory.
+
+The forward kernel's loop (``forward._lce_forward_tma_kernel``: TMA loads, one flattened loop over (vocabulary tile,
+D step) pairs) computes each logit tile once and, in the same epilogue, both folds it into the row statistics and
+stores it, as the shifted exponentials
+
+    R_nv = exp(z_nv - c_n)        (the input dtype, bf16)
+
+with a per-row offset ``c_n`` fixed *before* the kernel runs. The softmax is ``p_nv = R_nv / S_n`` with
+``S_n = sum_v R_nv`` (so ``lse_n = c_n + log S_n``): the missing normalisation is one factor per row, and a factor
+per row passes through both gradient products:
+
+    G = diag(a) R' - u 1^T,   a_n = w_n / S_n,   u_n = w_n b_n / V
+    dh = diag(a) (R' W) - u colsum(W)^T          dW = R'^T (a o h) - 1 (u^T h)^T
+
+(``w_n`` the token's weight in the reduced loss, ``b_n`` its smoothing; R' is R with the target entry
+``R_ny - (1 - b_n) S_n``, written from the kernel's fp32 target logit). So the gradients take three matmuls (the
+logits once, dh, dW) and 2 bytes per logit of memory traffic, where the two-pass path runs the logits twice and the
+one-pass path moves about 14 bytes per logit (fp32 logits written and read twice).
+
+The offset: ``c_n = h_n . mean_v W_v + C_SHIFT`` (the mean logit, which is at most the row's max ``m_n``, plus a
+margin). R fits bf16 while ``m_n - c_n`` stays within ``R_EXP_MAX`` (R <= e^48, bf16 and fp32 reach e^88) and keeps
+the entries that matter (within about 60 nats of the max) above bf16's smallest normal number. A row past that
+(its max more than 72 nats above its mean logit; on real Gemma-3-270m text the largest gap was 40) is flagged on
+the device and redone by the same kernel with ``c_n = m_n`` (its exact max) in a second launch whose programs return
+at once on blocks without a flagged row. No host synchronisation.
+
+Rows are processed ``FUSED_CHUNK_BYTES`` of R at a time (so memory does not grow with N); dW is accumulated across
+chunks in fp32 (``4 V D`` bytes, one rounding at the end, where the rank-one smoothing term is also subtracted).
+bf16 only (fp16's range cannot hold R); not with soft-cap (its derivative is not a factor per row), z-loss or
+gradient filtering: those take the other training paths.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .config import interpreting
+from .forward import _dot, _finish_logits, _split_bounds, tma_ready
+
+# c_n = mean logit + C_SHIFT; a row whose max exceeds c_n by more than R_EXP_MAX is redone with c_n = its max.
+C_SHIFT = 24.0
+R_EXP_MAX = 48.0
+# Memory for one chunk of R (rows x V in bf16). Measured at the Gemma-3-270m shape (H100): the pass took 15.7 ms with
+# 1 GiB chunks and 14.6 ms with 2 GiB (fewer passes over dW's fp32 accumulator); 1 GiB keeps the extra memory lower.
+FUSED_CHUNK_BYTES = 1 << 30
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _exp_tiles_tma_kernel(
+    h_desc, w_desc, R, B, Y, C, FLAG,
+    S_OUT, T_OUT, SZ_OUT, ZY_OUT, M_OUT, AM_OUT,
+    N, V, D, NUM_SPLITS, stride_rn,
+    HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, STATS: tl.constexpr,
+    FIXUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Per (vocabulary split, row block): R = exp(z - c) stored tile by tile, and per row over the split
+    S = sum R, T = sum R (z - c) (entropy; STATS), the sum of logits, the target logit, the max and (STATS) argmax.
+    FIXUP: only blocks holding a flagged row run (the others return at once); they redo every row of the block."""
+    n0 = tl.program_id(1) * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    run = True
+    if FIXUP:
+        run = tl.max(tl.load(FLAG + offs_n, mask=mask_n, other=0), axis=0) > 0
+    if run:
+        y = tl.load(Y + offs_n, mask=mask_n, other=-1)
+        c = tl.load(C + offs_n, mask=mask_n, other=0.0)
+        c2 = c * 1.4426950408889634
+        zero = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        s, t_acc, sz, zy = zero, zero, zero, zero
+        m = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
+        am = tl.zeros((BLOCK_N,), dtype=tl.int32)
+        v_start, v_end = _split_bounds(V, NUM_SPLITS, BLOCK_V)
+        k_steps = tl.cdiv(D, BLOCK_D)
+        acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+        for it in range(0, tl.cdiv(v_end - v_start, BLOCK_V) * k_steps):
+            v0 = v_start + (it // k_steps) * BLOCK_V
+            k = it % k_steps
+            h = h_desc.load([n0, k * BLOCK_D])
+            w = w_desc.load([v0, k * BLOCK_D])
+            acc = _dot(h, tl.trans(w), acc, DOT_PRECISION, UPCAST)
+            if k == k_steps - 1:
+                offs_v = v0 + tl.arange(0, BLOCK_V)
+                mask_v = offs_v < v_end
+                z, _t = _finish_logits(acc, B, offs_v, mask_v, 1.0, HAS_BIAS, False)
+                z_valid = tl.where(mask_v[None, :], z, 0.0)
+                zy += tl.sum(tl.where(offs_v[None, :] == y[:, None], z_valid, 0.0), axis=1)
+                sz += tl.sum(z_valid, axis=1)
+                z_m = tl.where(mask_v[None, :], z, float("-inf"))
+                tile_max = tl.max(z_m, axis=1)
+                if STATS:
+                    tile_arg = tl.argmax(z_m, axis=1).to(tl.int32) + v0
+                    am = tl.where(tile_max > m, tile_arg, am)
+                m = tl.maximum(m, tile_max)
+                r = tl.math.exp2(z_m * 1.4426950408889634 - c2[:, None])
+                s += tl.sum(r, axis=1)
+                if STATS:
+                    t_acc += tl.sum(r * (z_valid - c[:, None]), axis=1)
+                tl.store(R + offs_n[:, None].to(tl.int64) * stride_rn + offs_v[None, :], r.to(R.dtype.element_ty),
+                         mask=mask_n[:, None] & mask_v[None, :])
+                acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+        out = tl.program_id(0) * N + offs_n
+        tl.store(S_OUT + out, s, mask=mask_n)
+        tl.store(T_OUT + out, t_acc, mask=mask_n)
+        tl.store(SZ_OUT + out, sz, mask=mask_n)
+        tl.store(ZY_OUT + out, zy, mask=mask_n)
+        tl.store(M_OUT + out, m, mask=mask_n)
+        tl.store(AM_OUT + out, am, mask=mask_n)
+
+
+def supported(hidden, weight, bias, softcap, z_loss, filter_eps, config) -> bool:
+    """Whether the fused path can run these inputs: bf16, no soft-cap, z-loss or filtering, and the TMA kernel's
+    inputs (``forward.tma_ready``)."""
+    return (hidden.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and softcap is None and not z_loss
+            and not filter_eps and tma_ready(config, hidden, weight)
+            and (bias is None or bias.dtype == torch.bfloat16))
+
+
+def _exp_tiles(config, h, weight, bias, targets, c, r, stats: bool, flag=None, bufs=None):
+    """Launch the kernel on the rows ``h`` (offsets ``c``, R into ``r``): per-split (S, T, sum z, z_y, max, argmax);
+    ``flag`` given: the fix-up launch, into the same buffers ``bufs`` (those the first launch returned)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    n, d = h.shape
+    v = weight.shape[0]
+    splits = fused_splits(config, n, v)
+    if bufs is None:
+        f32 = dict(dtype=torch.float32, device=h.device)
+        bufs = [torch.empty(splits, n, **f32) for _ in range(5)] + [
+            torch.empty(splits, n, dtype=torch.int32, device=h.device)]
+    h_desc = TensorDescriptor.from_tensor(h, [config.block_n, config.block_d])
+    w_desc = TensorDescriptor.from_tensor(weight, [config.block_v, config.block_d])
+    grid = (splits, triton.cdiv(n, config.block_n))
+    _exp_tiles_tma_kernel[grid](
+        h_desc, w_desc, r, bias if bias is not None else weight, targets, c, flag if flag is not None else c,
+        *bufs, n, v, d, splits, r.stride(0),
+        HAS_BIAS=bias is not None, DOT_PRECISION=config.dot_precision, UPCAST=config.upcast_dot,
+        STATS=stats, FIXUP=flag is not None, BLOCK_N=config.block_n, BLOCK_V=config.block_v,
+        BLOCK_D=config.block_d, num_warps=config.num_warps, num_stages=config.num_stages)
+    return bufs
+
+
+def fused_splits(config, rows: int, v: int) -> int:
+    """Vocabulary splits of the kernel's grid: as many as keep the programs within ``config.min_programs`` (about two
+    waves; rounding up, as ``forward.vocab_splits`` does, left a nearly empty third wave at 17 row blocks: measured
+    22.3 ms against 14.5 for the forward kernel at the Gemma2-2B shape), at least ``config.min_splits``."""
+    blocks = triton.cdiv(rows, config.block_n)
+    return max(1, min(triton.cdiv(v, config.block_v), max(config.min_splits, config.min_programs // blocks)))
+
+
+def _mm(a, b, out=None, accumulate=False):
+    """(out +)= a @ b in fp32 from bf16 operands (cuBLAS with fp32 output on CUDA; fp32 math elsewhere)."""
+    from .train_pass import _addmm_f32, _mm_f32
+
+    if accumulate:
+        _addmm_f32(out, a, b)
+    else:
+        _mm_f32(a, b, out)
+    return out
+
+
+@triton.jit
+def _offsets_kernel(H, WMEAN, BMEAN, C, n, D, stride_h, shift, HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
+    """c_n = h_n . mean_v W_v (+ the bias' mean) + shift: the mean logit plus the margin."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    mask_r = rows < n
+    acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        mask_d = cols < D
+        h = tl.load(H + rows[:, None].to(tl.int64) * stride_h + cols[None, :], mask=mask_r[:, None] & mask_d[None, :],
+                    other=0.0).to(tl.float32)
+        acc += tl.sum(h * tl.load(WMEAN + cols, mask=mask_d, other=0.0)[None, :], axis=1)
+    if HAS_BIAS:
+        acc += tl.load(BMEAN)
+    tl.store(C + rows, acc + shift, mask=mask_r)
+
+
+@triton.jit
+def _flag_kernel(M, C, FLAG, n, splits, r_exp_max, BLOCK_R: tl.constexpr):
+    """Rows whose max exceeds c by more than ``r_exp_max``: flagged, and their c set to the max (for the fix-up)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    mask_r = rows < n
+    m = tl.full((BLOCK_R,), float("-inf"), dtype=tl.float32)
+    for k in range(0, splits):
+        m = tl.maximum(m, tl.load(M + k * n + rows, mask=mask_r, other=float("-inf")))
+    c = tl.load(C + rows, mask=mask_r, other=0.0)
+    flag = m - c > r_exp_max
+    tl.store(FLAG + rows, flag.to(tl.int32), mask=mask_r)
+    tl.store(C + rows, tl.where(flag, m, c), mask=mask_r)
+
+
+@triton.jit
+def _finish_rows_kernel(
+    S, T, SZ, ZY, M, AM, C, Y, SMOOTH, SCALE, H, R, HS,
+    LSE_OUT, ZY_OUT, SZ_OUT, ENT_OUT, AM_OUT, A_OUT, U_OUT,
+    n, splits, D, stride_h, stride_r, stride_hs, inv_v,
+    STATS: tl.constexpr, GRAD: tl.constexpr, SCALE_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Per row: the splits merged (lse = c + log S, target logit, sum of logits; STATS: entropy and argmax), and for
+    the gradients (GRAD) a = w / S and u = w b / V, R's target entry made R_ny - (1 - b) S from the fp32 target
+    logit, and (SCALE_H) the rows of a o h in the input dtype for dW."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    mask_r = rows < n
+    zero = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    s, t_acc, sz, zy = zero, zero, zero, zero
+    m = tl.full((BLOCK_R,), float("-inf"), dtype=tl.float32)
+    am = tl.zeros((BLOCK_R,), dtype=tl.int32)
+    for k in range(0, splits):
+        at = k * n + rows
+        s += tl.load(S + at, mask=mask_r, other=1.0)
+        sz += tl.load(SZ + at, mask=mask_r, other=0.0)
+        zy += tl.load(ZY + at, mask=mask_r, other=0.0)
+        if STATS:
+            t_acc += tl.load(T + at, mask=mask_r, other=0.0)
+            mk = tl.load(M + at, mask=mask_r, other=float("-inf"))
+            am = tl.where(mk > m, tl.load(AM + at, mask=mask_r, other=0), am)  # first split holding the max
+            m = tl.maximum(m, mk)
+    c = tl.load(C + rows, mask=mask_r, other=0.0)
+    log_s = tl.log(s)
+    tl.store(LSE_OUT + rows, c + log_s, mask=mask_r)
+    tl.store(ZY_OUT + rows, zy, mask=mask_r)
+    tl.store(SZ_OUT + rows, sz, mask=mask_r)
+    if STATS:
+        tl.store(ENT_OUT + rows, log_s - t_acc / s, mask=mask_r)
+        tl.store(AM_OUT + rows, am.to(tl.int64), mask=mask_r)
+    if GRAD:
+        w = tl.load(SCALE + rows, mask=mask_r, other=0.0)
+        b = tl.load(SMOOTH + rows, mask=mask_r, other=0.0)
+        y = tl.load(Y + rows, mask=mask_r, other=-1)
+        a = w / s
+        tl.store(A_OUT + rows, a, mask=mask_r)
+        tl.store(U_OUT + rows, w * b * inv_v, mask=mask_r)
+        tgt = tl.exp(zy - c) - (1.0 - b) * s
+        ok = mask_r & (y >= 0)
+        tl.store(R + rows.to(tl.int64) * stride_r + tl.maximum(y, 0), tgt.to(R.dtype.element_ty), mask=ok)
+        if SCALE_H:
+            for d0 in range(0, D, BLOCK_D):
+                cols = d0 + tl.arange(0, BLOCK_D)
+                m2 = mask_r[:, None] & (cols < D)[None, :]
+                h = tl.load(H + rows[:, None].to(tl.int64) * stride_h + cols[None, :], mask=m2, other=0.0)
+                tl.store(HS + rows[:, None].to(tl.int64) * stride_hs + cols[None, :],
+                         (h.to(tl.float32) * a[:, None]).to(HS.dtype.element_ty), mask=m2)
+
+
+@triton.jit
+def _dh_rows_kernel(T, A, U, COLSUM, DH, n, D, stride_t, stride_dh, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """dh = a o (R' W) - u colsum(W), in dh's dtype (one rounding)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    mask_r = rows < n
+    a = tl.load(A + rows, mask=mask_r, other=0.0)
+    u = tl.load(U + rows, mask=mask_r, other=0.0)
+    for d0 in range(0, D, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        mask_d = cols < D
+        m2 = mask_r[:, None] & mask_d[None, :]
+        t = tl.load(T + rows[:, None].to(tl.int64) * stride_t + cols[None, :], mask=m2, other=0.0)
+        g = a[:, None] * t - u[:, None] * tl.load(COLSUM + cols, mask=mask_d, other=0.0)[None, :]
+        tl.store(DH + rows[:, None].to(tl.int64) * stride_dh + cols[None, :], g.to(DH.dtype.element_ty), mask=m2)
+
+
+def _rows_launch(n: int):
+    """(grid, BLOCK_R, BLOCK_D, num_warps) of the row kernels."""
+    if interpreting():
+        return (triton.cdiv(n, 8),), 8, 16, 1
+    return (triton.cdiv(n, 32),), 32, 128, 4
+
+
+def triton_fused_pass(hidden, weight, bias, targets, smoothing, scale, config, need_dh=True, need_dw=True,
+                      need_db=True, need_stats=False, chunk_bytes: int | None = None):
+    """Statistics and gradients of ``sum_n scale_n loss_n`` for 2-D bf16 ``hidden`` (N, D) by the fused path (see the
+    module docstring; ``supported`` says when it applies). ``targets``: ids, -1 for ignored tokens; ``smoothing`` and
+    ``scale``: fp32 per token. Returns ``(lse, zy, sz, argmax, entropy), dh, dw, db`` (dh, dw in the inputs' dtype,
+    db fp32; None where not needed; argmax and entropy zeros unless ``need_stats``)."""
+    n, d = hidden.shape
+    v = weight.shape[0]
+    dev = hidden.device
+    f32 = dict(dtype=torch.float32, device=dev)
+    # R's row stride: a multiple of 8 elements (16-byte rows for cuBLAS and TMA)
+    v_pad = triton.cdiv(v, 8) * 8
+    rows = max(1, min(n, (chunk_bytes or FUSED_CHUNK_BYTES) // (v_pad * 2)))
+    if rows < n and rows > config.block_n:
+        rows = rows // config.block_n * config.block_n  # whole row blocks per chunk
+    r_buf = torch.empty(rows, v_pad, dtype=hidden.dtype, device=dev)
+    colsum = weight.sum(0, dtype=torch.float32)  # for the offsets (the mean logit) and dh's uniform term
+    w_mean = colsum / v
+    b_mean = bias.float().mean().reshape(1) if bias is not None else w_mean
+    lse, zy, sz, ent = (torch.empty(n, **f32) for _ in range(4))
+    am = torch.zeros(n, dtype=torch.long, device=dev)
+    a_all, u_all = torch.empty(n, **f32), torch.empty(n, **f32)
+    grad = need_dh or need_dw or (need_db and bias is not None)
+    dh = torch.empty(n, d, dtype=hidden.dtype, device=dev) if need_dh else None
+    dw32 = torch.empty(v, d, **f32) if need_dw else None
+    db = torch.zeros(v, **f32) if need_db and bias is not None else None
+    dh32 = torch.empty(rows, d, **f32) if need_dh else None
+    hs = torch.empty(rows, d, dtype=hidden.dtype, device=dev) if need_dw else None
+    c_buf = torch.empty(rows, **f32)
+    flag = torch.empty(rows, dtype=torch.int32, device=dev)
+    on_cpu = dev.type != "cuda"
+    for s0 in range(0, n, rows):
+        e0 = min(n, s0 + rows)
+        nr = e0 - s0
+        h, y, r, c = hidden[s0:e0], targets[s0:e0], r_buf[:nr, :v], c_buf[:nr]
+        grid, br, bd, warps = _rows_launch(nr)
+        _offsets_kernel[grid](h, w_mean, b_mean, c, nr, d, h.stride(0), C_SHIFT, HAS_BIAS=bias is not None,
+                              BLOCK_R=br, BLOCK_D=bd, num_warps=warps)
+        st = _exp_tiles(config, h, weight, bias, y, c, r, need_stats)
+        _flag_kernel[grid](st[4], c, flag, nr, st[0].shape[0], R_EXP_MAX, BLOCK_R=br, num_warps=warps)
+        _exp_tiles(config, h, weight, bias, y, c, r, need_stats, flag=flag, bufs=st)
+        a, u = a_all[s0:e0], u_all[s0:e0]
+        _finish_rows_kernel[grid](
+            *st, c, y, smoothing[s0:e0], scale[s0:e0], h, r, hs if need_dw else h,
+            lse[s0:e0], zy[s0:e0], sz[s0:e0], ent[s0:e0], am[s0:e0], a, u,
+            nr, st[0].shape[0], d, h.stride(0), r.stride(0), hs.stride(0) if need_dw else 0, 1.0 / v,
+            STATS=need_stats, GRAD=grad, SCALE_H=need_dw, BLOCK_R=br, BLOCK_D=bd, num_warps=warps)
+        if need_dh:
+            t = dh32[:nr]
+            torch.mm(r.float(), weight.float(), out=t) if on_cpu else _mm(r, weight, t)
+            _dh_rows_kernel[grid](t, a, u, colsum, dh[s0:e0], nr, d, t.stride(0), dh.stride(0), BLOCK_R=br,
+                                  BLOCK_D=bd, num_warps=warps)
+        if need_dw:
+            hsc = hs[:nr]
+            if on_cpu:
+                prod = r.float().T @ hsc.float()
+                dw32.copy_(prod) if s0 == 0 else dw32.add_(prod)
+            else:
+                _mm(r.T, hsc, dw32, accumulate=s0 > 0)
+        if db is not None:
+            db += (r.float().T @ a) if on_cpu else _mm(r.T, a.to(r.dtype)[:, None], torch.empty(v, 1, **f32))[:, 0]
+    dw = None
+    if need_dw:
+        rvec = u_all @ hidden.float()  # the uniform term of dW, the same for every row of it
+        dw = torch.empty(v, d, dtype=weight.dtype, device=dev)
+        torch.sub(dw32, rvec[None, :], out=dw)
+    if db is not None:
+        db -= u_all.sum()
+    if not need_stats:
+        ent.zero_()
+    return (lse, zy, sz, am, ent), dh, dw, db

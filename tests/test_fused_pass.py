@@ -1,0 +1,141 @@
+"""The fused training path (``fused_pass``: one logits pass whose kernel stores exp(z - c), gradients from the
+stored tiles), under Triton's interpreter, against fp64 torch on materialised logits and against the two-pass path.
+
+The interpreter rounds fp32 to bf16 by truncation (the GPU rounds to nearest), so bf16 tolerances here are about
+twice what the GPU gives (benchmarks/check_v2_gpu.py measures those)."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import hf_lsce.ops.config as config
+import hf_lsce.ops.fused_pass as fp
+from hf_lsce import linear_cross_entropy
+from hf_lsce.ops.linear_cross_entropy import _train_path
+
+N, D, V = 37, 48, 203  # ragged on purpose (R's rows padded to 208)
+
+
+def rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+@pytest.fixture
+def tma(monkeypatch):
+    """The TMA kernels (what an H100 runs), small tiles and three vocabulary splits, on the interpreter."""
+    real = config.forward_config
+    monkeypatch.setattr(config, "forward_config", lambda dt, dev: dataclasses.replace(
+        real(dt, dev), tma=True, min_splits=3, min_programs=1))
+
+
+def inputs(seed=0, bias=False, spike=False):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(V, D, generator=g, dtype=torch.float64) / D ** 0.5
+    y = torch.randint(0, V, (N,), generator=g)
+    h = torch.randn(N, D, generator=g, dtype=torch.float64) * 2.0
+    h = h * 0.5 + 6.0 * w[y] / w[y].norm(dim=-1, keepdim=True)  # a peaked softmax, as a trained LM's
+    y[torch.rand(N, generator=g) < 0.2] = -100
+    if spike:  # rows whose max logit sits ~160 nats above their mean logit: exp(z - c) would overflow even fp32
+        h[:5] = 160.0 * w[7] / w[7].norm() ** 2
+    b = torch.randn(V, generator=g, dtype=torch.float64) * 0.5 if bias else None
+    return h, w, y, b
+
+
+def fp64(h, w, y, b, smoothing, num_items, weights=None):
+    hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+    bb = b.clone().requires_grad_() if b is not None else None
+    z = hh @ ww.T + (bb if bb is not None else 0)
+    logp = torch.log_softmax(z, -1)
+    valid = y != -100
+    sm = smoothing.double()
+    tok = -(1 - sm) * logp.gather(1, y.clamp(min=0)[:, None])[:, 0] - sm * logp.mean(-1)
+    tok = torch.where(valid, tok, 0.0)
+    out = tok if weights is not None else tok.sum() / num_items
+    (out * weights).sum().backward() if weights is not None else out.backward()
+    return out.detach(), hh.grad, ww.grad, bb.grad if bb is not None else None, torch.logsumexp(z, -1).detach()
+
+
+def run(path, h, w, y, b, smoothing, reduction, num_items, weights=None, stats=False):
+    config.TRAIN_PATH = path
+    try:
+        hh, ww = h.bfloat16().requires_grad_(), w.bfloat16().requires_grad_()
+        bb = b.bfloat16().requires_grad_() if b is not None else None
+        out = linear_cross_entropy(hh, ww, y, bias=bb, label_smoothing=smoothing, reduction=reduction,
+                                   num_items_in_batch=num_items, backend="triton", return_stats=stats)
+        loss = out[0] if stats else out
+        (loss * weights).sum().backward() if weights is not None else loss.backward()
+        return (loss.detach(), hh.grad, ww.grad, bb.grad if b is not None else None) + ((out[1],) if stats else ())
+    finally:
+        config.TRAIN_PATH = None
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("reduction", ["sum", "none"])
+def test_fused_path_matches_fp64_and_the_two_pass_path(tma, monkeypatch, bias, reduction):
+    """Loss, dh, dW and db of the fused path against fp64 (per-token b, ignored rows, num_items_in_batch, bias, a
+    per-token upstream gradient) and against the two-pass path on the same bf16 inputs; the fused pass ran, in
+    several row chunks."""
+    h, w, y, b = inputs(seed=1, bias=bias)
+    sm = torch.rand(N, generator=torch.Generator().manual_seed(3)) * 0.3
+    weights = torch.rand(N, generator=torch.Generator().manual_seed(4)) if reduction == "none" else None
+    calls = []
+    real = fp.triton_fused_pass
+    monkeypatch.setattr(fp, "triton_fused_pass",
+                        lambda *a, **k: calls.append(1) or real(*a, **dict(k, chunk_bytes=16 * 208 * 2)))
+    items = 29 if reduction == "sum" else None
+    got = run("fused", h, w, y, b, sm, reduction, items, weights)
+    assert calls, "the fused pass did not run"
+    two = run("two-pass", h, w, y, b, sm, reduction, items, weights)
+    ref = fp64(h.bfloat16().double(), w.bfloat16().double(), y, b.bfloat16().double() if bias else None, sm, 29.0,
+               weights.double() if weights is not None else None)
+    assert rel(got[0], ref[0]) < 1e-5
+    for i in (1, 2, 3):
+        if ref[i] is not None:
+            assert rel(got[i], ref[i]) < 2e-2
+            assert rel(got[i], ref[i]) < 2 * rel(two[i], ref[i]) + 1e-3  # no worse than the two-pass path
+
+
+def test_fused_rows_past_the_exponent_range_are_redone(tma):
+    """Rows whose max logit sits far above their mean logit (R = exp(z - c) would overflow bf16) are flagged and
+    redone with c = their max: loss, lse and gradients stay exact."""
+    h, w, y, _ = inputs(seed=2, spike=True)
+    z = h @ w.T
+    assert float((z.max(1).values - z.mean(1))[:5].min()) > 89 + fp.C_SHIFT  # exp(max - c) past fp32's range
+    sm = torch.full((N,), 0.1)
+    got = run("fused", h, w, y, None, sm, "sum", 29, stats=True)
+    ref = fp64(h.bfloat16().double(), w.bfloat16().double(), y, None, sm, 29.0)
+    assert torch.isfinite(got[0])
+    assert rel(got[0], ref[0]) < 1e-5
+    assert rel(got[4].lse, ref[4]) < 1e-6
+    assert rel(got[1], ref[1]) < 2e-2 and rel(got[2], ref[2]) < 2e-2
+
+
+def test_fused_statistics_match_the_forward_kernel(tma):
+    """The statistics the fused pass returns (lse, argmax, entropy, nll) are those of the forward kernel."""
+    h, w, y, _ = inputs(seed=5)
+    sm = torch.full((N,), 0.1)
+    fused = run("fused", h, w, y, None, sm, "sum", None, stats=True)[4]
+    hh, ww = h.bfloat16(), w.bfloat16()
+    with torch.no_grad():
+        plain = linear_cross_entropy(hh, ww, y, label_smoothing=0.1, reduction="sum", backend="triton",
+                                     return_stats=True)[1]
+    assert torch.equal(fused.argmax, plain.argmax)
+    for a, b in ((fused.lse, plain.lse), (fused.entropy, plain.entropy), (fused.nll, plain.nll)):
+        assert rel(a, b) < 1e-5
+
+
+def test_fused_pass_only_where_it_applies(tma):
+    """bf16 without soft-cap, z-loss or filtering: everything else takes another path, even when forced."""
+    h = torch.zeros(4, D, dtype=torch.bfloat16)
+    w = torch.zeros(V, D, dtype=torch.bfloat16)
+    config.TRAIN_PATH = "fused"
+    try:
+        assert _train_path(h, w, None, None, 0.0, 0.0, None) == "fused"
+        assert _train_path(h, w, None, 30.0, 0.0, 0.0, None) != "fused"
+        assert _train_path(h, w, None, None, 1e-4, 0.0, None) != "fused"
+        assert _train_path(h, w, None, None, 0.0, 2.0 ** -8, None) != "fused"
+        assert _train_path(h.half(), w.half(), None, None, 0.0, 0.0, None) != "fused"
+    finally:
+        config.TRAIN_PATH = None
