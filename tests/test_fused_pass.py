@@ -132,10 +132,10 @@ def test_fused_pass_only_where_it_applies(tma):
     w = torch.zeros(V, D, dtype=torch.bfloat16)
     config.TRAIN_PATH = "fused"
     try:
-        assert _train_path(h, w, None, None, 0.0, 0.0, None) == "fused"
-        assert _train_path(h, w, None, 30.0, 0.0, 0.0, None) != "fused"
-        assert _train_path(h, w, None, None, 1e-4, 0.0, None) != "fused"
-        assert _train_path(h, w, None, None, 0.0, 2.0 ** -8, None) != "fused"
-        assert _train_path(h.half(), w.half(), None, None, 0.0, 0.0, None) != "fused"
+        assert _train_path(h, w, None, 0.0, 0.0, None) == "fused"
+        assert _train_path(h, w, 30.0, 0.0, 0.0, None) != "fused"
+        assert _train_path(h, w, None, 1e-4, 0.0, None) != "fused"
+        assert _train_path(h, w, None, 0.0, 2.0 ** -8, None) != "fused"
+        assert _train_path(h.half(), w.half(), None, 0.0, 0.0, None) != "fused"
     finally:
         config.TRAIN_PATH = None

@@ -37,7 +37,8 @@ import triton
 import triton.language as tl
 
 from .config import interpreting
-from .forward import _dot, _finish_logits, _split_bounds, tma_ready
+from .forward import _dot, _finish_logits, _split_bounds, _tile_sums, tma_ready
+from .train_pass import _addmm_f32, _mm_f32
 
 # c_n = mean logit + C_SHIFT; a row whose max exceeds c_n by more than R_EXP_MAX is redone with c_n = its max.
 C_SHIFT = 24.0
@@ -45,8 +46,6 @@ R_EXP_MAX = 48.0
 # Memory for one chunk of R (rows x V in bf16). Measured at the Gemma-3-270m shape (H100): the pass took 15.7 ms with
 # 1 GiB chunks and 14.6 ms with 2 GiB (fewer passes over dW's fp32 accumulator); 1 GiB keeps the extra memory lower.
 FUSED_CHUNK_BYTES = 1 << 30
-
-_LOG2E = 1.4426950408889634
 
 
 @triton.jit
@@ -87,15 +86,7 @@ def _exp_tiles_tma_kernel(
                 offs_v = v0 + tl.arange(0, BLOCK_V)
                 mask_v = offs_v < v_end
                 z, _t = _finish_logits(acc, B, offs_v, mask_v, 1.0, HAS_BIAS, False)
-                z_valid = tl.where(mask_v[None, :], z, 0.0)
-                zy += tl.sum(tl.where(offs_v[None, :] == y[:, None], z_valid, 0.0), axis=1)
-                sz += tl.sum(z_valid, axis=1)
-                z_m = tl.where(mask_v[None, :], z, float("-inf"))
-                tile_max = tl.max(z_m, axis=1)
-                if STATS:
-                    tile_arg = tl.argmax(z_m, axis=1).to(tl.int32) + v0
-                    am = tl.where(tile_max > m, tile_arg, am)
-                m = tl.maximum(m, tile_max)
+                z_valid, z_m, m, sz, zy, am = _tile_sums(z, v0, offs_v, mask_v, y, m, sz, zy, am, STATS)
                 r = tl.math.exp2(z_m * 1.4426950408889634 - c2[:, None])
                 s += tl.sum(r, axis=1)
                 if STATS:
@@ -112,17 +103,17 @@ def _exp_tiles_tma_kernel(
         tl.store(AM_OUT + out, am, mask=mask_n)
 
 
-def supported(hidden, weight, bias, softcap, z_loss, filter_eps, config) -> bool:
-    """Whether the fused path can run these inputs: bf16, no soft-cap, z-loss or filtering, and the TMA kernel's
-    inputs (``forward.tma_ready``)."""
+def supported(hidden, weight, softcap, z_loss, filter_eps, config) -> bool:
+    """Whether the fused path can run these inputs: bf16 (a bias has hidden's dtype: the op's validation), no soft-cap,
+    z-loss or filtering, and the TMA kernel's inputs (``forward.tma_ready``)."""
     return (hidden.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and softcap is None and not z_loss
-            and not filter_eps and tma_ready(config, hidden, weight)
-            and (bias is None or bias.dtype == torch.bfloat16))
+            and not filter_eps and tma_ready(config, hidden, weight))
 
 
-def _exp_tiles(config, h, weight, bias, targets, c, r, stats: bool, flag=None, bufs=None):
-    """Launch the kernel on the rows ``h`` (offsets ``c``, R into ``r``): per-split (S, T, sum z, z_y, max, argmax);
-    ``flag`` given: the fix-up launch, into the same buffers ``bufs`` (those the first launch returned)."""
+def _exp_tiles(config, h, weight, bias, targets, c, r, stats: bool, flag=None, bufs=None, descs=None):
+    """Launch the kernel on the rows ``h`` (offsets ``c``, R into ``r``); returns (per-split buffers S, T, sum z, z_y,
+    max, argmax; the tensor descriptors of h and W). ``flag`` given: the fix-up launch, into the buffers ``bufs`` and
+    with the descriptors ``descs`` the first launch returned."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     n, d = h.shape
@@ -132,8 +123,10 @@ def _exp_tiles(config, h, weight, bias, targets, c, r, stats: bool, flag=None, b
         f32 = dict(dtype=torch.float32, device=h.device)
         bufs = [torch.empty(splits, n, **f32) for _ in range(5)] + [
             torch.empty(splits, n, dtype=torch.int32, device=h.device)]
-    h_desc = TensorDescriptor.from_tensor(h, [config.block_n, config.block_d])
-    w_desc = TensorDescriptor.from_tensor(weight, [config.block_v, config.block_d])
+    if descs is None:
+        descs = (TensorDescriptor.from_tensor(h, [config.block_n, config.block_d]),
+                 TensorDescriptor.from_tensor(weight, [config.block_v, config.block_d]))
+    h_desc, w_desc = descs
     grid = (splits, triton.cdiv(n, config.block_n))
     _exp_tiles_tma_kernel[grid](
         h_desc, w_desc, r, bias if bias is not None else weight, targets, c, flag if flag is not None else c,
@@ -141,7 +134,7 @@ def _exp_tiles(config, h, weight, bias, targets, c, r, stats: bool, flag=None, b
         HAS_BIAS=bias is not None, DOT_PRECISION=config.dot_precision, UPCAST=config.upcast_dot,
         STATS=stats, FIXUP=flag is not None, BLOCK_N=config.block_n, BLOCK_V=config.block_v,
         BLOCK_D=config.block_d, num_warps=config.num_warps, num_stages=config.num_stages)
-    return bufs
+    return bufs, descs
 
 
 def fused_splits(config, rows: int, v: int) -> int:
@@ -150,17 +143,6 @@ def fused_splits(config, rows: int, v: int) -> int:
     22.3 ms against 14.5 for the forward kernel at the Gemma2-2B shape), at least ``config.min_splits``."""
     blocks = triton.cdiv(rows, config.block_n)
     return max(1, min(triton.cdiv(v, config.block_v), max(config.min_splits, config.min_programs // blocks)))
-
-
-def _mm(a, b, out=None, accumulate=False):
-    """(out +)= a @ b in fp32 from bf16 operands (cuBLAS with fp32 output on CUDA; fp32 math elsewhere)."""
-    from .train_pass import _addmm_f32, _mm_f32
-
-    if accumulate:
-        _addmm_f32(out, a, b)
-    else:
-        _mm_f32(a, b, out)
-    return out
 
 
 @triton.jit
@@ -301,7 +283,6 @@ def triton_fused_pass(hidden, weight, bias, targets, smoothing, scale, config, n
     hs = torch.empty(rows, d, dtype=hidden.dtype, device=dev) if need_dw else None
     c_buf = torch.empty(rows, **f32)
     flag = torch.empty(rows, dtype=torch.int32, device=dev)
-    on_cpu = dev.type != "cuda"
     for s0 in range(0, n, rows):
         e0 = min(n, s0 + rows)
         nr = e0 - s0
@@ -309,9 +290,9 @@ def triton_fused_pass(hidden, weight, bias, targets, smoothing, scale, config, n
         grid, br, bd, warps = _rows_launch(nr)
         _offsets_kernel[grid](h, w_mean, b_mean, c, nr, d, h.stride(0), C_SHIFT, HAS_BIAS=bias is not None,
                               BLOCK_R=br, BLOCK_D=bd, num_warps=warps)
-        st = _exp_tiles(config, h, weight, bias, y, c, r, need_stats)
+        st, descs = _exp_tiles(config, h, weight, bias, y, c, r, need_stats)
         _flag_kernel[grid](st[4], c, flag, nr, st[0].shape[0], R_EXP_MAX, BLOCK_R=br, num_warps=warps)
-        _exp_tiles(config, h, weight, bias, y, c, r, need_stats, flag=flag, bufs=st)
+        _exp_tiles(config, h, weight, bias, y, c, r, need_stats, flag=flag, bufs=st, descs=descs)
         a, u = a_all[s0:e0], u_all[s0:e0]
         _finish_rows_kernel[grid](
             *st, c, y, smoothing[s0:e0], scale[s0:e0], h, r, hs if need_dw else h,
@@ -320,18 +301,18 @@ def triton_fused_pass(hidden, weight, bias, targets, smoothing, scale, config, n
             STATS=need_stats, GRAD=grad, SCALE_H=need_dw, BLOCK_R=br, BLOCK_D=bd, num_warps=warps)
         if need_dh:
             t = dh32[:nr]
-            torch.mm(r.float(), weight.float(), out=t) if on_cpu else _mm(r, weight, t)
+            _mm_f32(r, weight, t)
             _dh_rows_kernel[grid](t, a, u, colsum, dh[s0:e0], nr, d, t.stride(0), dh.stride(0), BLOCK_R=br,
                                   BLOCK_D=bd, num_warps=warps)
         if need_dw:
-            hsc = hs[:nr]
-            if on_cpu:
-                prod = r.float().T @ hsc.float()
-                dw32.copy_(prod) if s0 == 0 else dw32.add_(prod)
+            if s0 == 0:
+                _mm_f32(r.T, hs[:nr], dw32)
             else:
-                _mm(r.T, hsc, dw32, accumulate=s0 > 0)
+                _addmm_f32(dw32, r.T, hs[:nr])
         if db is not None:
-            db += (r.float().T @ a) if on_cpu else _mm(r.T, a.to(r.dtype)[:, None], torch.empty(v, 1, **f32))[:, 0]
+            db_chunk = torch.empty(v, 1, **f32)
+            _mm_f32(r.T, a.to(r.dtype)[:, None], db_chunk)
+            db += db_chunk[:, 0]
     dw = None
     if need_dw:
         rvec = u_all @ hidden.float()  # the uniform term of dW, the same for every row of it

@@ -301,7 +301,7 @@ def statistics_and_gradients(hidden, weight, bias, targets, smoothing, token_wei
     ``opts`` names (low-memory, fused, two-pass, or the one-pass ``train_pass``)."""
     from .train_pass import triton_train_pass
 
-    if opts.path == "fused" and opts.memory != "low":
+    if opts.path == "fused":
         return _fused_gradients(hidden, weight, bias, targets, smoothing, token_weight, opts, need_dh, need_dw, need_db)
     if opts.memory == "low":
         stats = forward_stats(hidden, weight, bias, targets, opts.softcap, opts.backend, stats=True)
@@ -398,7 +398,7 @@ def _recompute_kept(hidden, weight, bias, targets, smoothing, token_weight, lse,
     """The one-pass gradients again, by the same computation as the forward's (for a second backward)."""
     from .train_pass import triton_train_pass
 
-    if opts.path == "fused" and opts.memory != "low":
+    if opts.path == "fused":
         return _fused_gradients(hidden, weight, bias, targets, smoothing, token_weight, opts, need_dh, need_dw,
                                 need_db)[1]
     if opts.path == "two-pass":
@@ -447,18 +447,18 @@ def _use_train_pass(hidden, weight, bias, backend) -> bool:
     return supported(hidden)
 
 
-def _train_path(hidden, weight, bias, softcap, z_loss, filter_eps, accum_dtype) -> str:
+def _train_path(hidden, weight, softcap, z_loss, filter_eps, accum_dtype) -> str:
     """The training path. On CUDA, up to hidden size ``config.TWO_PASS_MAX_D``: the fused path where it can run (bf16,
     the TMA kernel, no soft-cap, z-loss or filtering: ``fused_pass.supported``), else the two-pass path (with dW
     accumulated in the weight's dtype: it is written once per row there); above that D, and off CUDA, the one-pass
-    path. ``config.TRAIN_PATH`` forces a path where it can run. Measured: see docs/how_it_works.md ("Training
-    paths"): at D = 640 the fused path took 15.8 ms against 18.6 (two-pass), at D = 2304 and 4096 the same time
+    path. ``config.TRAIN_PATH`` forces a path where it can run. Measured: see docs/how_it_works.md ("Fused training
+    path"): at D = 640 the fused path took 15.8 ms against 18.6 (two-pass), at D = 2304 and 4096 the same time
     as the one-pass path with more memory."""
     from . import config
     from .fused_pass import supported as fused_supported
 
     cfg = config.forward_config(hidden.dtype, hidden.device) if hidden.is_cuda or config.interpreting() else None
-    can = {"fused": cfg is not None and fused_supported(hidden, weight, bias, softcap, z_loss, filter_eps, cfg),
+    can = {"fused": cfg is not None and fused_supported(hidden, weight, softcap, z_loss, filter_eps, cfg),
            "two-pass": accum_dtype in (None, weight.dtype), "one-pass": True}
     if config.TRAIN_PATH is not None and can[config.TRAIN_PATH]:
         return config.TRAIN_PATH
@@ -486,9 +486,10 @@ def _validate_options(z_loss, return_lse, memory, accum_dtype, sort_vocab, weigh
 def training_options(hidden, weight, softcap, backend, z_loss, filter_eps, sort_vocab, memory, accum_dtype,
                      one_pass, need_stats=False, reduce=False) -> _Options:
     """How a call runs, from the validated arguments (``filter_eps`` a number; ``sort_vocab`` resolved): the memory
-    mode (``"auto"`` resolved against CUDA's free memory) and, for training, the two-pass or one-pass path."""
+    mode (``"auto"`` resolved against CUDA's free memory) and, for training, the fused, two-pass or one-pass path
+    (the one-pass name also where the low-memory mode runs instead)."""
     filter_eps = float(filter_eps)
-    path = _train_path(hidden, weight, None, softcap, z_loss, filter_eps, accum_dtype) if one_pass else "one-pass"
+    path = _train_path(hidden, weight, softcap, z_loss, filter_eps, accum_dtype) if one_pass else "one-pass"
     mem = _resolve_memory(memory, one_pass, hidden, weight, accum_dtype, sort_vocab, path)
     return _Options(softcap=softcap, backend=backend, filter_eps=filter_eps if mem != "low" else 0.0,
                     sort_vocab=sort_vocab and mem != "low", z_loss=float(z_loss), memory=mem, accum_dtype=accum_dtype,
