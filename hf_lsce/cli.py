@@ -284,14 +284,15 @@ def _cmd_sweep(args) -> int:
 
 
 def _cmd_diagnose(args) -> int:
+    import contextlib
     import os
 
     import torch
     from transformers import AutoConfig
 
     from . import theory
-
     from .checkpoints import resolve_model_path
+    from .outputs import output_folder
 
     target = args.model if args.model.endswith(".json") else resolve_model_path(args.model)
     cfg = AutoConfig.from_pretrained(target)
@@ -302,12 +303,30 @@ def _cmd_diagnose(args) -> int:
     is_config_only = target.endswith(".json") or (os.path.isdir(target) and not any(
         os.path.exists(os.path.join(target, f)) for f in weights))
     measured = not (is_config_only or args.config_only or args.bound_only or args.rho is not None)
+    if (args.probe or args.probe_from) and not measured:
+        raise ValueError("--probe and --probe-from need the model's weights (not a config, --bound-only or --rho)")
+    if args.probe and args.probe_from:
+        raise ValueError("give --probe (run the short fine-tunings now) or --probe-from SWEEP_JSON (use a sweep "
+                         "already run), not both")
+    probe_report = None
     if measured:  # the evaluation data and instruction records are checked before the model loads
         from .calibration.tasks import resolve_tasks
         from .data import load_instruction_records
 
         resolve_tasks(args.tasks, args.data_dir, limit=1)
         load_instruction_records(args.data)
+        if args.probe_from:  # read and checked now: a wrong file fails before minutes of measuring
+            from .diagnosis import probe_prediction
+
+            with open(args.probe_from) as f:
+                probe_report = json.load(f)
+            probe_prediction(probe_report, args.label_smoothing)
+        if args.probe:
+            from .data import check_disjoint
+            from .demo import choose_budget
+
+            choose_budget(args.probe)
+            check_disjoint(args.probe_data or "trivia_qa,nq_open", [args.tasks])
     observed: dict = {}
     model = tok = None
     if args.rho is not None:
@@ -344,9 +363,31 @@ def _cmd_diagnose(args) -> int:
 
         if not 0 < args.label_smoothing < 1:
             raise ValueError(f"--label-smoothing must lie in (0, 1) for a prediction; got {args.label_smoothing}")
-        md = diagnose_model(model, tok, label_smoothing=args.label_smoothing, tasks=args.tasks, records=args.data,
-                            n_records=args.records, data_dir=args.data_dir, limit=args.limit, shots=args.shots,
-                            margin=args.margin, batch_size=args.batch_size, name=args.model)
+        with (output_folder(args.probe_dir, command="diagnose --probe", overwrite=args.overwrite) if args.probe
+              else contextlib.nullcontext()):
+            md = diagnose_model(model, tok, label_smoothing=args.label_smoothing, tasks=args.tasks,
+                                records=args.data, n_records=args.records, data_dir=args.data_dir, limit=args.limit,
+                                shots=args.shots, margin=args.margin, batch_size=args.batch_size, name=args.model)
+            if args.probe:
+                import gc
+
+                from .demo import choose_budget
+                from .diagnosis import PROBE_STEPS
+                from .sweep import run_sweep
+
+                del model  # the probe loads its own copies for training
+                gc.collect()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                print(f"\nprobe: short fine-tunings at b = 0 and {args.label_smoothing:g} from these weights "
+                      f"(hf-lsce sweep, into {args.probe_dir})", flush=True)
+                probe_report = run_sweep(args.probe_dir, model=args.model, b_values=[0.0, args.label_smoothing],
+                                         dataset=args.probe_data, eval_tasks=args.tasks, data_dir=args.data_dir,
+                                         budget=args.probe, limit=args.limit, seed=args.seed,
+                                         steps=args.probe_steps or min(choose_budget(args.probe).sft_steps,
+                                                                       PROBE_STEPS))
+        if probe_report is not None:
+            md.add_probe(probe_report)
         print()
         print(md.format())
         report.update(md.to_dict())
@@ -504,6 +545,20 @@ def build_parser() -> argparse.ArgumentParser:
                                                 "hurts, or null without weights)")
     g.add_argument("--figure", default=None, help="write the measured picture (PNG): signed gaps, predicted ECE vs b")
     g.add_argument("--plot", default=None, help="write the entropy-gap figure (PNG) with this model marked")
+    g.add_argument("--probe", nargs="?", const="auto", default=None, choices=["auto", "cpu", "gpu", "tiny"],
+                   metavar="BUDGET", help="also measure: two short fine-tunings from these weights at b = 0 and b "
+                                          "(hf-lsce sweep), whose verdict becomes the prediction; BUDGET as the "
+                                          "sweep's (auto: gpu with CUDA). Minutes on a GPU; a CPU budget rarely "
+                                          "resolves a change")
+    g.add_argument("--probe-steps", type=_positive_int, default=None,
+                   help="SFT steps per probe run (default: 60, or the budget's if fewer)")
+    g.add_argument("--probe-data", default=None, help="the probe's SFT data: your instruction file (JSON/JSONL), "
+                                                      "or installed QA sets (default: trivia_qa,nq_open)")
+    g.add_argument("--probe-dir", default="hf_lsce_probe", help="where the probe writes its sweep.json and figure")
+    g.add_argument("--probe-from", default=None, metavar="SWEEP_JSON",
+                   help="use a sweep already run from these weights (its sweep.json, holding b = 0 and b) as the probe")
+    g.add_argument("--seed", type=int, default=0, help="the probe's seed")
+    g.add_argument("--overwrite", action="store_true", help="let the probe replace an earlier one in --probe-dir")
     g.set_defaults(func=_cmd_diagnose)
     r = sub.add_parser("run", help="run an unmodified HF/TRL training script with the patch applied",
                        usage="hf-lsce run SCRIPT.py [ARGS...] | hf-lsce run -m MODULE [ARGS...]",

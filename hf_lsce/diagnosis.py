@@ -26,11 +26,19 @@ what the model knows); the predicted ECE is reported beside it. Lower by more th
 the lowest predicted value (0 when none beats the model by the margin: then smoothing is not the tool, and
 temperature scaling or ATS after training is). With no task above chance the tokens stand in, and the result
 says so.
+
+**The probe** (:meth:`ModelDiagnosis.add_probe`, ``hf-lsce diagnose --probe``): the counterfactual above softens every
+next-token distribution, and on the single-token answers of MMLU and BoolQ fine-tuning moved something else: the
+answer prior (which letter, yes or no, the model leans to), in a direction that differed between models and SFT data
+(docs/theory.md). Nothing in the state measured above predicts that direction; two short fine-tunings from the
+model's weights on the user's data, at 0 and at b, measure it (``hf_lsce.sweep.run_sweep``). When a probe is added,
+its verdict is the prediction (:func:`probe_prediction`) and the state-based one stays as ``state_prediction``.
 """
 from __future__ import annotations
 
 import logging
 import math
+import os
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -41,6 +49,10 @@ DEFAULT_TASKS = "arc_easy,sciq,piqa,boolq,openbookqa"
 DEFAULT_RECORDS = "trivia_qa,nq_open"
 B_GRID = (0.05, 0.1, 0.2, 0.3)
 PREDICTIONS = ("helps", "little-effect", "hurts")
+# the probe's SFT steps (of 32 on the GPU budget): the length at which the sweeps' verdicts matched the full
+# fine-tunings of Table 1 for both installed checkpoints (docs/theory.md)
+PROBE_STEPS = 60
+_PROBE_VERDICT = {"better": "helps", "worse": "hurts", "no resolvable change": "little-effect"}
 _TOPK, _BINS = 256, 256  # logit summary per token: the top-k exactly, the rest as a histogram
 
 
@@ -231,9 +243,29 @@ class ModelDiagnosis:
     token_prediction: str = ""
     evidence: list = field(default_factory=list)
     caveats: list = field(default_factory=list)
+    # with a probe (add_probe): the state-based prediction moves here and ``prediction`` is the probe's
+    state_prediction: str = ""
+    state_suggested_b: float | None = None
+    probe: dict | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def add_probe(self, sweep_report: dict) -> "ModelDiagnosis":
+        """Make the measured probe (an :func:`hf_lsce.sweep.run_sweep` report holding b = 0 and this diagnosis' b,
+        run from the same weights) the prediction; the state-based one is kept as ``state_prediction``. In place;
+        returns self."""
+        pr = probe_prediction(sweep_report, self.label_smoothing, self.margin)
+        if self.probe is None:
+            self.state_prediction, self.state_suggested_b = self.prediction, self.suggested_b
+        self.probe, self.prediction = pr, pr["prediction"]
+        # the probe tested one b: suggest it where it measurably helped at no accuracy cost, else 0
+        self.suggested_b = self.label_smoothing if pr["prediction"] == "helps" and not pr["accuracy_cost"] else 0.0
+        self.caveats = [c for c in self.caveats if not c.startswith("a one-temperature counterfactual")]
+        self.caveats.append(f"the probe measures {pr['steps']} SFT steps of {pr['batch_size']} on "
+                            f"{pr['dataset']} (seed {pr['seed']}); a longer run, other data or another seed can move "
+                            "the single-token tasks differently (docs/theory.md)")
+        return self
 
     def format(self) -> str:
         t = self.tokens
@@ -257,12 +289,30 @@ class ModelDiagnosis:
                      + ", ".join(f"{v:.3f}" for v in self.predicted_gap.values()) + " at b = "
                      + ", ".join(self.predicted_gap) + f"; ECE {self.current_ece:.3f} now, predicted "
                      + ", ".join(f"{v:.3f}" for v in self.predicted_ece.values()))
-        lines.append(f"prediction at b = {self.label_smoothing:g}: {self.prediction.upper()}; suggested b = "
-                     f"{self.suggested_b:g}")
+        if self.probe is None:
+            lines.append(f"prediction at b = {self.label_smoothing:g}: {self.prediction.upper()}; suggested b = "
+                         f"{self.suggested_b:g}")
+        else:
+            lines.append(f"state-based prediction at b = {self.label_smoothing:g}: {self.state_prediction.upper()}; "
+                         f"suggested b = {self.state_suggested_b:g} (superseded by the probe below)")
         if self.token_prediction:
             lines.append(f"next-token level at b = {self.label_smoothing:g}: {self.token_prediction.upper()} "
                          f"(|signed gap| {abs(t['signed_gap']):.3f} now, "
                          f"{abs(t['predicted_gap'][_key(self.label_smoothing)]):.3f} predicted)")
+        if self.probe is not None:
+            pr = self.probe
+            lines.append(f"probe: {pr['steps']} SFT steps of {pr['batch_size']} at b = 0 and b = "
+                         f"{self.label_smoothing:g} from these weights ({pr['dataset']}, {pr['seconds']:.0f} s); "
+                         "ECE b = 0 -> b, paired change [95% interval], signed gap b = 0 -> b:")
+            for name, t in pr["tasks"].items():
+                lo, hi = t["ece_interval"]
+                lines.append(f"  {name:<14}{t['ece'][0]:.3f} -> {t['ece'][1]:.3f}  {t['ece_change']:+.3f} "
+                             f"[{lo:+.3f}, {hi:+.3f}]  gap {t['signed_gap'][0]:+.3f} -> {t['signed_gap'][1]:+.3f}"
+                             + (f"  accuracy {t['accuracy_change']:+.3f} (lower)" if t["costs_accuracy"] else ""))
+            cost = (f"; it cost accuracy on {', '.join(pr['accuracy_cost'])}" if pr["accuracy_cost"] else "")
+            lines.append(f"measured prediction at b = {self.label_smoothing:g}: {self.prediction.upper()} "
+                         f"(probe verdict: {pr['verdict']}{cost}; the state alone said {self.state_prediction}); "
+                         f"suggested b = {self.suggested_b:g}")
         lines += [f"- {e}" for e in self.evidence]
         lines += [f"(caveat) {c}" for c in self.caveats]
         return "\n".join(lines)
@@ -292,6 +342,42 @@ def gap_verdict(gap_before: float, gap_after: float, margin: float = 0.01) -> st
     counterfactual): ``"helps"`` if its absolute value falls by more than ``margin``, ``"hurts"`` if it rises by more,
     else ``"little-effect"``."""
     return decide(abs(gap_before), {"1": abs(gap_after)}, 1.0, margin)[0]
+
+
+def probe_prediction(report: dict, b: float, margin: float = 0.01) -> dict:
+    """The prediction at ``b`` measured by short paired fine-tunings: an ``hf-lsce sweep`` report
+    (:func:`hf_lsce.sweep.run_sweep`, or its ``sweep.json``) holding b = 0 and ``b``. The sweep's verdict at b
+    (paired bootstraps of each task's ECE against b = 0) decides: ``better`` -> ``"helps"``, ``worse`` ->
+    ``"hurts"``, ``no resolvable change`` -> ``"little-effect"``; ``mixed`` (some task resolved lower, another
+    higher) by the pooled ECE change against ``margin``. Returns the prediction with its per-task evidence."""
+    from .sweep import decide as decide_sweep
+
+    if not isinstance(report, dict) or not {"versus_b0", "results", "pooled"} <= set(report):
+        raise TypeError("the probe must be an hf-lsce sweep report (hf_lsce.sweep.run_sweep's result or its "
+                        "sweep.json)")
+    key = _key(b)
+    if key not in report["versus_b0"]:
+        raise ValueError(f"the sweep report has no run at b = {b:g} (it has b = {', '.join(report['versus_b0'])}): "
+                         f"probe at the b you diagnose (hf-lsce sweep --b 0,{b:g})")
+    if "verdict" not in report or "accuracy_cost" not in report:
+        decide_sweep(report)
+    verdict = report["verdict"][key]
+    p0, pb = report["pooled"]["0"]["ece"], report["pooled"][key]["ece"]
+    prediction = (decide(p0, {key: pb}, b, margin)[0] if verdict == "mixed" else _PROBE_VERDICT[verdict])
+    costs = set(report["accuracy_cost"][key])
+    tasks = {}
+    for name, c in report["versus_b0"][key].items():
+        r0, rb = report["results"]["0"][name], report["results"][key][name]
+        tasks[name] = {"n": r0["n"], "ece": [r0["ece"], rb["ece"]], "ece_change": c["ece"]["diff"],
+                       "ece_interval": [c["ece"]["low"], c["ece"]["high"]],
+                       "signed_gap": [r0["signed_gap"], rb["signed_gap"]], "accuracy": [r0["acc"], rb["acc"]],
+                       "accuracy_change": c["acc"]["diff"], "costs_accuracy": name in costs}
+    budget = report.get("budget", {})
+    return {"prediction": prediction, "verdict": verdict, "b": float(b), "pooled_ece": [p0, pb],
+            "tasks": tasks, "accuracy_cost": sorted(costs), "steps": budget.get("sft_steps"),
+            "batch_size": budget.get("batch_size"), "lr": budget.get("lr"), "dataset": report.get("dataset"),
+            "seed": report.get("seed"), "seconds": report.get("seconds", 0.0),
+            "report": os.path.join(report["output_dir"], "sweep.json") if report.get("output_dir") else None}
 
 
 def diagnose_model(model, tokenizer, *, label_smoothing: float = 0.1, tasks=DEFAULT_TASKS, records=DEFAULT_RECORDS,
@@ -417,11 +503,17 @@ def plot_diagnosis(diag: ModelDiagnosis, path: str | None = None):
     bs = [0.0] + [float(k) for k in diag.predicted_ece]
     ax2.plot(bs, [diag.current_gap] + list(diag.predicted_gap.values()), marker="o", label="|signed gap|")
     ax2.plot(bs, [diag.current_ece] + list(diag.predicted_ece.values()), marker="s", label="ECE")
+    title = f"prediction at b = {diag.label_smoothing:g}: {diag.prediction}"
+    if diag.probe is not None:  # the probe's measured pooled ECE at 0 and b
+        ax2.plot([0.0, diag.label_smoothing], diag.probe["pooled_ece"], marker="*", ms=11, ls=":", color="k",
+                 label=f"ECE after {diag.probe['steps']} SFT steps at 0 and b\n(probe, measured, all its tasks)")
+        title = (f"measured by the probe at b = {diag.label_smoothing:g}: {diag.prediction} "
+                 f"(the state alone: {diag.state_prediction})")
     ax2.axvline(diag.label_smoothing, color="0.6", ls="--", lw=0.8)
     ax2.set_xlabel("label smoothing b")
     ax2.set_ylabel("pooled, predicted")
     ax2.legend(fontsize=8)
-    ax2.set_title(f"prediction at b = {diag.label_smoothing:g}: {diag.prediction}", fontsize=9)
+    ax2.set_title(title, fontsize=9)
     ax2.grid(alpha=0.3)
     fig.suptitle(diag.model, fontsize=9)
     fig.tight_layout()

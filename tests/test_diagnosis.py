@@ -211,3 +211,132 @@ def test_instruction_data_must_not_be_an_evaluated_task():
         check_disjoint("trivia_qa,sciq", ["arc_easy,sciq"])
     check_disjoint("trivia_qa,nq_open", ["arc_easy", "sciq"])  # disjoint: no error
     check_disjoint("my_data.jsonl", ["sciq"])  # a file is the user's own data
+
+
+# ------------------------------------------------------------------------------------------ the probe
+def _sweep_report(changes: dict, pooled: tuple, b: str = "0.1", acc_changes: dict | None = None) -> dict:
+    """A sweep report of two runs: per task the ECE change b - 0 as (diff, low, high)."""
+    results, comps = {"0": {}, b: {}}, {}
+    for i, (name, (diff, lo, hi)) in enumerate(changes.items()):
+        e0 = 0.2 + 0.01 * i
+        ad, alo, ahi = (acc_changes or {}).get(name, (0.0, -0.02, 0.02))
+        results["0"][name] = {"n": 100, "ece": e0, "signed_gap": e0, "acc": 0.6}
+        results[b][name] = {"n": 100, "ece": e0 + diff, "signed_gap": e0 + diff, "acc": 0.6 + ad}
+        comps[name] = {"ece": {"diff": diff, "low": lo, "high": hi}, "signed_gap": {"diff": diff, "low": lo, "high": hi},
+                       "acc": {"diff": ad, "low": alo, "high": ahi}}
+    return {"output_dir": "p", "results": results, "versus_b0": {b: comps},
+            "pooled": {"0": {"ece": pooled[0]}, b: {"ece": pooled[1]}},
+            "budget": {"sft_steps": 60, "batch_size": 32, "lr": 2e-5}, "dataset": "mine.jsonl", "seed": 0,
+            "seconds": 12.0}
+
+
+def test_probe_prediction_follows_the_sweeps_paired_verdict():
+    pp = diagnosis.probe_prediction
+    better = _sweep_report({"boolq": (-0.05, -0.08, -0.02), "arc_easy": (0.01, -0.02, 0.04)}, (0.20, 0.18))
+    assert pp(better, 0.1)["prediction"] == "helps" and pp(better, 0.1)["verdict"] == "better"
+    worse = _sweep_report({"boolq": (0.06, 0.02, 0.10), "arc_easy": (-0.01, -0.04, 0.02)}, (0.20, 0.22),
+                          acc_changes={"boolq": (-0.1, -0.15, -0.05)})
+    p = pp(worse, 0.1)
+    assert p["prediction"] == "hurts" and p["accuracy_cost"] == ["boolq"] and p["tasks"]["boolq"]["costs_accuracy"]
+    assert p["tasks"]["boolq"]["ece_change"] == 0.06 and p["tasks"]["boolq"]["ece_interval"] == [0.02, 0.10]
+    assert p["tasks"]["boolq"]["ece"] == pytest.approx([0.2, 0.26]) and p["steps"] == 60 and p["report"] == "p/sweep.json"
+    # nothing resolved: little effect, however far the pooled point values moved
+    flat = _sweep_report({"boolq": (-0.05, -0.09, 0.01)}, (0.20, 0.15))
+    assert pp(flat, 0.1)["prediction"] == "little-effect"
+    # mixed (one task resolved lower, one higher): the pooled ECE change against the margin decides
+    mixed = {"boolq": (-0.05, -0.08, -0.02), "mmlu": (0.04, 0.01, 0.07)}
+    assert pp(_sweep_report(mixed, (0.20, 0.17)), 0.1)["prediction"] == "helps"
+    assert pp(_sweep_report(mixed, (0.20, 0.23)), 0.1)["prediction"] == "hurts"
+    assert pp(_sweep_report(mixed, (0.20, 0.205)), 0.1)["prediction"] == "little-effect"
+    assert pp(_sweep_report(mixed, (0.20, 0.205)), 0.1, margin=0.001)["prediction"] == "hurts"
+    with pytest.raises(ValueError, match=r"no run at b = 0.2 .*--b 0,0.2"):
+        pp(better, 0.2)
+    with pytest.raises(TypeError, match="sweep report"):
+        pp({"prediction": "helps"}, 0.1)
+
+
+def test_probe_on_the_stored_h100_sweeps_separates_the_two_checkpoints():
+    """The validation docs/theory.md reports: the H100 sweeps (60 steps of 32, Alpaca, seed 0) give SmolLM2
+    'helps' and Gemma-3-270m 'hurts' at b = 0.1, as the 3-seed Table 1 measured on MMLU and BoolQ."""
+    import pathlib
+
+    res = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    smol = json.loads((res / "sweep_smollm2_h100.json").read_text())
+    gemma = json.loads((res / "sweep_gemma3_h100.json").read_text())
+    assert diagnosis.probe_prediction(smol, 0.1)["prediction"] == "helps"
+    assert diagnosis.probe_prediction(gemma, 0.1)["prediction"] == "hurts"
+    assert diagnosis.probe_prediction(gemma, 0.1)["accuracy_cost"] == ["arc_easy", "boolq"]
+
+
+def test_add_probe_makes_the_measured_verdict_the_prediction(tiny_model_and_tokenizer, tmp_path):
+    model, tok = tiny_model_and_tokenizer
+    recs = [{"prompt": f"the quick brown {i}", "completion": " fox jumps over the lazy dog"} for i in range(4)]
+    items = [MultipleChoiceItem(context="the quick brown", choices=[" fox", " dog"], gold=0) for _ in range(20)]
+    d = diagnosis.diagnose_model(model, tok, tasks=[Task("mine", "continuation", items)], records=recs,
+                                 label_smoothing=0.1, progress=False, b_grid=(0.1,))
+    state = d.prediction
+    worse = _sweep_report({"mine": (0.06, 0.02, 0.10)}, (0.20, 0.26))
+    assert d.add_probe(worse) is d
+    state_b = d.suggested_b
+    assert d.prediction == "hurts" and d.state_prediction == state and d.probe["verdict"] == "worse"
+    assert d.suggested_b == 0.0 and d.state_suggested_b == state_b
+    text = d.format()
+    assert "measured prediction at b = 0.1: HURTS" in text and f"the state alone said {state}" in text
+    assert f"state-based prediction at b = 0.1: {state.upper()}" in text
+    assert "0.200 -> 0.260  +0.060 [+0.020, +0.100]" in text
+    assert json.loads(json.dumps(d.to_dict()))["probe"]["tasks"]["mine"]["ece_change"] == 0.06
+    d.add_probe(_sweep_report({"mine": (-0.06, -0.10, -0.02)}, (0.20, 0.14)))  # a second probe replaces the first
+    assert d.prediction == "helps" and d.state_prediction == state and d.suggested_b == 0.1
+    d.add_probe(_sweep_report({"mine": (-0.06, -0.10, -0.02)}, (0.20, 0.14),
+                              acc_changes={"mine": (-0.1, -0.15, -0.05)}))  # helps, at a cost in accuracy
+    assert d.prediction == "helps" and d.suggested_b == 0.0 and "it cost accuracy on mine" in d.format()
+    diagnosis.plot_diagnosis(d, str(tmp_path / "p.png"))
+    assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_cli_diagnose_probe_from_a_sweep_and_its_mistakes(tiny_model_dir, tmp_path, capsys):
+    from hf_lsce.cli import main
+
+    recs = tmp_path / "r.jsonl"
+    recs.write_text("\n".join(json.dumps({"instruction": "say the fox", "output": "the quick brown fox"})
+                              for _ in range(3)))
+    sweep = tmp_path / "sweep.json"
+    sweep.write_text(json.dumps(_sweep_report({"arc_easy": (0.06, 0.02, 0.10)}, (0.20, 0.26))))
+    out = tmp_path / "d.json"
+    args = ["diagnose", str(tiny_model_dir), "--tasks", "arc_easy", "--limit", "12", "--data", str(recs)]
+    assert main(args + ["--probe-from", str(sweep), "--json", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert d["prediction"] == "hurts" and d["probe"]["verdict"] == "worse"
+    assert d["state_prediction"] in diagnosis.PREDICTIONS
+    assert "measured prediction at b = 0.1: HURTS" in capsys.readouterr().out
+    # a sweep without the diagnosed b, --probe with --probe-from, a probe without weights: one line, exit 2
+    assert main(args + ["--probe-from", str(sweep), "--label-smoothing", "0.2"]) == 2
+    assert "no run at b = 0.2" in capsys.readouterr().err
+    assert main(args + ["--probe", "--probe-from", str(sweep)]) == 2
+    assert "not both" in capsys.readouterr().err
+    assert main(["diagnose", str(tiny_model_dir), "--bound-only", "--probe"]) == 2
+    assert "need the model's weights" in capsys.readouterr().err
+
+
+def test_cli_diagnose_probe_runs_the_short_fine_tunings(tiny_model_dir, tmp_path, capsys):
+    """--probe end to end on the tiny model: two SFT runs through the op at 0 and b, scored on the diagnosis'
+    tasks; the prediction is the sweep's verdict, the probe's folder is guarded like every output folder."""
+    from hf_lsce.cli import main
+    from hf_lsce.patching import ENGAGEMENT
+
+    recs = tmp_path / "sft.jsonl"
+    recs.write_text("\n".join(json.dumps({"prompt": f"say the fox {i}", "completion": " the quick brown fox"})
+                              for i in range(40)))  # short: the tiny budget truncates at 96 tokens
+    out, probe_dir = tmp_path / "d.json", tmp_path / "probe"
+    ENGAGEMENT.seen.clear()
+    args = ["diagnose", str(tiny_model_dir), "--tasks", "arc_easy", "--limit", "8", "--data", str(recs),
+            "--probe", "tiny", "--probe-data", str(recs), "--probe-dir", str(probe_dir)]
+    assert main(args + ["--json", str(out)]) == 0
+    d = json.loads(out.read_text())
+    rep = json.loads((probe_dir / "sweep.json").read_text())
+    assert rep["b_values"] == [0.0, 0.1] and ENGAGEMENT.seen >= {0.0, 0.1}  # both runs trained through the op
+    assert d["probe"] == json.loads(json.dumps(diagnosis.probe_prediction(rep, 0.1)))
+    assert d["prediction"] == d["probe"]["prediction"] and d["probe"]["steps"] == 2  # the tiny budget's
+    assert "probe: 2 SFT steps of 4" in capsys.readouterr().out
+    assert main(args) == 2  # the earlier probe is not replaced without --overwrite
+    assert "--overwrite" in capsys.readouterr().err

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The device calls of one GPU session, one step per call (each carries what it needs: see docs/benchmarks.md).
-#   bash tools/gpu/gpu_session.sh STEP [STAGE_PART]      (STEP: sanity, trainer-config, stage-only, real, table1, token-check, ats, sweep)
+#   bash tools/gpu/gpu_session.sh STEP [STAGE_PART]      (STEP: sanity, trainer-config, stage-only, real, table1, token-check, ats, sweep, probe)
 # STAGE_PART (a file under .gpu/stage): checked and moved to /tmp/stage first (tools/gpu/gpu_stage.py).
 # Every step writes under $OUT/STEP and packs it into $OUT/STEP.tar.gz (one file comes back).
 set -uo pipefail
@@ -80,6 +80,16 @@ case $STEP in
       --dataset ${DATASET:-.gpu/data/shared/alpaca/alpaca_en_demo.json} --eval-tasks ${TASKS:-arc_easy,sciq,boolq,mmlu} \
       --limit ${LIMIT:-400} --steps ${STEPS:-60} --output-dir "$R/sweep" 2>&1 | grep -av "it/s\]\|s/it\]" | tail -40
     rm -rf "$R"/sweep/sft_b*
+    ;;
+  probe)  # hf-lsce diagnose --probe on a staged GGUF (GGUF=..., default SmolLM2): the state diagnosis, then the
+          # measured probe (two short SFT runs at 0 and b on the Alpaca-style set), whose verdict is the prediction
+    S=$(python3 tools/gpu/gpu_stage.py join ${GGUF:-SmolLM2-135M-Instruct.Q4_1.gguf} --to /tmp/stage | tail -1) || exit 3
+    python3 -c "from hf_lsce.checkpoints import resolve_model_path as r; r('$S')" >/dev/null 2>&1; fix_gemma_tokenizer
+    timeout ${PROBE_S:-560} python3 -m hf_lsce.cli diagnose "$S" --tasks ${TASKS:-arc_easy,sciq,boolq,mmlu} \
+      --limit ${LIMIT:-400} --records 64 --probe gpu --probe-data ${DATASET:-.gpu/data/shared/alpaca/alpaca_en_demo.json} \
+      --seed ${SEED:-0} --probe-dir "$R/probe" --json "$R/diagnose.json" --figure "$R/diagnose.png" > "$R/diagnose.log" 2>&1
+    grep -av "it/s\]\|s/it\]\|examples/s" "$R/diagnose.log" | tail -45
+    rm -rf "$R"/probe/sft_b*
     ;;
   *) echo "unknown step $STEP"; exit 2 ;;
 esac
