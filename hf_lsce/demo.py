@@ -296,6 +296,19 @@ def _summary(report: dict, b: float) -> list[str]:
                        for t in used) / n
         line += f"; measured after SFT on the same tasks: {measured:+.3f} (b = {b:g} minus b = 0)"
     lines.append(line)
+    # the demo's two fine-tunings are a probe: the rule of `hf-lsce diagnose --probe` on their paired ECE changes
+    from .diagnosis import _PROBE_VERDICT
+    from .sweep import verdicts
+
+    per_task = {t: {"ece": x} for t, items in report["what_moved"].items() for x in items
+                if x["from"] == "SFT b=0" and x["to"] == b_key and x["metric"] == "ece"}
+    verdict = verdicts({b_key: per_task})[b_key]
+    if verdict == "mixed":
+        lines.append(f"measured by these two fine-tunings (hf-lsce diagnose --probe's rule): mixed, some task's ECE "
+                     "resolved lower and another's higher")
+    else:
+        lines.append(f"measured by these two fine-tunings (hf-lsce diagnose --probe's rule): smoothing at b = {b:g} "
+                     f"{_PROBE_VERDICT[verdict]} ({verdict})")
     tk = report.get("tokens", {})
     if "SFT b=0" in tk and b_key in tk:
         t0, t1 = tk["SFT b=0"], tk[b_key]

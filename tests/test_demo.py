@@ -5,6 +5,8 @@ import os
 
 import pytest
 
+from hf_lsce import diagnosis
+from hf_lsce.sweep import verdicts
 from hf_lsce.synthetic import ATTRIBUTES, make_synthetic_facts
 
 
@@ -69,6 +71,12 @@ def test_demo_tiny_end_to_end_on_the_real_checkpoint(tmp_path, capsys):
     assert tk["SFT b=0"]["n"] == tk["SFT b=0.1"]["n"] == rep["diagnosis"]["tokens"]["n"]
     assert set(tk["SFT b=0"]["prediction"]) == {"0.1"} and "prediction" not in tk["SFT b=0.1"]
     assert f"measured at b = 0.1: {tk['SFT b=0.1']['signed_gap']:+.3f}" in printed
+    # the two fine-tunings read as a probe: the sweep's verdict on the demo's own paired ECE changes
+    ece = {t: {"ece": d} for t, items in rep["what_moved"].items() for d in items
+           if d["from"] == "SFT b=0" and d["to"] == "SFT b=0.1" and d["metric"] == "ece"}
+    verdict = verdicts({"0.1": ece})["0.1"]
+    assert ("mixed, some task" in printed if verdict == "mixed"
+            else f"smoothing at b = 0.1 {diagnosis._PROBE_VERDICT[verdict]} ({verdict})" in printed)
     assert (out / "ats" / "model.safetensors").exists() and (out / "temperature" / "config.json").exists()
     capsys.readouterr()
     assert main(["demo", "--tiny", "--output-dir", str(out)]) == 2  # not replaced without --overwrite
