@@ -548,8 +548,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--probe", nargs="?", const="auto", default=None, choices=["auto", "cpu", "gpu", "tiny"],
                    metavar="BUDGET", help="also measure: two short fine-tunings from these weights at b = 0 and b "
                                           "(hf-lsce sweep), whose verdict becomes the prediction; BUDGET as the "
-                                          "sweep's (auto: gpu with CUDA). Minutes on a GPU; a CPU budget rarely "
-                                          "resolves a change")
+                                          "sweep's (auto: gpu with CUDA). Minutes on a GPU; about 9 minutes on "
+                                          "2 CPU cores, where only large changes are resolved")
     g.add_argument("--probe-steps", type=_positive_int, default=None,
                    help="SFT steps per probe run (default: 60, or the budget's if fewer)")
     g.add_argument("--probe-data", default=None, help="the probe's SFT data: your instruction file (JSON/JSONL), "
