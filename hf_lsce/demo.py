@@ -297,7 +297,7 @@ def _summary(report: dict, b: float) -> list[str]:
         line += f"; measured after SFT on the same tasks: {measured:+.3f} (b = {b:g} minus b = 0)"
     lines.append(line)
     # the demo's two fine-tunings are a probe: the rule of `hf-lsce diagnose --probe` on their paired ECE changes
-    from .diagnosis import _PROBE_VERDICT
+    from .diagnosis import PROBE_VERDICT
     from .sweep import verdicts
 
     per_task = {t: {"ece": x} for t, items in report["what_moved"].items() for x in items
@@ -308,7 +308,7 @@ def _summary(report: dict, b: float) -> list[str]:
                      "resolved lower and another's higher")
     else:
         lines.append(f"measured by these two fine-tunings (hf-lsce diagnose --probe's rule): smoothing at b = {b:g} "
-                     f"{_PROBE_VERDICT[verdict]} ({verdict})")
+                     f"{PROBE_VERDICT[verdict]} ({verdict})")
     tk = report.get("tokens", {})
     if "SFT b=0" in tk and b_key in tk:
         t0, t1 = tk["SFT b=0"], tk[b_key]

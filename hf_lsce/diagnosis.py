@@ -52,7 +52,7 @@ PREDICTIONS = ("helps", "little-effect", "hurts")
 # the probe's SFT steps (of 32 on the GPU budget): the length at which the sweeps' verdicts matched the full
 # fine-tunings of Table 1 for both installed checkpoints (docs/theory.md)
 PROBE_STEPS = 60
-_PROBE_VERDICT = {"better": "helps", "worse": "hurts", "no resolvable change": "little-effect"}
+PROBE_VERDICT = {"better": "helps", "worse": "hurts", "no resolvable change": "little-effect"}
 _TOPK, _BINS = 256, 256  # logit summary per token: the top-k exactly, the rest as a histogram
 
 
@@ -363,7 +363,7 @@ def probe_prediction(report: dict, b: float, margin: float = 0.01) -> dict:
         decide_sweep(report)
     verdict = report["verdict"][key]
     p0, pb = report["pooled"]["0"]["ece"], report["pooled"][key]["ece"]
-    prediction = (decide(p0, {key: pb}, b, margin)[0] if verdict == "mixed" else _PROBE_VERDICT[verdict])
+    prediction = (decide(p0, {key: pb}, b, margin)[0] if verdict == "mixed" else PROBE_VERDICT[verdict])
     costs = set(report["accuracy_cost"][key])
     tasks = {}
     for name, c in report["versus_b0"][key].items():

@@ -76,7 +76,7 @@ def test_demo_tiny_end_to_end_on_the_real_checkpoint(tmp_path, capsys):
            if d["from"] == "SFT b=0" and d["to"] == "SFT b=0.1" and d["metric"] == "ece"}
     verdict = verdicts({"0.1": ece})["0.1"]
     assert ("mixed, some task" in printed if verdict == "mixed"
-            else f"smoothing at b = 0.1 {diagnosis._PROBE_VERDICT[verdict]} ({verdict})" in printed)
+            else f"smoothing at b = 0.1 {diagnosis.PROBE_VERDICT[verdict]} ({verdict})" in printed)
     assert (out / "ats" / "model.safetensors").exists() and (out / "temperature" / "config.json").exists()
     capsys.readouterr()
     assert main(["demo", "--tiny", "--output-dir", str(out)]) == 2  # not replaced without --overwrite
