@@ -139,8 +139,9 @@ class _Timer:
         self.syncs = None
 
 
-def run_one(name, method, b, batch, seq, steps, out_dir, device, warmup=2, checkpointing=False):
-    """One Trainer run; returns a row (tokens/s, peak memory, lm_head calls, fused calls)."""
+def run_one(name, method, b, batch, seq, steps, out_dir, device, warmup=2, checkpointing=False, callbacks=()):
+    """One Trainer run; returns a row (tokens/s, peak memory, lm_head calls, fused calls). ``callbacks``: more
+    TrainerCallbacks (a profiler's, benchmarks/experiments/profile_trainer_step.py)."""
     from transformers import Trainer, TrainingArguments
 
     from hf_lsce import apply_lsce_patch
@@ -169,7 +170,7 @@ def run_one(name, method, b, batch, seq, steps, out_dir, device, warmup=2, check
                              use_liger_kernel=method_base == "liger", torch_compile=compiled,
                              **({"torch_compile_mode": "reduce-overhead"} if compile_kind == "compile-cg" else {}))
     timer = _Timer(warmup)
-    trainer = Trainer(model=model, args=args, train_dataset=_Data(ids, seq), callbacks=[timer.cb])
+    trainer = Trainer(model=model, args=args, train_dataset=_Data(ids, seq), callbacks=[timer.cb, *callbacks])
     before = ENGAGEMENT.fused_calls
     if cuda:
         torch.cuda.reset_peak_memory_stats()
