@@ -58,7 +58,8 @@ def main():
     os.makedirs(out, exist_ok=True)
     res, lines = {}, []
     for method in ("hf", "hf_lsce"):
-        row, k = profiled(args.model, method, args.b, args.steps, os.path.join("/tmp", "profile_trainer_" + method), args.device)
+        row, k = profiled(args.model, method, args.b, args.steps, os.path.join("/tmp", "profile_trainer_" + method),
+                          args.device)
         res[method] = {"row": row, "kernels": k}
         total = sum(t for t, _ in k.values())
         lines.append(f"{method}: step {row['step_s'] * 1e3:.1f} ms (profiled), CUDA kernels {total:.1f} ms/step, "
@@ -78,8 +79,8 @@ def main():
     with open(os.path.join(out, "profile_trainer_step.txt"), "w") as f:
         f.write(text + "\n")
     with open(os.path.join(out, "profile_trainer_step.json"), "w") as f:
-        json.dump({"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "model": args.model, "b": args.b, **res}, f, indent=1,
-                  default=str)
+        device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+        json.dump({"device": device, "model": args.model, "b": args.b, **res}, f, indent=1, default=str)
 
 
 if __name__ == "__main__":
