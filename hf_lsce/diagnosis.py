@@ -52,6 +52,9 @@ PREDICTIONS = ("helps", "little-effect", "hurts")
 # the probe's SFT steps (of 32 on the GPU budget): the length at which the sweeps' verdicts matched the full
 # fine-tunings of Table 1 for both installed checkpoints (docs/theory.md)
 PROBE_STEPS = 60
+# a task answered from one answer set whose most given answer takes this share of the items "leans": there smoothing
+# moved the prior itself in Table 1, either way (docs/theory.md), which no state-based counterfactual predicts
+PRIOR_LEAN = 0.8
 PROBE_VERDICT = {"better": "helps", "worse": "hurts", "no resolvable change": "little-effect"}
 _TOPK, _BINS = 256, 256  # logit summary per token: the top-k exactly, the rest as a histogram
 
@@ -216,6 +219,10 @@ class TaskState:
     gap_high: float
     predicted_ece: dict = field(default_factory=dict)  # b -> ECE at tau(b)
     predicted_gap: dict = field(default_factory=dict)  # b -> signed gap at tau(b)
+    # one answer set for every item (MMLU's letters, BoolQ's no/yes): the answer the model gives most, and how often
+    fixed_answers: bool = False
+    top_answer: str = ""
+    top_answer_share: float = 0.0
 
 
 @dataclass
@@ -391,7 +398,7 @@ def diagnose_model(model, tokenizer, *, label_smoothing: float = 0.1, tasks=DEFA
     from . import theory
     from .calibration import calibration_metrics, score_task
     from .calibration.metrics import signed_gap_interval
-    from .calibration.tasks import resolve_tasks
+    from .calibration.tasks import LETTERS, resolve_tasks
     from .data import load_instruction_records
     from .patching.models import softcap_of, text_config
 
@@ -426,9 +433,14 @@ def diagnose_model(model, tokenizer, *, label_smoothing: float = 0.1, tasks=DEFA
             se = math.sqrt(chance * (1 - chance) / len(task))
             soft = {k: calibration_metrics(s.probs_at(t), s.labels, n_bins=n_bins) for k, t in tau.items()}
             m = s.metrics
+            fixed = task.kind == "letters" or all(it.choices == task.items[0].choices for it in task.items)
+            counts = torch.bincount(s.probs.argmax(-1), minlength=s.probs.shape[-1])
+            top = int(counts.argmax())
+            answer = LETTERS[top] if task.kind == "letters" else task.items[0].choices[top].strip() if fixed else ""
             states.append(TaskState(task.name, m.n, chance, m.accuracy, m.accuracy > chance + 1.96 * se, m.ece, m.rms,
                                     m.mean_confidence, m.signed_gap, lo, hi, {k: r.ece for k, r in soft.items()},
-                                    {k: r.signed_gap for k, r in soft.items()}))
+                                    {k: r.signed_gap for k, r in soft.items()}, fixed, answer,
+                                    float(counts[top]) / max(1, len(task))))
     finally:
         model.train(was_training)
 
@@ -472,6 +484,13 @@ def diagnose_model(model, tokenizer, *, label_smoothing: float = 0.1, tasks=DEFA
     if bound["entropy_bound_observed"] >= bound["smoothed_target_entropy"]:
         caveats.append("at the logit norms it produces the head cannot be more confident than the smoothed target: "
                        "smoothing would hardly bind unless training grows the logits")
+    lean = [f"{s.name} ({s.top_answer_share:.0%} '{s.top_answer}')" for s in states
+            if s.fixed_answers and s.top_answer_share >= PRIOR_LEAN]
+    if lean:
+        caveats.append(f"its answers lean to one choice on {', '.join(lean)}: on tasks answered from one answer set, "
+                       "fine-tuning with smoothing moved that prior, in either direction (Table 1: Gemma-3-270m's BoolQ "
+                       "answers from mostly 'yes' to mostly 'no', SmolLM2's towards balance), which this state-based "
+                       "prediction cannot see: measure it with --probe (docs/theory.md)")
     caveats.append("a one-temperature counterfactual of the model as it is now: fine-tuning also changes what the "
                    "model knows, and the SFT data and steps change its state (docs/theory.md says where this can "
                    "be wrong)")

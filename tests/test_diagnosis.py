@@ -185,6 +185,36 @@ def test_diagnose_model_on_a_tiny_model(tiny_model_and_tokenizer, tmp_path):
         diagnosis.diagnose_model(model, tok, label_smoothing=0.0, records=recs, tasks=[Task("m", "continuation", items)])
 
 
+def test_answer_prior_lean_is_measured_and_flagged(tiny_model_and_tokenizer, monkeypatch):
+    """A task answered from one answer set (here every item's choices are the same two words) reports the answer the
+    model gives most and its share, recomputed from the scored probabilities; a lean of 80% or more adds the caveat
+    that sends the user to --probe. Items with different choices per item are not an answer set."""
+    model, tok = tiny_model_and_tokenizer
+    recs = [{"prompt": f"the quick brown {i}", "completion": " fox jumps over the lazy dog"} for i in range(2)]
+    words = ["the quick brown", "the lazy", "say the fox", "over the hill", "jumps over the"]
+    fixed = [MultipleChoiceItem(context=words[i % 5], choices=[" fox", " dog"], gold=i % 2) for i in range(30)]
+    varied = [MultipleChoiceItem(context=words[i % 5], choices=[" fox", " hill"] if i % 2 else [" dog", " lazy"],
+                                 gold=0) for i in range(30)]
+    def run():
+        return diagnosis.diagnose_model(model, tok, tasks=[Task("yesno", "continuation", fixed),
+                                                           Task("varied", "continuation", varied)],
+                                        records=recs, label_smoothing=0.1, progress=False, b_grid=(0.1,))
+    d = run()
+    s_fixed, s_varied = d.tasks
+    picks = d.scores["yesno"].probs.argmax(-1)
+    share = max(int((picks == 0).sum()), int((picks == 1).sum())) / 30
+    top = " fox" if int((picks == 0).sum()) >= int((picks == 1).sum()) else " dog"
+    assert s_fixed["fixed_answers"] and s_fixed["top_answer_share"] == pytest.approx(share)
+    assert s_fixed["top_answer"] == top.strip()
+    assert not s_varied["fixed_answers"] and s_varied["top_answer"] == ""
+    flagged = any("lean to one choice on yesno" in c for c in d.caveats)
+    assert flagged == (share >= diagnosis.PRIOR_LEAN)
+    assert not any("varied (" in c for c in d.caveats)
+    for lean, expect in ((share, True), (share + 0.01, False)):  # the threshold decides, both ways
+        monkeypatch.setattr(diagnosis, "PRIOR_LEAN", lean)
+        assert any(f"yesno ({share:.0%} '{top.strip()}')" in c for c in run().caveats) == expect
+
+
 def test_cli_diagnose_writes_a_prediction(tiny_model_dir, tmp_path, capsys):
     from hf_lsce.cli import main
 
