@@ -308,7 +308,7 @@ def _cmd_diagnose(args) -> int:
     if args.probe and args.probe_from:
         raise ValueError("give --probe (run the short fine-tunings now) or --probe-from SWEEP_JSON (use a sweep "
                          "already run), not both")
-    probe_report = None
+    probe_report, probe_steps = None, None
     if measured:  # the evaluation data and instruction records are checked before the model loads
         from .calibration.tasks import resolve_tasks
         from .data import load_instruction_records
@@ -324,8 +324,9 @@ def _cmd_diagnose(args) -> int:
         if args.probe:
             from .data import check_disjoint
             from .demo import choose_budget
+            from .diagnosis import PROBE_STEPS
 
-            choose_budget(args.probe)
+            probe_steps = args.probe_steps or min(choose_budget(args.probe).sft_steps, PROBE_STEPS)
             check_disjoint(args.probe_data or "trivia_qa,nq_open", [args.tasks])
     observed: dict = {}
     model = tok = None
@@ -371,8 +372,6 @@ def _cmd_diagnose(args) -> int:
             if args.probe:
                 import gc
 
-                from .demo import choose_budget
-                from .diagnosis import PROBE_STEPS
                 from .sweep import run_sweep
 
                 del model  # the probe loads its own copies for training
@@ -383,9 +382,7 @@ def _cmd_diagnose(args) -> int:
                       f"(hf-lsce sweep, into {args.probe_dir})", flush=True)
                 probe_report = run_sweep(args.probe_dir, model=args.model, b_values=[0.0, args.label_smoothing],
                                          dataset=args.probe_data, eval_tasks=args.tasks, data_dir=args.data_dir,
-                                         budget=args.probe, limit=args.limit, seed=args.seed,
-                                         steps=args.probe_steps or min(choose_budget(args.probe).sft_steps,
-                                                                       PROBE_STEPS))
+                                         budget=args.probe, limit=args.limit, seed=args.seed, steps=probe_steps)
         if probe_report is not None:
             md.add_probe(probe_report)
         print()

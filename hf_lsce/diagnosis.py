@@ -56,6 +56,10 @@ PROBE_STEPS = 60
 # moved the prior itself in Table 1, either way (docs/theory.md), which no state-based counterfactual predicts
 PRIOR_LEAN = 0.8
 PROBE_VERDICT = {"better": "helps", "worse": "hurts", "no resolvable change": "little-effect"}
+# the state-based prediction's own caveat (a probe, when added, replaces it)
+_COUNTERFACTUAL_CAVEAT = ("a one-temperature counterfactual of the model as it is now: fine-tuning also changes what "
+                          "the model knows, and the SFT data and steps change its state (docs/theory.md says where "
+                          "this can be wrong)")
 _TOPK, _BINS = 256, 256  # logit summary per token: the top-k exactly, the rest as a histogram
 
 
@@ -268,7 +272,7 @@ class ModelDiagnosis:
         self.probe, self.prediction = pr, pr["prediction"]
         # the probe tested one b: suggest it where it measurably helped at no accuracy cost, else 0
         self.suggested_b = self.label_smoothing if pr["prediction"] == "helps" and not pr["accuracy_cost"] else 0.0
-        self.caveats = [c for c in self.caveats if not c.startswith("a one-temperature counterfactual")]
+        self.caveats = [c for c in self.caveats if c != _COUNTERFACTUAL_CAVEAT]
         self.caveats.append(f"the probe measures {pr['steps']} SFT steps of {pr['batch_size']} on "
                             f"{pr['dataset']} (seed {pr['seed']}); a longer run, other data or another seed can move "
                             "the single-token tasks differently (docs/theory.md)")
@@ -491,9 +495,7 @@ def diagnose_model(model, tokenizer, *, label_smoothing: float = 0.1, tasks=DEFA
                        "fine-tuning with smoothing moved that prior, in either direction (Table 1: Gemma-3-270m's BoolQ "
                        "answers from mostly 'yes' to mostly 'no', SmolLM2's towards balance), which this state-based "
                        "prediction cannot see: measure it with --probe (docs/theory.md)")
-    caveats.append("a one-temperature counterfactual of the model as it is now: fine-tuning also changes what the "
-                   "model knows, and the SFT data and steps change its state (docs/theory.md says where this can "
-                   "be wrong)")
+    caveats.append(_COUNTERFACTUAL_CAVEAT)
     out = ModelDiagnosis(name or getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__,
                          float(b), d, v, prediction, suggested, basis, current, predicted, current_ece, predicted_ece,
                          temps, tokens, [asdict(s) for s in states], bound, margin, token_prediction, evidence,

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from .config import interpreting
-from .forward import _dot, _finish_logits, _split_bounds, _tile_sums, tma_ready
+from .forward import _dot, _finish_logits, _init_state, _split_bounds, _tile_sums, tma_ready
 from .train_pass import _addmm_f32, _mm_f32
 
 # c_n = mean logit + C_SHIFT; a row whose max exceeds c_n by more than R_EXP_MAX is redone with c_n = its max.
@@ -69,10 +69,7 @@ def _exp_tiles_tma_kernel(
         y = tl.load(Y + offs_n, mask=mask_n, other=-1)
         c = tl.load(C + offs_n, mask=mask_n, other=0.0)
         c2 = c * 1.4426950408889634
-        zero = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        s, t_acc, sz, zy = zero, zero, zero, zero
-        m = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
-        am = tl.zeros((BLOCK_N,), dtype=tl.int32)
+        m, s, t_acc, sz, zy, am = _init_state(BLOCK_N)
         v_start, v_end = _split_bounds(V, NUM_SPLITS, BLOCK_V)
         k_steps = tl.cdiv(D, BLOCK_D)
         acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
@@ -246,6 +243,20 @@ def _dh_rows_kernel(T, A, U, COLSUM, DH, n, D, stride_t, stride_dh, BLOCK_R: tl.
         tl.store(DH + rows[:, None].to(tl.int64) * stride_dh + cols[None, :], g.to(DH.dtype.element_ty), mask=m2)
 
 
+def chunk_rows(n: int, v: int, chunk_bytes: int | None = None) -> tuple[int, int]:
+    """(R's padded row length, rows per chunk): a row stride of a multiple of 8 elements (16-byte rows for cuBLAS and
+    TMA), and as many bf16 rows as ``chunk_bytes`` (default ``FUSED_CHUNK_BYTES``) hold."""
+    v_pad = triton.cdiv(v, 8) * 8
+    return v_pad, max(1, min(n, (chunk_bytes or FUSED_CHUNK_BYTES) // (v_pad * 2)))
+
+
+def extra_memory(n: int, v: int, d: int) -> int:
+    """Bytes the fused path holds beyond its inputs and outputs, for ``memory="auto"``: one chunk of R and dW's fp32
+    accumulator."""
+    v_pad, rows = chunk_rows(n, v)
+    return rows * v_pad * 2 + v * d * 4
+
+
 def _rows_launch(n: int):
     """(grid, BLOCK_R, BLOCK_D, num_warps) of the row kernels."""
     if interpreting():
@@ -263,9 +274,7 @@ def triton_fused_pass(hidden, weight, bias, targets, smoothing, scale, config, n
     v = weight.shape[0]
     dev = hidden.device
     f32 = dict(dtype=torch.float32, device=dev)
-    # R's row stride: a multiple of 8 elements (16-byte rows for cuBLAS and TMA)
-    v_pad = triton.cdiv(v, 8) * 8
-    rows = max(1, min(n, (chunk_bytes or FUSED_CHUNK_BYTES) // (v_pad * 2)))
+    v_pad, rows = chunk_rows(n, v, chunk_bytes)
     if rows < n and rows > config.block_n:
         rows = rows // config.block_n * config.block_n  # whole row blocks per chunk
     r_buf = torch.empty(rows, v_pad, dtype=hidden.dtype, device=dev)

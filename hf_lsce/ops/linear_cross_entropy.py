@@ -520,11 +520,11 @@ def _resolve_memory(memory, one_pass, hidden, weight, accum_dtype, sort, path="o
     if not one_pass or hidden.device.type != "cuda":
         return "fast"
     from .config import TRAIN_CHUNK_BYTES
-    from .fused_pass import FUSED_CHUNK_BYTES
+    from .fused_pass import extra_memory
 
     n, (v, d) = hidden.shape[0], weight.shape
     if path == "fused":  # one chunk of R (bf16) and dW's fp32 accumulator
-        need = min(n, max(1, FUSED_CHUNK_BYTES // (v * 2))) * v * 2 + v * d * 4
+        need = extra_memory(n, v, d)
     else:
         need = min(n, max(1, TRAIN_CHUNK_BYTES // (v * 4))) * v * 4  # one chunk of fp32 logits
     if sort:
