@@ -229,6 +229,26 @@ def largest_batch(name, method, b, seq, out_dir, device, start=8, cap=512):
     return lo, False
 
 
+def merge_repeats(runs):
+    """One row per (model, method, b, batch): the median run's row by tokens/s, with every run's tokens/s kept
+    (``tokens_per_s_runs``) and their range; a method whose every run failed keeps its first error."""
+    groups = {}
+    for r in runs:
+        groups.setdefault((r["model"], r["method"], r["label_smoothing"], r.get("batch")), []).append(r)
+    rows = []
+    for group in groups.values():
+        ok = sorted((r for r in group if "error" not in r), key=lambda r: r["tokens_per_s"])
+        if not ok:
+            rows.append(group[0])
+            continue
+        row = dict(ok[(len(ok) - 1) // 2])  # the lower median: a real run, not an average of two
+        row.pop("repeat", None)
+        row["tokens_per_s_runs"] = [r["tokens_per_s"] for r in ok]
+        row["failed_runs"] = len(group) - len(ok)
+        rows.append(row)
+    return rows
+
+
 def _or_dash(x):
     return "-" if x is None else x
 
@@ -244,12 +264,14 @@ def table(rows):
                     and x["method"] == "+".join(["hf", *r["method"].split("+")[1:]])
                     and x["label_smoothing"] == r["label_smoothing"] and x["batch"] == r["batch"]), None)
         sp = f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}x" if ref else "-"
+        runs = r.get("tokens_per_s_runs", [])
+        tps = f"{r['tokens_per_s']:,.0f}" + (f" ({runs[0]:,.0f}-{runs[-1]:,.0f}, {len(runs)} runs)" if len(runs) > 1 else "")
         mb = f"{r['max_batch']}{'+' if r.get('max_batch_capped') else ''}" if "max_batch" in r else "-"
         pk = f"{r['peak_gib']:.1f}" if r.get("peak_gib") is not None else "-"
         method = r["method"] + (f" ({r['compiled_graphs']} graphs, {r['graph_breaks']} breaks)"
                                 if "compiled_graphs" in r else "")
         lines.append(f"| {r['model']} | {method} | {r['label_smoothing']} | {r['batch']} x {r['seq']} | "
-                     f"{r['tokens_per_s']:,.0f} | {sp} | {pk} | {_or_dash(r['lm_head_calls'])} | {r['fused_calls']} | "
+                     f"{tps} | {sp} | {pk} | {_or_dash(r['lm_head_calls'])} | {r['fused_calls']} | "
                      f"{r.get('host_syncs_per_step', '-')} | {mb} |")
     return "\n".join(lines)
 
@@ -295,19 +317,24 @@ def main():
                          "hf with the same suffix")
     ap.add_argument("--out-dir", default="bench_out")
     ap.add_argument("--deadline-s", type=float, default=None)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run every method this many times, interleaved (hf, hf_lsce, hf, hf_lsce, ...), and report "
+                         "the median tokens/s with its range: one short run per method is noisy on a launch-bound step")
     ap.add_argument("--smoke", action="store_true", help="CPU, a tiny model, two steps")
     args = ap.parse_args()
+    if args.repeats < 1:
+        raise SystemExit("--repeats must be at least 1")
     start = time.time()
     device = "cpu" if args.smoke else "cuda"
     if args.smoke:
         args.models, args.batch, args.seq, args.steps, args.no_liger = "smoke", 2, 32, 2, True
     os.makedirs(args.out_dir, exist_ok=True)
     path = os.path.join(args.out_dir, "bench_trainer.json")
-    rows = []
+    rows, runs = [], []
     for name in args.models.split(","):
         methods = METHODS if not args.methods else [(m.split(":")[0], float(m.split(":")[1]))
                                                     for m in args.methods.split(",")]
-        for method, b in methods:
+        for rep, (method, b) in [(k, mb) for k in range(args.repeats) for mb in methods]:
             if method == "liger" and args.no_liger:
                 continue
             if args.deadline_s is not None and time.time() - start > args.deadline_s:
@@ -327,7 +354,9 @@ def main():
                                                                               args.out_dir, device)
             except Exception as e:  # noqa: BLE001 - report, never drop silently
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-            rows.append(row)
+            row["repeat"] = rep
+            runs.append(row)
+            rows = merge_repeats(runs)
             print(json.dumps(row), flush=True)
             with open(path, "w") as f:
                 json.dump(dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu", torch=torch.__version__,

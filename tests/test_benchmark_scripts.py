@@ -66,11 +66,16 @@ def test_kernel_benchmark_smoke(tmp_path):
 
 
 def test_trainer_benchmark_smoke_proves_engagement(tmp_path):
-    _run([str(BENCH / "bench_trainer.py"), "--smoke", "--out-dir", str(tmp_path)], tmp_path)
+    out = _run([str(BENCH / "bench_trainer.py"), "--smoke", "--repeats", "2", "--out-dir", str(tmp_path)], tmp_path)
     rows = json.loads((tmp_path / "bench_trainer.json").read_text())["rows"]
     ours = [r for r in rows if r["method"] == "hf_lsce"]
     assert ours and all(r["engaged"] and r["lm_head_calls"] == 0 for r in ours)
     assert all(r["lm_head_calls"] > 0 for r in rows if r["method"] == "hf")
+    # --repeats: one row per method, the lower median of its runs, each run's tokens/s kept and shown as a range
+    assert len({(r["method"], r["label_smoothing"]) for r in rows}) == len(rows)
+    for r in rows:
+        assert len(r["tokens_per_s_runs"]) == 2 and r["tokens_per_s"] == min(r["tokens_per_s_runs"])
+    assert "2 runs)" in out
 
 
 def test_table1_and_ats_smoke(tmp_path, shared_data):

@@ -24,7 +24,7 @@ def profiled(model, method, b, steps, out_dir, device="cuda"):
     from transformers import TrainerCallback
 
     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA],
-                                  schedule=torch.profiler.schedule(wait=0, warmup=2, active=steps))
+                                  schedule=torch.profiler.schedule(wait=0, warmup=2, active=steps, repeat=1))
 
     class CB(TrainerCallback):
         def on_train_begin(self, *a, **k):
@@ -39,12 +39,14 @@ def profiled(model, method, b, steps, out_dir, device="cuda"):
             prof.stop()
     batch, seq = (8, 1024) if device == "cuda" else (2, 32)
     row = run_one(model, method, b, batch, seq, steps, out_dir, device, callbacks=[CB()])
-    kernels = {}
+    kernels, cpu = {}, {}
     for e in prof.key_averages():
         t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
         if t and e.device_type == torch.autograd.DeviceType.CUDA:
             kernels[e.key] = (t / 1e3 / steps, e.count // steps)
-    return row, kernels
+        elif e.device_type == torch.autograd.DeviceType.CPU:  # host side: aten ops, runtime calls (launches, syncs)
+            cpu[e.key] = (e.self_cpu_time_total / 1e3 / steps, e.count // steps)
+    return row, kernels, cpu
 
 
 def main():
@@ -58,12 +60,17 @@ def main():
     os.makedirs(out, exist_ok=True)
     res, lines = {}, []
     for method in ("hf", "hf_lsce"):
-        row, k = profiled(args.model, method, args.b, args.steps, os.path.join("/tmp", "profile_trainer_" + method),
+        row, k, cpu = profiled(args.model, method, args.b, args.steps, os.path.join("/tmp", "profile_trainer_" + method),
                           args.device)
-        res[method] = {"row": row, "kernels": k}
+        res[method] = {"row": row, "kernels": k, "cpu": cpu}
         total = sum(t for t, _ in k.values())
+        runtime = {n: cpu[n] for n in cpu if n.startswith("cuda")}
         lines.append(f"{method}: step {row['step_s'] * 1e3:.1f} ms (profiled), CUDA kernels {total:.1f} ms/step, "
-                     f"{sum(c for _, c in k.values())} launches/step, tokens/s {row['tokens_per_s']:,.0f}")
+                     f"{sum(c for _, c in k.values())} kernels/step, host self time "
+                     f"{sum(t for t, _ in cpu.values()):.1f} ms/step in {sum(c for _, c in cpu.values())} events, "
+                     f"tokens/s {row['tokens_per_s']:,.0f}")
+        lines.append("  runtime calls per step: " + ", ".join(f"{n} {c} ({t:.1f} ms)" for n, (t, c) in
+                                                            sorted(runtime.items(), key=lambda x: -x[1][0])[:8]))
         print(lines[-1], flush=True)
         with open(os.path.join(out, f"profile_trainer_step_{method}.json"), "w") as f:  # kept if a later run dies
             json.dump(res[method], f, default=str)
@@ -73,6 +80,12 @@ def main():
     lines.append("kernels that differ most, ms/step (launches/step): hf | hf_lsce")
     for n in diff[:30]:
         a, b = res["hf"]["kernels"].get(n, (0, 0)), res["hf_lsce"]["kernels"].get(n, (0, 0))
+        lines.append(f"  {a[0]:7.2f} ({a[1]:4d}) | {b[0]:7.2f} ({b[1]:4d})  {n[:110]}")
+    cnames = set(res["hf"]["cpu"]) | set(res["hf_lsce"]["cpu"])
+    cdiff = sorted(cnames, key=lambda n: -abs(res["hf_lsce"]["cpu"].get(n, (0, 0))[0] - res["hf"]["cpu"].get(n, (0, 0))[0]))
+    lines.append("host ops that differ most, self ms/step (calls/step): hf | hf_lsce")
+    for n in cdiff[:30]:
+        a, b = res["hf"]["cpu"].get(n, (0, 0)), res["hf_lsce"]["cpu"].get(n, (0, 0))
         lines.append(f"  {a[0]:7.2f} ({a[1]:4d}) | {b[0]:7.2f} ({b[1]:4d})  {n[:110]}")
     text = "\n".join(lines)
     print(text)
