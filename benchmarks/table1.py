@@ -135,13 +135,15 @@ def token_state(model, tok, b=0.1) -> dict:
 def plan(models, datasets, seeds, lrs, smoothing, sweep):
     """Runs in priority order: (model, dataset, b, lr, seed) or (model, "base"): the bases (and their diagnosis),
     b in {0, 0.1} at the first lr and seed, the other seeds, the other learning rates, the second instruction set
-    (all seeds), then the sweep over b."""
+    (all seeds), the sweep over b, then the other learning rates' other seeds (seed by seed, so every learning rate
+    reaches two seeds before any reaches three)."""
     runs = [(m, "base", None, None, None) for m in models]
     runs += [(m, datasets[0], b, lrs[0], seeds[0]) for m in models for b in smoothing]
     runs += [(m, datasets[0], b, lrs[0], s) for s in seeds[1:] for m in models for b in smoothing]
     runs += [(m, datasets[0], b, lr, seeds[0]) for lr in lrs[1:] for m in models for b in smoothing]
     runs += [(m, d, b, lrs[0], s) for d in datasets[1:] for s in seeds for m in models for b in smoothing]
     runs += [(m, datasets[0], b, lrs[0], seeds[0]) for m in models for b in sweep]
+    runs += [(m, datasets[0], b, lr, s) for s in seeds[1:] for lr in lrs[1:] for m in models for b in smoothing]
     return runs
 
 

@@ -109,3 +109,18 @@ def test_triviaqa_answer_extraction_and_matching():
     assert not table1.trivia_correct("Kilimanjaro", {"mount kilimanjaro"})
     assert not table1.trivia_correct("Exiled", {"exile"})
     assert not table1.trivia_correct("", {""})
+
+
+def test_table1_plan_covers_every_lr_and_seed_once():
+    sys.path.insert(0, str(BENCH))
+    import table1
+
+    models, seeds, lrs = ["g", "s"], [0, 1, 2], [2e-5, 5e-6, 5e-5, 2e-4]
+    runs = table1.plan(models, ["alpaca", "qa"], seeds, lrs, [0.0, 0.1], [0.2])
+    assert len(runs) == len(set(runs))
+    # the paper's four learning rates, three seeds each, b = 0 and 0.1, on the first instruction set
+    assert {(m, lr, s, b) for m, d, b, lr, s in runs if d == "alpaca" and b in (0.0, 0.1)} == {
+        (m, lr, s, b) for m in models for lr in lrs for s in seeds for b in (0.0, 0.1)}
+    order = [(lr, s) for m, d, b, lr, s in runs if d == "alpaca" and b in (0.0, 0.1)]
+    # priority: every learning rate reaches seed 1 before any other than the first reaches seed 2
+    assert order.index((5e-6, 1)) < order.index((2e-4, 1)) < order.index((5e-6, 2))

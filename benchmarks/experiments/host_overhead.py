@@ -1,0 +1,130 @@
+"""How much host (CPU) time does the patch add to a training step? (issue 27: SmolLM2-135M's bf16 Trainer step is
+launch-bound, so host time per step, not GPU time, sets its tokens/s.)
+
+At a batch small enough that the GPU finishes every kernel before the host has queued the next one, the wall time of
+many forward+backward iterations (one synchronisation at the end) is the host's cost of queueing them. Measured for:
+
+* the loss alone: HF's ``lm_head`` + ``ForCausalLMLoss`` (b = 0) or + the Trainer's ``LabelSmoother`` (b > 0),
+  against ``linear_cross_entropy`` on the same hidden states;
+* a whole step of a one-layer SmolLM2-135M configuration under bf16 autocast: stock against ``apply_lsce_patch``.
+
+Writes $OUT/host_overhead.json and prints a table (ms of host time per iteration, median of 5 blocks).
+
+    python benchmarks/experiments/host_overhead.py [--device cuda]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+
+
+def per_iter_ms(fn, device, iters, blocks=5, warmup=10):
+    for _ in range(warmup):
+        fn()
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync()
+    out = []
+    for _ in range(blocks):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        sync()
+        out.append((time.perf_counter() - t0) / iters * 1e3)
+    return statistics.median(out)
+
+
+def loss_only(device, b, iters):
+    import torch.nn.functional as F
+    from transformers.loss.loss_utils import ForCausalLMLoss
+    from transformers.trainer_pt_utils import LabelSmoother
+
+    from hf_lsce import linear_cross_entropy
+
+    n, d, v = 256, 576, 49152
+    g = torch.Generator(device="cpu").manual_seed(0)
+    dt = torch.bfloat16 if device == "cuda" else torch.float32
+    h = (torch.randn(1, n, d, generator=g) * 0.5).to(device, dt).requires_grad_()
+    w = (torch.randn(v, d, generator=g) * 0.02).to(device, dt).requires_grad_()
+    y = torch.randint(0, v, (1, n), generator=g).to(device)
+    smoother = LabelSmoother(epsilon=b)
+
+    def hf():
+        logits = F.linear(h, w)
+        if b:
+            loss = smoother({"logits": logits}, y, shift_labels=True)
+        else:
+            loss = ForCausalLMLoss(logits, y, v)
+        loss.backward()
+
+    def ours():
+        loss = linear_cross_entropy(h, w, y, label_smoothing=b, shift=True)
+        loss.backward()
+    return {"hf": per_iter_ms(hf, device, iters), "hf_lsce": per_iter_ms(ours, device, iters)}
+
+
+def whole_step(device, b, iters):
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.trainer_pt_utils import LabelSmoother
+
+    from hf_lsce import apply_lsce_patch
+
+    sys.path.insert(0, os.path.dirname(HERE))
+    from bench_trainer import CONFIGS
+
+    spec = dict(CONFIGS["smollm2-135m-config"], num_hidden_layers=1)
+    cfg = AutoConfig.for_model(spec.pop("model_type"), **spec)
+    res = {}
+    for method in ("hf", "hf_lsce"):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg).to(device)
+        if method == "hf_lsce":
+            apply_lsce_patch(model, label_smoothing=b)
+        ids = torch.randint(0, model.config.vocab_size, (1, 256), device=device)
+        smoother = LabelSmoother(epsilon=b)
+
+        def step():
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+                if method == "hf" and b:
+                    loss = smoother(model(input_ids=ids), ids, shift_labels=True)
+                else:
+                    loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+        res[method] = per_iter_ms(step, device, iters)
+        del model
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--iters", type=int, default=100)
+    args = ap.parse_args()
+    rows = []
+    for what, fn in (("loss only (N = 256, D = 576, V = 49,152)", loss_only),
+                     ("one-layer SmolLM2 step (1 x 256, bf16 autocast)", whole_step)):
+        for b in (0.0, 0.1):
+            r = fn(args.device, b, args.iters)
+            rows.append(dict(what=what, b=b, **r))
+            print(json.dumps(rows[-1]), flush=True)
+    lines = ["| what | b | HF, ms/iter (host) | hf_lsce | difference |", "|---|---|---|---|---|"]
+    lines += [f"| {r['what']} | {r['b']} | {r['hf']:.3f} | {r['hf_lsce']:.3f} | {r['hf_lsce'] - r['hf']:+.3f} |"
+              for r in rows]
+    print("\n".join(lines))
+    out = os.environ.get("OUT", ".")
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "host_overhead.json"), "w") as f:
+        json.dump({"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+                   "torch": torch.__version__, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
