@@ -71,6 +71,39 @@ def loss_only(device, b, iters):
     return {"hf": per_iter_ms(hf, device, iters), "hf_lsce": per_iter_ms(ours, device, iters)}
 
 
+def profile_op(device, iters):
+    """cProfile of the op's forward+backward loop (host side; the GPU runs behind it), top functions by own time
+    and by cumulative time."""
+    import cProfile
+    import io
+    import pstats
+
+    from hf_lsce import linear_cross_entropy
+
+    n, d, v = 256, 576, 49152
+    g = torch.Generator(device="cpu").manual_seed(0)
+    dt = torch.bfloat16 if device == "cuda" else torch.float32
+    h = (torch.randn(1, n, d, generator=g) * 0.5).to(device, dt).requires_grad_()
+    w = (torch.randn(v, d, generator=g) * 0.02).to(device, dt).requires_grad_()
+    y = torch.randint(0, v, (1, n), generator=g).to(device)
+    for b in (0.0, 0.1):
+        def ours():
+            linear_cross_entropy(h, w, y, label_smoothing=b, shift=True).backward()
+        for _ in range(10):
+            ours()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(iters):
+            ours()
+        prof.disable()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        for key in ("tottime", "cumulative"):
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(35)
+            print(f"--- b = {b}, by {key}, {iters} calls\n" + buf.getvalue().split("\n", 6)[-1], flush=True)
+
+
 def whole_step(device, b, iters):
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.trainer_pt_utils import LabelSmoother
@@ -107,6 +140,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--iters", type=int, default=100)
+    ap.add_argument("--cprofile", action="store_true",
+                    help="also: where the op's host time goes (cProfile over its loss-only loop, top functions)")
     args = ap.parse_args()
     rows = []
     for what, fn in (("loss only (N = 256, D = 576, V = 49,152)", loss_only),
@@ -115,6 +150,8 @@ def main():
             r = fn(args.device, b, args.iters)
             rows.append(dict(what=what, b=b, **r))
             print(json.dumps(rows[-1]), flush=True)
+    if args.cprofile:
+        profile_op(args.device, args.iters)
     lines = ["| what | b | HF, ms/iter (host) | hf_lsce | difference |", "|---|---|---|---|---|"]
     lines += [f"| {r['what']} | {r['b']} | {r['hf']:.3f} | {r['hf_lsce']:.3f} | {r['hf_lsce'] - r['hf']:+.3f} |"
               for r in rows]
