@@ -297,18 +297,19 @@ def _summary(report: dict, b: float) -> list[str]:
         line += f"; measured after SFT on the same tasks: {measured:+.3f} (b = {b:g} minus b = 0)"
     lines.append(line)
     # the demo's two fine-tunings are a probe: the rule of `hf-lsce diagnose --probe` on their paired ECE changes
-    from .diagnosis import PROBE_VERDICT
+    from .diagnosis import probe_rule
     from .sweep import verdicts
 
     per_task = {t: {"ece": x} for t, items in report["what_moved"].items() for x in items
                 if x["from"] == "SFT b=0" and x["to"] == b_key and x["metric"] == "ece"}
-    verdict = verdicts({b_key: per_task})[b_key]
-    if verdict == "mixed":
-        lines.append(f"measured by these two fine-tunings (hf-lsce diagnose --probe's rule): mixed, some task's ECE "
-                     "resolved lower and another's higher")
-    else:
+    if per_task:
+        verdict = verdicts({b_key: per_task})[b_key]
+        res = report["results"]
+        n = sum(res[t]["SFT b=0"]["n"] for t in per_task)
+        pooled = [sum(res[t][k]["ece"] * res[t]["SFT b=0"]["n"] for t in per_task) / n for k in ("SFT b=0", b_key)]
+        how = f"; pooled ECE {pooled[0]:.3f} -> {pooled[1]:.3f} decides" if verdict == "mixed" else ""
         lines.append(f"measured by these two fine-tunings (hf-lsce diagnose --probe's rule): smoothing at b = {b:g} "
-                     f"{PROBE_VERDICT[verdict]} ({verdict})")
+                     f"{probe_rule(verdict, pooled[0], pooled[1], b)} ({verdict}{how})")
     tk = report.get("tokens", {})
     if "SFT b=0" in tk and b_key in tk:
         t0, t1 = tk["SFT b=0"], tk[b_key]

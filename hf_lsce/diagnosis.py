@@ -355,6 +355,15 @@ def gap_verdict(gap_before: float, gap_after: float, margin: float = 0.01) -> st
     return decide(abs(gap_before), {"1": abs(gap_after)}, 1.0, margin)[0]
 
 
+def probe_rule(verdict: str, pooled_ece_b0: float, pooled_ece_b: float, b: float, margin: float = 0.01) -> str:
+    """The probe's prediction from its verdict at b (:func:`hf_lsce.sweep.verdicts`): ``better`` -> ``"helps"``,
+    ``worse`` -> ``"hurts"``, ``no resolvable change`` -> ``"little-effect"``; ``mixed`` by the pooled ECE change
+    (b minus 0) against ``margin``."""
+    if verdict == "mixed":
+        return decide(pooled_ece_b0, {_key(b): pooled_ece_b}, b, margin)[0]
+    return PROBE_VERDICT[verdict]
+
+
 def probe_prediction(report: dict, b: float, margin: float = 0.01) -> dict:
     """The prediction at ``b`` measured by short paired fine-tunings: an ``hf-lsce sweep`` report
     (:func:`hf_lsce.sweep.run_sweep`, or its ``sweep.json``) holding b = 0 and ``b``. The sweep's verdict at b
@@ -374,7 +383,7 @@ def probe_prediction(report: dict, b: float, margin: float = 0.01) -> dict:
         decide_sweep(report)
     verdict = report["verdict"][key]
     p0, pb = report["pooled"]["0"]["ece"], report["pooled"][key]["ece"]
-    prediction = (decide(p0, {key: pb}, b, margin)[0] if verdict == "mixed" else PROBE_VERDICT[verdict])
+    prediction = probe_rule(verdict, p0, pb, b, margin)
     costs = set(report["accuracy_cost"][key])
     tasks = {}
     for name, c in report["versus_b0"][key].items():

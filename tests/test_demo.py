@@ -75,9 +75,41 @@ def test_demo_tiny_end_to_end_on_the_real_checkpoint(tmp_path, capsys):
     ece = {t: {"ece": d} for t, items in rep["what_moved"].items() for d in items
            if d["from"] == "SFT b=0" and d["to"] == "SFT b=0.1" and d["metric"] == "ece"}
     verdict = verdicts({"0.1": ece})["0.1"]
-    assert ("mixed, some task" in printed if verdict == "mixed"
-            else f"smoothing at b = 0.1 {diagnosis.PROBE_VERDICT[verdict]} ({verdict})" in printed)
+    if verdict == "mixed":  # the probe's tie-break: the n-weighted pooled ECE change against the 0.01 margin
+        n = {t: rep["results"][t]["SFT b=0"]["n"] for t in ece}
+        p0, p1 = (sum(rep["results"][t][k]["ece"] * n[t] for t in ece) / sum(n.values())
+                  for k in ("SFT b=0", "SFT b=0.1"))
+        expected = "helps" if p1 - p0 < -0.01 else "hurts" if p1 - p0 > 0.01 else "little-effect"
+        assert f"smoothing at b = 0.1 {expected} (mixed; pooled ECE {p0:.3f} -> {p1:.3f} decides)" in printed
+    else:
+        assert f"smoothing at b = 0.1 {diagnosis.PROBE_VERDICT[verdict]} ({verdict})" in printed
     assert (out / "ats" / "model.safetensors").exists() and (out / "temperature" / "config.json").exists()
     capsys.readouterr()
     assert main(["demo", "--tiny", "--output-dir", str(out)]) == 2  # not replaced without --overwrite
     assert "--overwrite" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("pooled_b, expected", [(0.17, "helps"), (0.23, "hurts"), (0.205, "little-effect")])
+def test_demo_summary_breaks_a_mixed_verdict_by_pooled_ece(pooled_b, expected):
+    """One task's ECE resolved lower, another's higher: the probe's rule decides by the n-weighted pooled ECE change
+    against the 0.01 margin (here both tasks hold 100 items, so the pooled ECE is their mean)."""
+    from hf_lsce.demo import _summary
+
+    def cmp(task, a, b, low, high):
+        return {"from": "SFT b=0", "to": "SFT b=0.1", "metric": "ece", "a": a, "b": b, "diff": b - a, "low": low,
+                "high": high, "text": f"{task} ECE: {a:.3f} -> {b:.3f}"}
+    # boolq 0.30 -> 0.20 (resolved lower); mmlu 0.10 -> 2 pooled_b - 0.20 (resolved higher), so the pooled ECE
+    # goes 0.200 -> pooled_b
+    mmlu_b = 2 * pooled_b - 0.20
+    report = {
+        "what_moved": {"boolq": [cmp("boolq", 0.30, 0.20, -0.15, -0.05)],
+                       "mmlu": [cmp("mmlu", 0.10, mmlu_b, 0.001, 0.2)]},
+        "results": {"boolq": {"SFT b=0": {"n": 100, "ece": 0.30, "signed_gap": 0.3},
+                              "SFT b=0.1": {"n": 100, "ece": 0.20, "signed_gap": 0.2}},
+                    "mmlu": {"SFT b=0": {"n": 100, "ece": 0.10, "signed_gap": 0.1},
+                             "SFT b=0.1": {"n": 100, "ece": mmlu_b, "signed_gap": mmlu_b}}},
+        "diagnosis": {"tasks": [], "prediction": "helps", "current_gap": 0.2, "predicted_gap": {"0.1": 0.15},
+                      "suggested_b": 0.1},
+    }
+    line = next(x for x in _summary(report, 0.1) if x.startswith("measured by these two"))
+    assert f"smoothing at b = 0.1 {expected} (mixed; pooled ECE 0.200 -> {pooled_b:.3f} decides)" in line
