@@ -42,6 +42,15 @@ def per_iter_ms(fn, device, iters, blocks=5, warmup=10):
     return statistics.median(out)
 
 
+def _head_inputs(device, n=256, d=576, v=49152):
+    """(hidden, weight, targets) at SmolLM2's head (bf16 on CUDA), with gradients wanted."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    dt = torch.bfloat16 if device == "cuda" else torch.float32
+    h = (torch.randn(1, n, d, generator=g) * 0.5).to(device, dt).requires_grad_()
+    w = (torch.randn(v, d, generator=g) * 0.02).to(device, dt).requires_grad_()
+    return h, w, torch.randint(0, v, (1, n), generator=g).to(device)
+
+
 def loss_only(device, b, iters):
     import torch.nn.functional as F
     from transformers.loss.loss_utils import ForCausalLMLoss
@@ -49,12 +58,8 @@ def loss_only(device, b, iters):
 
     from hf_lsce import linear_cross_entropy
 
-    n, d, v = 256, 576, 49152
-    g = torch.Generator(device="cpu").manual_seed(0)
-    dt = torch.bfloat16 if device == "cuda" else torch.float32
-    h = (torch.randn(1, n, d, generator=g) * 0.5).to(device, dt).requires_grad_()
-    w = (torch.randn(v, d, generator=g) * 0.02).to(device, dt).requires_grad_()
-    y = torch.randint(0, v, (1, n), generator=g).to(device)
+    h, w, y = _head_inputs(device)
+    v = w.shape[0]
     smoother = LabelSmoother(epsilon=b)
 
     def hf():
@@ -80,12 +85,7 @@ def profile_op(device, iters):
 
     from hf_lsce import linear_cross_entropy
 
-    n, d, v = 256, 576, 49152
-    g = torch.Generator(device="cpu").manual_seed(0)
-    dt = torch.bfloat16 if device == "cuda" else torch.float32
-    h = (torch.randn(1, n, d, generator=g) * 0.5).to(device, dt).requires_grad_()
-    w = (torch.randn(v, d, generator=g) * 0.02).to(device, dt).requires_grad_()
-    y = torch.randint(0, v, (1, n), generator=g).to(device)
+    h, w, y = _head_inputs(device)
     for b in (0.0, 0.1):
         def ours():
             linear_cross_entropy(h, w, y, label_smoothing=b, shift=True).backward()
