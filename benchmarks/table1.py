@@ -214,17 +214,64 @@ def run_table(args):
 def report(results, out_dir, probs=None) -> str:
     """table1.md, table1.png and the reliability diagrams (b = 0 against b = 0.1, first data, lr and seed) from
     table1.json and table1_probs.pt: rebuilt without a GPU (``--report-only``)."""
-    md = table_markdown(results)
+    probs_path = os.path.join(out_dir, "table1_probs.pt")
+    if probs is None and os.path.exists(probs_path):
+        probs = torch.load(probs_path)
+    md = table_markdown(results) + ("\n" + "\n".join(prior_table(results["runs"], probs)) if probs else "")
     with open(os.path.join(out_dir, "table1.md"), "w") as f:
         f.write(md + "\n")
     print(md)
     plot_table(results, os.path.join(out_dir, "table1.png"))
-    probs_path = os.path.join(out_dir, "table1_probs.pt")
-    if probs is None and os.path.exists(probs_path):
-        probs = torch.load(probs_path)
     if probs:
         reliability_pictures(results, probs, out_dir)
     return md
+
+
+# The tasks answered from one fixed answer set, and that set in option order (calibration.tasks: BoolQ's choices are
+# [" no", " yes"], MMLU's the letters)
+ANSWER_SETS = {"boolq": ("no", "yes"), "mmlu": ("A", "B", "C", "D")}
+
+
+def answer_prior(p: torch.Tensor, labels: torch.Tensor, answers) -> dict:
+    """The answer prior of one run on one fixed-answer task: the answer the model gives most (argmax over the
+    options), the share of items on which it gives it, the share of items whose gold answer it is, and accuracy."""
+    picked = p.argmax(-1)
+    counts = torch.bincount(picked, minlength=len(answers))
+    top = int(counts.argmax())
+    return {"answer": answers[top], "share": float(counts[top]) / len(picked),
+            "gold_share": float((labels == top).float().mean()), "acc": float((picked == labels).float().mean())}
+
+
+def prior_table(runs, probs) -> list:
+    """Per (model, data, lr) with paired b = 0 and 0.1 runs: on BoolQ and MMLU, each seed's most given answer and its
+    share at b = 0 and at b = 0.1 (what moved on the single-token tasks: the answer prior, not only the spread)."""
+    present = [t for t in ANSWER_SETS if any(t in v for v in probs.values())]
+    if not present:
+        return []
+    lines = ["", "The answer prior on the fixed-answer tasks: each paired seed's most given answer and the share of items "
+             "it is given on, b = 0 -> b = 0.1 (gold: the share of items whose right answer each of those answers is):", "",
+             "| model | SFT data | lr | seeds | " + " | ".join(present) + " |", "|---|---|---|---|" + "---|" * len(present)]
+    groups = {}
+    for r1 in runs:
+        if r1["b"] != 0.1:
+            continue
+        key = lambda b: f"{r1['model']}|{r1['dataset']}|{b}|{r1['lr']}|{r1['seed']}"  # noqa: E731
+        if key(0.0) in probs and key(0.1) in probs:
+            groups.setdefault((r1["model"], r1["dataset"], r1["lr"]), []).append((probs[key(0.0)], probs[key(0.1)]))
+    for (model, dataset, lr), pairs in groups.items():
+        cells = []
+        for t in present:
+            seeds, gold = [], {}
+            for p0, p1 in pairs:
+                if t not in p0 or t not in p1:
+                    continue
+                a0, a1 = (answer_prior(*p[t], ANSWER_SETS[t]) for p in (p0, p1))
+                gold.update({a["answer"]: a["gold_share"] for a in (a0, a1)})
+                seeds.append(f"{a0['answer']} {a0['share']:.2f} -> {a1['answer']} {a1['share']:.2f}")
+            golds = ", ".join(f"{k} {v:.2f}" for k, v in sorted(gold.items()))
+            cells.append("; ".join(seeds) + f" (gold: {golds})" if seeds else "-")
+        lines.append(f"| {os.path.basename(model)} | {dataset} | {lr} | {len(pairs)} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def reliability_pictures(results, probs, out_dir) -> None:

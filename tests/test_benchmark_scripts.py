@@ -124,3 +124,23 @@ def test_table1_plan_covers_every_lr_and_seed_once():
     order = [(lr, s) for m, d, b, lr, s in runs if d == "alpaca" and b in (0.0, 0.1)]
     # priority: every learning rate reaches seed 1 before any other than the first reaches seed 2
     assert order.index((5e-6, 1)) < order.index((2e-4, 1)) < order.index((5e-6, 2))
+
+
+def test_table1_answer_prior_table():
+    """The answer prior of a fixed-answer task from stored option probabilities: the most given answer, its share of
+    the items, the share of items whose gold answer it is, accuracy; and the report's row for a paired seed."""
+    sys.path.insert(0, str(BENCH))
+    import table1
+
+    labels = torch.tensor([1, 1, 1, 0, 0])  # BoolQ: " no" = 0, " yes" = 1
+    leans_yes = torch.tensor([[0.2, 0.8], [0.3, 0.7], [0.4, 0.6], [0.1, 0.9], [0.6, 0.4]])
+    prior = table1.answer_prior(leans_yes, labels, table1.ANSWER_SETS["boolq"])
+    assert prior.pop("answer") == "yes"  # picked: yes, yes, yes, yes, no; gold: yes, yes, yes, no, no
+    assert prior == pytest.approx({"share": 0.8, "gold_share": 0.6, "acc": 0.8})
+    leans_no = 1 - leans_yes
+    runs = [{"model": "/x/m.gguf", "dataset": "alpaca", "b": b, "lr": 2e-5, "seed": 0} for b in (0.0, 0.1)]
+    probs = {"/x/m.gguf|alpaca|0.0|2e-05|0": {"boolq": (leans_yes, labels)},
+             "/x/m.gguf|alpaca|0.1|2e-05|0": {"boolq": (leans_no, labels)}}
+    rows = table1.prior_table(runs, probs)
+    assert rows[-1] == "| m.gguf | alpaca | 2e-05 | 1 | yes 0.80 -> no 0.80 (gold: no 0.40, yes 0.60) |"
+    assert table1.prior_table(runs, {}) == []
