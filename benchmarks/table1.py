@@ -132,6 +132,11 @@ def token_state(model, tok, b=0.1) -> dict:
             "prediction": t["prediction"]}
 
 
+def probs_key(model, dataset, b, lr, seed) -> str:
+    """A run's key in table1_probs.pt (the base model's: b, lr and seed None)."""
+    return f"{model}|{dataset}|{b}|{lr}|{seed}"
+
+
 def plan(models, datasets, seeds, lrs, smoothing, sweep):
     """Runs in priority order: (model, dataset, b, lr, seed) or (model, "base"): the bases (and their diagnosis),
     b in {0, 0.1} at the first lr and seed, the other seeds, the other learning rates, the second instruction set
@@ -190,14 +195,13 @@ def run_table(args):
             model, tok, log = sft(paths[model_name], records[dataset], b, lr, seed,
                                   os.path.join(args.out_dir, "sft_tmp"), max_steps=args.max_steps, batch=args.batch)
         res = evaluate(model, tok, tasks)
-        key = f"{model_name}|{dataset}|{b}|{lr}|{seed}"
-        probs[key] = {t: (r["_probs"], r["_labels"]) for t, r in res.items()}
+        probs[probs_key(model_name, dataset, b, lr, seed)] = {t: (r["_probs"], r["_labels"]) for t, r in res.items()}
         torch.save(probs, probs_path)
         row = dict(model=model_name, dataset=dataset, b=b, lr=lr, seed=seed, results=_public(res),
                    tokens=token_state(model, tok), train_loss=[h["loss"] for h in log if "loss" in h],
                    seconds=round(time.time() - t0, 1))
         if b:  # the paired change against b = 0 with the same seed, lr and data (items resampled jointly)
-            ref = probs.get(f"{model_name}|{dataset}|0.0|{lr}|{seed}")
+            ref = probs.get(probs_key(model_name, dataset, 0.0, lr, seed))
             if ref is not None:
                 row["vs_b0"] = {t: {m: paired_bootstrap(ref[t][0], res[t]["_probs"], res[t]["_labels"],
                                                         metric=m, n_boot=500).__dict__
@@ -235,11 +239,11 @@ ANSWER_SETS = {"boolq": ("no", "yes"), "mmlu": ("A", "B", "C", "D")}
 def answer_prior(p: torch.Tensor, labels: torch.Tensor, answers) -> dict:
     """The answer prior of one run on one fixed-answer task: the answer the model gives most (argmax over the
     options), the share of items on which it gives it, the share of items whose gold answer it is, and accuracy."""
-    picked = p.argmax(-1)
-    counts = torch.bincount(picked, minlength=len(answers))
-    top = int(counts.argmax())
-    return {"answer": answers[top], "share": float(counts[top]) / len(picked),
-            "gold_share": float((labels == top).float().mean()), "acc": float((picked == labels).float().mean())}
+    from hf_lsce.diagnosis import answer_lean
+
+    top, share = answer_lean(p)
+    return {"answer": answers[top], "share": share, "gold_share": float((labels == top).float().mean()),
+            "acc": float((p.argmax(-1) == labels).float().mean())}
 
 
 def prior_table(runs, probs) -> list:
@@ -255,9 +259,9 @@ def prior_table(runs, probs) -> list:
     for r1 in runs:
         if r1["b"] != 0.1:
             continue
-        key = lambda b: f"{r1['model']}|{r1['dataset']}|{b}|{r1['lr']}|{r1['seed']}"  # noqa: E731
-        if key(0.0) in probs and key(0.1) in probs:
-            groups.setdefault((r1["model"], r1["dataset"], r1["lr"]), []).append((probs[key(0.0)], probs[key(0.1)]))
+        k0, k1 = (probs_key(r1["model"], r1["dataset"], b, r1["lr"], r1["seed"]) for b in (0.0, 0.1))
+        if k0 in probs and k1 in probs:
+            groups.setdefault((r1["model"], r1["dataset"], r1["lr"]), []).append((probs[k0], probs[k1]))
     for (model, dataset, lr), pairs in groups.items():
         cells = []
         for t in present:
@@ -286,7 +290,7 @@ def reliability_pictures(results, probs, out_dir) -> None:
         return
     first = (runs[0]["dataset"], runs[0]["lr"], runs[0]["seed"])
     for model in dict.fromkeys(r["model"] for r in runs):
-        keys = [f"{model}|{first[0]}|{b}|{first[1]}|{first[2]}" for b in (0.0, 0.1)]
+        keys = [probs_key(model, first[0], b, first[1], first[2]) for b in (0.0, 0.1)]
         if not all(k in probs for k in keys):
             continue
         tasks = list(probs[keys[0]])

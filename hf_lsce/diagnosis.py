@@ -355,6 +355,14 @@ def gap_verdict(gap_before: float, gap_after: float, margin: float = 0.01) -> st
     return decide(abs(gap_before), {"1": abs(gap_after)}, 1.0, margin)[0]
 
 
+def answer_lean(probs: torch.Tensor) -> tuple[int, float]:
+    """(the option the model picks most, the share of items it picks it on) from per-item option probabilities
+    (items x options): on a task answered from one answer set, the answer prior."""
+    counts = torch.bincount(probs.argmax(-1), minlength=probs.shape[-1])
+    top = int(counts.argmax())
+    return top, float(counts[top]) / max(1, probs.shape[0])
+
+
 def probe_rule(verdict: str, pooled_ece_b0: float, pooled_ece_b: float, b: float, margin: float = 0.01) -> str:
     """The probe's prediction from its verdict at b (:func:`hf_lsce.sweep.verdicts`): ``better`` -> ``"helps"``,
     ``worse`` -> ``"hurts"``, ``no resolvable change`` -> ``"little-effect"``; ``mixed`` by the pooled ECE change
@@ -447,13 +455,11 @@ def diagnose_model(model, tokenizer, *, label_smoothing: float = 0.1, tasks=DEFA
             soft = {k: calibration_metrics(s.probs_at(t), s.labels, n_bins=n_bins) for k, t in tau.items()}
             m = s.metrics
             fixed = task.kind == "letters" or all(it.choices == task.items[0].choices for it in task.items)
-            counts = torch.bincount(s.probs.argmax(-1), minlength=s.probs.shape[-1])
-            top = int(counts.argmax())
+            top, share = answer_lean(s.probs)
             answer = LETTERS[top] if task.kind == "letters" else task.items[0].choices[top].strip() if fixed else ""
             states.append(TaskState(task.name, m.n, chance, m.accuracy, m.accuracy > chance + 1.96 * se, m.ece, m.rms,
                                     m.mean_confidence, m.signed_gap, lo, hi, {k: r.ece for k, r in soft.items()},
-                                    {k: r.signed_gap for k, r in soft.items()}, fixed, answer,
-                                    float(counts[top]) / max(1, len(task))))
+                                    {k: r.signed_gap for k, r in soft.items()}, fixed, answer, share))
     finally:
         model.train(was_training)
 

@@ -74,19 +74,14 @@ def main():
         print(lines[-1], flush=True)
         with open(os.path.join(out, f"profile_trainer_step_{method}.json"), "w") as f:  # kept if a later run dies
             json.dump(res[method], f, default=str)
-    names = set(res["hf"]["kernels"]) | set(res["hf_lsce"]["kernels"])
-    diff = sorted(names, key=lambda n: -abs(res["hf_lsce"]["kernels"].get(n, (0, 0))[0]
-                                           - res["hf"]["kernels"].get(n, (0, 0))[0]))
-    lines.append("kernels that differ most, ms/step (launches/step): hf | hf_lsce")
-    for n in diff[:30]:
-        a, b = res["hf"]["kernels"].get(n, (0, 0)), res["hf_lsce"]["kernels"].get(n, (0, 0))
-        lines.append(f"  {a[0]:7.2f} ({a[1]:4d}) | {b[0]:7.2f} ({b[1]:4d})  {n[:110]}")
-    cnames = set(res["hf"]["cpu"]) | set(res["hf_lsce"]["cpu"])
-    cdiff = sorted(cnames, key=lambda n: -abs(res["hf_lsce"]["cpu"].get(n, (0, 0))[0] - res["hf"]["cpu"].get(n, (0, 0))[0]))
-    lines.append("host ops that differ most, self ms/step (calls/step): hf | hf_lsce")
-    for n in cdiff[:30]:
-        a, b = res["hf"]["cpu"].get(n, (0, 0)), res["hf_lsce"]["cpu"].get(n, (0, 0))
-        lines.append(f"  {a[0]:7.2f} ({a[1]:4d}) | {b[0]:7.2f} ({b[1]:4d})  {n[:110]}")
+    for kind, title in (("kernels", "kernels that differ most, ms/step (launches/step)"),
+                        ("cpu", "host ops that differ most, self ms/step (calls/step)")):
+        hf, ours = res["hf"][kind], res["hf_lsce"][kind]
+        names = sorted(set(hf) | set(ours), key=lambda n: -abs(ours.get(n, (0, 0))[0] - hf.get(n, (0, 0))[0]))
+        lines.append(f"{title}: hf | hf_lsce")
+        for n in names[:30]:
+            a, b = hf.get(n, (0, 0)), ours.get(n, (0, 0))
+            lines.append(f"  {a[0]:7.2f} ({a[1]:4d}) | {b[0]:7.2f} ({b[1]:4d})  {n[:110]}")
     text = "\n".join(lines)
     print(text)
     with open(os.path.join(out, "profile_trainer_step.txt"), "w") as f:
