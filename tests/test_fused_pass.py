@@ -71,22 +71,28 @@ def run(path, h, w, y, b, smoothing, reduction, num_items, weights=None, stats=F
         config.TRAIN_PATH = None
 
 
+@pytest.mark.parametrize("layout", ["chunked", "direct"])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("reduction", ["sum", "none"])
-def test_fused_path_matches_fp64_and_the_two_pass_path(tma, monkeypatch, bias, reduction):
+def test_fused_path_matches_fp64_and_the_two_pass_path(tma, monkeypatch, bias, reduction, layout):
     """Loss, dh, dW and db of the fused path against fp64 (per-token b, ignored rows, num_items_in_batch, bias, a
     per-token upstream gradient) and against the two-pass path on the same bf16 inputs; the fused pass ran, in
-    several row chunks."""
+    several row chunks with dW's fp32 accumulator ("chunked"), or over every row with dW written by one matmul
+    ("direct")."""
     h, w, y, b = inputs(seed=1, bias=bias)
     sm = torch.rand(N, generator=torch.Generator().manual_seed(3)) * 0.3
     weights = torch.rand(N, generator=torch.Generator().manual_seed(4)) if reduction == "none" else None
-    calls = []
-    real = fp.triton_fused_pass
+    calls, direct = [], []
+    real, real_direct = fp.triton_fused_pass, fp._direct_dw
     monkeypatch.setattr(fp, "triton_fused_pass",
                         lambda *a, **k: calls.append(1) or real(*a, **dict(k, chunk_bytes=16 * 208 * 2)))
+    monkeypatch.setattr(fp, "_direct_dw", lambda *a: direct.append(1) or real_direct(*a))
+    if layout == "chunked":
+        monkeypatch.setattr(fp, "DIRECT_DW_EXTRA_BYTES", -(1 << 40))
     items = 29 if reduction == "sum" else None
     got = run("fused", h, w, y, b, sm, reduction, items, weights)
     assert calls, "the fused pass did not run"
+    assert bool(direct) == (layout == "direct")
     two = run("two-pass", h, w, y, b, sm, reduction, items, weights)
     ref = fp64(h.bfloat16().double(), w.bfloat16().double(), y, b.bfloat16().double() if bias else None, sm, 29.0,
                weights.double() if weights is not None else None)
@@ -95,6 +101,60 @@ def test_fused_path_matches_fp64_and_the_two_pass_path(tma, monkeypatch, bias, r
         if ref[i] is not None:
             assert rel(got[i], ref[i]) < 2e-2
             assert rel(got[i], ref[i]) < 2 * rel(two[i], ref[i]) + 1e-3  # no worse than the two-pass path
+
+
+def test_fused_direct_dw_carries_the_smoothing_term(tma, monkeypatch):
+    """With b = 1 on every token the smoothing's uniform term is the whole of each row's -1/V: the direct layout
+    carries it in the matmul (R's rows of ones against hs's hi and lo rows), as accurately as the chunked layout's
+    fp32 subtraction (a wrong sign or a missing row would be an error of order 1)."""
+    h, w, y, _ = inputs(seed=6)
+    sm = torch.ones(N)
+    ref = fp64(h.bfloat16().double(), w.bfloat16().double(), y, None, sm, 29.0)
+    direct = run("fused", h, w, y, None, sm, "sum", 29)
+    monkeypatch.setattr(fp, "DIRECT_DW_EXTRA_BYTES", -(1 << 40))
+    chunked = run("fused", h, w, y, None, sm, "sum", 29)
+    assert rel(direct[2], ref[2]) < 2e-2
+    assert rel(direct[2], ref[2]) < 1.5 * rel(chunked[2], ref[2]) + 1e-3
+
+
+def test_fused_path_with_a_frozen_head(tma, monkeypatch):
+    """A frozen head (LoRA): no dW, so no direct layout; dh against fp64."""
+    h, w, y, _ = inputs(seed=7)
+    sm = torch.full((N,), 0.1)
+    config.TRAIN_PATH = "fused"
+    direct = []
+    real_direct = fp._direct_dw
+    monkeypatch.setattr(fp, "_direct_dw", lambda *a: direct.append(1) or real_direct(*a))
+    try:
+        hh = h.bfloat16().requires_grad_()
+        loss = linear_cross_entropy(hh, w.bfloat16(), y, label_smoothing=sm, reduction="sum", num_items_in_batch=29,
+                                    backend="triton")
+        loss.backward()
+    finally:
+        config.TRAIN_PATH = None
+    ref = fp64(h.bfloat16().double(), w.bfloat16().double(), y, None, sm, 29.0)
+    assert not direct
+    assert rel(loss, ref[0]) < 1e-5 and rel(hh.grad, ref[1]) < 2e-2
+
+
+def test_fused_layout_and_its_memory():
+    """Which layout the fused path takes, the memory it reports for memory='auto', and where it is preferred above
+    TWO_PASS_MAX_D: R for every row where that costs at most DIRECT_DW_EXTRA_BYTES more than a chunk of R and dW's
+    fp32 accumulator."""
+    gib = 1 << 30
+    # Gemma2-2B shape, N = 8192: every row's R (4.2 GB) against 1 GiB + 2.4 GB: direct, and preferred above D = 1024
+    n, v, d = 8192, 256000, 2304
+    assert fp.layout(n, v, d, True) == (256000, n, True)
+    assert fp.extra_memory(n, v, d) == (n + 2) * v * 2  # N rows and the rank-one term's two
+    assert fp.preferred(n, v, d, True)
+    assert not fp.preferred(n, v, d, False)  # frozen head: no dW, the one-pass path
+    assert not fp.preferred(4 * n, v, d, True)  # R for 32,768 rows (16.8 GB) would cost far more: chunked
+    v_pad, rows, direct = fp.layout(4 * n, v, d, True)
+    assert not direct and rows * v_pad * 2 <= gib and fp.extra_memory(4 * n, v, d) == rows * v_pad * 2 + v * d * 4
+    # Gemma-3-270m shape: R for every row (4.3 GB) against 1 GiB + 0.67 GB: chunked; preferred (D <= 1024) anyway
+    v_pad, rows, direct = fp.layout(8192, 262144, 640, True)
+    assert not direct and rows < 8192 and fp.preferred(8192, 262144, 640, True)
+    assert fp.extra_memory(8192, 262144, 640, need_dw=False) == rows * v_pad * 2
 
 
 def test_fused_rows_past_the_exponent_range_are_redone(tma):

@@ -25,10 +25,15 @@ the entries that matter (within about 60 nats of the max) above bf16's smallest 
 the device and redone by the same kernel with ``c_n = m_n`` (its exact max) in a second launch whose programs return
 at once on blocks without a flagged row. No host synchronisation.
 
-Rows are processed ``FUSED_CHUNK_BYTES`` of R at a time (so memory does not grow with N); dW is accumulated across
-chunks in fp32 (``4 V D`` bytes, one rounding at the end, where the rank-one smoothing term is also subtracted).
-bf16 only (fp16's range cannot hold R); not with soft-cap (its derivative is not a factor per row), z-loss or
-gradient filtering: those take the other training paths.
+Where the weight needs a gradient, dW's product runs over all N rows. When R for every row costs at most
+``DIRECT_DW_EXTRA_BYTES`` more memory than the chunked layout below (a chunk of R plus dW's fp32 accumulator), the
+pass keeps R for every row and writes dW in the weight's dtype with one matmul: the rank-one smoothing term rides
+in it as two extra rows (R's rows of ones against the hi and lo bf16 halves of ``-sum_n u_n h_n``), so dW is rounded
+once and no ``V x D`` fp32 buffer is written, read back and cast (at the Gemma2-2B shape that traffic was about
+7 ms of 49). Otherwise rows are processed ``FUSED_CHUNK_BYTES`` of R at a time (so memory does not grow with N);
+dW is accumulated across chunks in fp32 (``4 V D`` bytes, one rounding at the end, where the rank-one smoothing
+term is also subtracted). bf16 only (fp16's range cannot hold R); not with soft-cap (its derivative is not a factor
+per row), z-loss or gradient filtering: those take the other training paths.
 """
 from __future__ import annotations
 
@@ -46,6 +51,10 @@ R_EXP_MAX = 48.0
 # Memory for one chunk of R (rows x V in bf16). Measured at the Gemma-3-270m shape (H100): the pass took 15.7 ms with
 # 1 GiB chunks and 14.6 ms with 2 GiB (fewer passes over dW's fp32 accumulator); 1 GiB keeps the extra memory lower.
 FUSED_CHUNK_BYTES = 1 << 30
+# R for every row (dW by one matmul, no fp32 accumulator) when that costs at most this much more memory than the chunked
+# layout: at N = 8192 the Gemma2-2B shape (4.2 GB against 3.4) and the Llama-3-8B shape (2.1 against 3.2) take it,
+# the Gemma-3-270m shape (4.3 against 1.7) stays chunked.
+DIRECT_DW_EXTRA_BYTES = 1 << 30
 
 
 @triton.jit
@@ -250,11 +259,63 @@ def chunk_rows(n: int, v: int, chunk_bytes: int | None = None) -> tuple[int, int
     return v_pad, max(1, min(n, (chunk_bytes or FUSED_CHUNK_BYTES) // (v_pad * 2)))
 
 
-def extra_memory(n: int, v: int, d: int) -> int:
-    """Bytes the fused path holds beyond its inputs and outputs, for ``memory="auto"``: one chunk of R and dW's fp32
-    accumulator."""
-    v_pad, rows = chunk_rows(n, v)
-    return rows * v_pad * 2 + v * d * 4
+def layout(n: int, v: int, d: int, need_dw: bool, chunk_bytes: int | None = None) -> tuple[int, int, bool]:
+    """(R's padded row length, rows per chunk, direct): ``direct`` when dW is needed and R for all rows plus the two
+    rows of the rank-one term fits within the chunked layout's memory (a chunk of R, dW's fp32 accumulator) plus
+    ``DIRECT_DW_EXTRA_BYTES``; then one chunk holds every row and dW is written by one matmul."""
+    v_pad, rows = chunk_rows(n, v, chunk_bytes)
+    direct = need_dw and (n + 2) * v_pad * 2 <= rows * v_pad * 2 + v * d * 4 + DIRECT_DW_EXTRA_BYTES
+    return v_pad, (n if direct else rows), direct
+
+
+def preferred(n: int, v: int, d: int, need_dw: bool) -> bool:
+    """Whether the fused path is the training path of choice where it can run (``supported``): up to hidden size
+    ``config.TWO_PASS_MAX_D`` always; above it where dW is needed and written directly (``layout``). Measured on an
+    H100 (docs/how_it_works.md): with chunks and the fp32 accumulator the fused path took the one-pass path's time at
+    D = 2304 and 4096; written directly it is faster. Without dW (a frozen head, LoRA) the one-pass path is kept there."""
+    from .config import TWO_PASS_MAX_D
+
+    return d <= TWO_PASS_MAX_D or layout(n, v, d, need_dw)[2]
+
+
+def extra_memory(n: int, v: int, d: int, need_dw: bool = True) -> int:
+    """Bytes the fused path holds beyond its inputs and outputs, for ``memory="auto"``: R for every row (direct
+    layout), or one chunk of R and (dW needed) dW's fp32 accumulator."""
+    v_pad, rows, direct = layout(n, v, d, need_dw)
+    if direct:
+        return (n + 2) * v_pad * 2
+    return rows * v_pad * 2 + (v * d * 4 if need_dw else 0)
+
+
+class _ExactBf16Reduction:
+    """cuBLAS without reduced-precision (half) reductions inside a half-precision matmul (split-K partial sums stay
+    fp32), restored afterwards: dW's single matmul rounds once."""
+
+    def __enter__(self):
+        m = torch.backends.cuda.matmul
+        self.saved = (m.allow_bf16_reduced_precision_reduction, m.allow_fp16_reduced_precision_reduction)
+        m.allow_bf16_reduced_precision_reduction = m.allow_fp16_reduced_precision_reduction = False
+
+    def __exit__(self, *exc):
+        m = torch.backends.cuda.matmul
+        m.allow_bf16_reduced_precision_reduction, m.allow_fp16_reduced_precision_reduction = self.saved
+
+
+def _direct_dw(r_buf, hs, u_all, hidden, n: int, v: int, weight) -> torch.Tensor:
+    """dW = R'^T (a o h) - 1 (u^T h)^T in the weight's dtype by one matmul: R's rows n and n + 1 are ones and hs's the
+    hi and lo halves of ``-u^T h`` (so the rank-one term enters the fp32 accumulation to about 2^-16). (A K padded to
+    a multiple of 8 was no faster: benchmarks/experiments/direct_dw.py.)"""
+    rvec = -(u_all @ hidden.float())
+    hi = rvec.to(hs.dtype)
+    r_buf[n:n + 2, :v].fill_(1.0)
+    hs[n].copy_(hi)
+    hs[n + 1].copy_(rvec - hi.float())
+    dw = torch.empty(v, hs.shape[1], dtype=weight.dtype, device=hs.device)
+    if hs.device.type != "cuda":  # the interpreter: fp32 math, one rounding
+        return dw.copy_(r_buf[:n + 2, :v].T.float() @ hs[:n + 2].float())
+    with _ExactBf16Reduction():
+        torch.mm(r_buf[:n + 2, :v].T, hs[:n + 2], out=dw)
+    return dw
 
 
 def _rows_launch(n: int):
@@ -274,10 +335,11 @@ def triton_fused_pass(hidden, weight, bias, targets, smoothing, scale, config, n
     v = weight.shape[0]
     dev = hidden.device
     f32 = dict(dtype=torch.float32, device=dev)
-    v_pad, rows = chunk_rows(n, v, chunk_bytes)
+    v_pad, rows, direct = layout(n, v, d, need_dw, chunk_bytes)
     if rows < n and rows > config.block_n:
         rows = rows // config.block_n * config.block_n  # whole row blocks per chunk
-    r_buf = torch.empty(rows, v_pad, dtype=hidden.dtype, device=dev)
+    extra = 2 if direct else 0  # the rank-one term's rows (see _direct_dw)
+    r_buf = torch.empty(rows + extra, v_pad, dtype=hidden.dtype, device=dev)
     colsum = weight.sum(0, dtype=torch.float32)  # for the offsets (the mean logit) and dh's uniform term
     w_mean = colsum / v
     b_mean = bias.float().mean().reshape(1) if bias is not None else w_mean
@@ -286,10 +348,10 @@ def triton_fused_pass(hidden, weight, bias, targets, smoothing, scale, config, n
     a_all, u_all = torch.empty(n, **f32), torch.empty(n, **f32)
     grad = need_dh or need_dw or (need_db and bias is not None)
     dh = torch.empty(n, d, dtype=hidden.dtype, device=dev) if need_dh else None
-    dw32 = torch.empty(v, d, **f32) if need_dw else None
+    dw32 = torch.empty(v, d, **f32) if need_dw and not direct else None
     db = torch.zeros(v, **f32) if need_db and bias is not None else None
     dh32 = torch.empty(rows, d, **f32) if need_dh else None
-    hs = torch.empty(rows, d, dtype=hidden.dtype, device=dev) if need_dw else None
+    hs = torch.empty(rows + extra, d, dtype=hidden.dtype, device=dev) if need_dw else None
     c_buf = torch.empty(rows, **f32)
     flag = torch.empty(rows, dtype=torch.int32, device=dev)
     for s0 in range(0, n, rows):
@@ -313,7 +375,7 @@ def triton_fused_pass(hidden, weight, bias, targets, smoothing, scale, config, n
             _mm_f32(r, weight, t)
             _dh_rows_kernel[grid](t, a, u, colsum, dh[s0:e0], nr, d, t.stride(0), dh.stride(0), BLOCK_R=br,
                                   BLOCK_D=bd, num_warps=warps)
-        if need_dw:
+        if need_dw and not direct:
             if s0 == 0:
                 _mm_f32(r.T, hs[:nr], dw32)
             else:
@@ -323,7 +385,9 @@ def triton_fused_pass(hidden, weight, bias, targets, smoothing, scale, config, n
             _mm_f32(r.T, a.to(r.dtype)[:, None], db_chunk)
             db += db_chunk[:, 0]
     dw = None
-    if need_dw:
+    if direct:
+        dw = _direct_dw(r_buf, hs, u_all, hidden, n, v, weight)
+    elif need_dw:
         rvec = u_all @ hidden.float()  # the uniform term of dW, the same for every row of it
         dw = torch.empty(v, d, dtype=weight.dtype, device=dev)
         torch.sub(dw32, rvec[None, :], out=dw)

@@ -448,13 +448,14 @@ def _use_train_pass(hidden, weight, bias, backend) -> bool:
 
 
 def _train_path(hidden, weight, softcap, z_loss, filter_eps, accum_dtype) -> str:
-    """The training path. On CUDA, up to hidden size ``config.TWO_PASS_MAX_D``: the fused path where it can run (bf16,
-    the TMA kernel, no soft-cap, z-loss or filtering: ``fused_pass.supported``), else the two-pass path (with dW
-    accumulated in the weight's dtype: it is written once per row there); above that D, and off CUDA, the one-pass
-    path. ``config.TRAIN_PATH`` forces a path where it can run. Measured: see docs/how_it_works.md ("Fused training
-    path"): at D = 640 the fused path took 15.8 ms against 18.6 (two-pass), at D = 2304 and 4096 the same time
-    as the one-pass path with more memory."""
+    """The training path. On CUDA the fused path where it can run (bf16, the TMA kernel, no soft-cap, z-loss or
+    filtering: ``fused_pass.supported``) and is preferred (``fused_pass.preferred``: up to hidden size
+    ``config.TWO_PASS_MAX_D``, and above it where dW is written by one matmul); else, up to that D, the two-pass path
+    (with dW accumulated in the weight's dtype: it is written once per row there); above it, and off CUDA, the
+    one-pass path. ``config.TRAIN_PATH`` forces a path where it can run. Measured: see docs/how_it_works.md ("Fused
+    training path")."""
     from . import config
+    from .fused_pass import preferred
     from .fused_pass import supported as fused_supported
 
     cfg = config.forward_config(hidden.dtype, hidden.device) if hidden.is_cuda or config.interpreting() else None
@@ -462,8 +463,13 @@ def _train_path(hidden, weight, softcap, z_loss, filter_eps, accum_dtype) -> str
            "two-pass": accum_dtype in (None, weight.dtype), "one-pass": True}
     if config.TRAIN_PATH is not None and can[config.TRAIN_PATH]:
         return config.TRAIN_PATH
-    if hidden.is_cuda and hidden.shape[1] <= config.TWO_PASS_MAX_D:
-        return "fused" if can["fused"] else "two-pass" if can["two-pass"] else "one-pass"
+    if not hidden.is_cuda:
+        return "one-pass"
+    (n, d), v = hidden.shape, weight.shape[0]
+    if can["fused"] and preferred(n, v, d, weight.requires_grad):
+        return "fused"
+    if d <= config.TWO_PASS_MAX_D and can["two-pass"]:
+        return "two-pass"
     return "one-pass"
 
 
@@ -523,8 +529,8 @@ def _resolve_memory(memory, one_pass, hidden, weight, accum_dtype, sort, path="o
     from .fused_pass import extra_memory
 
     n, (v, d) = hidden.shape[0], weight.shape
-    if path == "fused":  # one chunk of R (bf16) and dW's fp32 accumulator
-        need = extra_memory(n, v, d)
+    if path == "fused":  # R (every row, or a chunk and dW's fp32 accumulator)
+        need = extra_memory(n, v, d, weight.requires_grad)
     else:
         need = min(n, max(1, TRAIN_CHUNK_BYTES // (v * 4))) * v * 4  # one chunk of fp32 logits
     if sort:
