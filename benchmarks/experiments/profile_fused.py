@@ -36,6 +36,18 @@ def timed(fn, reps=10):
     return sorted(ts)[len(ts) // 2]
 
 
+def pass_inputs(name):
+    """(h, w, y, smoothing 0.1, token weights 1/N, forward config) at a shape: bf16 on the GPU, seeded."""
+    n, d, v = SHAPES[name]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = (torch.randn(v, d, device="cuda", generator=g) / d ** 0.5).bfloat16()
+    h = (torch.randn(n, d, device="cuda", generator=g) * 3).bfloat16()
+    y = torch.randint(0, v, (n,), device="cuda", generator=g)
+    sm = torch.full((n,), 0.1, device="cuda")
+    sc = torch.full((n,), 1.0 / n, device="cuda")
+    return h, w, y, sm, sc, forward_config(h.dtype, h.device)
+
+
 def trace(name):
     """The op's fwd+bwd under torch.profiler, each training path: kernel times and launches."""
     import hf_lsce.ops.config as config
@@ -74,13 +86,7 @@ def main():
     rows = []
     for name in args.shapes.split(","):
         n, d, v = SHAPES[name]
-        g = torch.Generator(device="cuda").manual_seed(0)
-        w = (torch.randn(v, d, device="cuda", generator=g) / d ** 0.5).bfloat16()
-        h = (torch.randn(n, d, device="cuda", generator=g) * 3).bfloat16()
-        y = torch.randint(0, v, (n,), device="cuda", generator=g)
-        sm = torch.full((n,), 0.1, device="cuda")
-        sc = torch.full((n,), 1.0 / n, device="cuda")
-        cfg = forward_config(h.dtype, h.device)
+        h, w, y, sm, sc, cfg = pass_inputs(name)
         row = dict(shape=name, N=n, D=d, V=v)
         row["forward kernel (all N)"] = timed(lambda: triton_forward(h, w, None, y, None, cfg, stats=False))
         z = torch.empty(n, v, dtype=torch.bfloat16, device="cuda") if n * v * 2 <= (4 << 30) else None
