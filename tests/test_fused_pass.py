@@ -155,6 +155,12 @@ def test_fused_layout_and_its_memory():
     v_pad, rows, direct = fp.layout(8192, 262144, 640, True)
     assert not direct and rows < 8192 and fp.preferred(8192, 262144, 640, True)
     assert fp.extra_memory(8192, 262144, 640, need_dw=False) == rows * v_pad * 2
+    # memory="auto" with too little free memory for every row's R: chunked, and above D = 1,024 not preferred
+    need = (n + 2) * v * 2
+    assert fp.layout(n, v, d, True, free_bytes=int(1.25 * need))[2]
+    assert not fp.layout(n, v, d, True, free_bytes=int(1.25 * need) - 1)[2]
+    assert not fp.preferred(n, v, d, True, free_bytes=need)
+    assert fp.extra_memory(n, v, d, free_bytes=need) == fp.chunk_rows(n, v)[1] * v * 2 + v * d * 4
 
 
 def test_fused_rows_past_the_exponent_range_are_redone(tma):

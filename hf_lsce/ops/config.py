@@ -105,6 +105,8 @@ def grad_logits_config(dtype: torch.dtype, device: torch.device) -> KernelConfig
 # bytes more; the crossing sits near D = 12 * (tensor FLOP/s) / (2 * HBM bytes/s), about 1,400 on an H100.
 # Measured: see docs/how_it_works.md ("Two training paths").
 TWO_PASS_MAX_D = 1024
+# memory="auto": a path's buffers are taken to fit when CUDA's free memory holds this multiple of them
+MEMORY_HEADROOM = 1.25
 # Force one training path where it can run: "fused", "one-pass" or "two-pass" (tests run each under the interpreter;
 # benchmarks compare them). Unset: the fused path where it runs (linear_cross_entropy._train_path), else by
 # TWO_PASS_MAX_D on CUDA, the one-pass path elsewhere.

@@ -259,29 +259,36 @@ def chunk_rows(n: int, v: int, chunk_bytes: int | None = None) -> tuple[int, int
     return v_pad, max(1, min(n, (chunk_bytes or FUSED_CHUNK_BYTES) // (v_pad * 2)))
 
 
-def layout(n: int, v: int, d: int, need_dw: bool, chunk_bytes: int | None = None) -> tuple[int, int, bool]:
+def layout(n: int, v: int, d: int, need_dw: bool, chunk_bytes: int | None = None,
+           free_bytes: int | None = None) -> tuple[int, int, bool]:
     """(R's padded row length, rows per chunk, direct): ``direct`` when dW is needed and R for all rows plus the two
     rows of the rank-one term fits within the chunked layout's memory (a chunk of R, dW's fp32 accumulator) plus
-    ``DIRECT_DW_EXTRA_BYTES``; then one chunk holds every row and dW is written by one matmul."""
+    ``DIRECT_DW_EXTRA_BYTES`` and, where ``free_bytes`` (CUDA's free memory, ``memory="auto"``) is given, within it
+    with the op's headroom; then one chunk holds every row and dW is written by one matmul."""
+    from .config import MEMORY_HEADROOM
+
     v_pad, rows = chunk_rows(n, v, chunk_bytes)
-    direct = need_dw and (n + 2) * v_pad * 2 <= rows * v_pad * 2 + v * d * 4 + DIRECT_DW_EXTRA_BYTES
+    need = (n + 2) * v_pad * 2
+    direct = (need_dw and need <= rows * v_pad * 2 + v * d * 4 + DIRECT_DW_EXTRA_BYTES
+              and (free_bytes is None or MEMORY_HEADROOM * need <= free_bytes))
     return v_pad, (n if direct else rows), direct
 
 
-def preferred(n: int, v: int, d: int, need_dw: bool) -> bool:
+def preferred(n: int, v: int, d: int, need_dw: bool, free_bytes: int | None = None) -> bool:
     """Whether the fused path is the training path of choice where it can run (``supported``): up to hidden size
     ``config.TWO_PASS_MAX_D`` always; above it where dW is needed and written directly (``layout``). Measured on an
     H100 (docs/how_it_works.md): with chunks and the fp32 accumulator the fused path took the one-pass path's time at
-    D = 2304 and 4096; written directly it is faster. Without dW (a frozen head, LoRA) the one-pass path is kept there."""
+    D = 2304 and 4096, with more memory; written directly it is faster. Without dW (a frozen head, LoRA), or without
+    the free memory for every row's R, the one-pass path is kept there."""
     from .config import TWO_PASS_MAX_D
 
-    return d <= TWO_PASS_MAX_D or layout(n, v, d, need_dw)[2]
+    return d <= TWO_PASS_MAX_D or layout(n, v, d, need_dw, free_bytes=free_bytes)[2]
 
 
-def extra_memory(n: int, v: int, d: int, need_dw: bool = True) -> int:
+def extra_memory(n: int, v: int, d: int, need_dw: bool = True, free_bytes: int | None = None) -> int:
     """Bytes the fused path holds beyond its inputs and outputs, for ``memory="auto"``: R for every row (direct
     layout), or one chunk of R and (dW needed) dW's fp32 accumulator."""
-    v_pad, rows, direct = layout(n, v, d, need_dw)
+    v_pad, rows, direct = layout(n, v, d, need_dw, free_bytes=free_bytes)
     if direct:
         return (n + 2) * v_pad * 2
     return rows * v_pad * 2 + (v * d * 4 if need_dw else 0)
@@ -326,16 +333,17 @@ def _rows_launch(n: int):
 
 
 def triton_fused_pass(hidden, weight, bias, targets, smoothing, scale, config, need_dh=True, need_dw=True,
-                      need_db=True, need_stats=False, chunk_bytes: int | None = None):
+                      need_db=True, need_stats=False, chunk_bytes: int | None = None, free_bytes: int | None = None):
     """Statistics and gradients of ``sum_n scale_n loss_n`` for 2-D bf16 ``hidden`` (N, D) by the fused path (see the
     module docstring; ``supported`` says when it applies). ``targets``: ids, -1 for ignored tokens; ``smoothing`` and
     ``scale``: fp32 per token. Returns ``(lse, zy, sz, argmax, entropy), dh, dw, db`` (dh, dw in the inputs' dtype,
-    db fp32; None where not needed; argmax and entropy zeros unless ``need_stats``)."""
+    db fp32; None where not needed; argmax and entropy zeros unless ``need_stats``). ``free_bytes``: the free memory
+    ``memory="auto"`` measured (the direct layout only if it fits: ``layout``)."""
     n, d = hidden.shape
     v = weight.shape[0]
     dev = hidden.device
     f32 = dict(dtype=torch.float32, device=dev)
-    v_pad, rows, direct = layout(n, v, d, need_dw, chunk_bytes)
+    v_pad, rows, direct = layout(n, v, d, need_dw, chunk_bytes, free_bytes)
     if rows < n and rows > config.block_n:
         rows = rows // config.block_n * config.block_n  # whole row blocks per chunk
     extra = 2 if direct else 0  # the rank-one term's rows (see _direct_dw)

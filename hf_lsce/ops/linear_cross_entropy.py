@@ -204,6 +204,7 @@ class _Options:
     # training: "one-pass" (train_pass), "two-pass" (_two_pass_gradients) or "fused" (fused_pass)
     path: str = "one-pass"
     reduce: bool = False  # the first output is the reduced loss (sum / denom), not per-token losses
+    free_bytes: int | None = None  # CUDA's free memory when memory="auto" resolved (the fused path's layout)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -357,7 +358,8 @@ def _fused_gradients(hidden, weight, bias, targets, smoothing, token_weight, opt
 
     stats, dh, dw, db = triton_fused_pass(hidden, weight, bias, targets, smoothing, token_weight,
                                           forward_config(hidden.dtype, hidden.device), need_dh=need_dh,
-                                          need_dw=need_dw, need_db=need_db, need_stats=opts.need_stats)
+                                          need_dw=need_dw, need_db=need_db, need_stats=opts.need_stats,
+                                          free_bytes=opts.free_bytes)
     return stats, (dh, dw, db)
 
 
@@ -447,13 +449,14 @@ def _use_train_pass(hidden, weight, bias, backend) -> bool:
     return supported(hidden)
 
 
-def _train_path(hidden, weight, softcap, z_loss, filter_eps, accum_dtype) -> str:
+def _train_path(hidden, weight, softcap, z_loss, filter_eps, accum_dtype, free_bytes=None) -> str:
     """The training path. On CUDA the fused path where it can run (bf16, the TMA kernel, no soft-cap, z-loss or
     filtering: ``fused_pass.supported``) and is preferred (``fused_pass.preferred``: up to hidden size
     ``config.TWO_PASS_MAX_D``, and above it where dW is written by one matmul); else, up to that D, the two-pass path
     (with dW accumulated in the weight's dtype: it is written once per row there); above it, and off CUDA, the
-    one-pass path. ``config.TRAIN_PATH`` forces a path where it can run. Measured: see docs/how_it_works.md ("Fused
-    training path")."""
+    one-pass path. ``free_bytes``: CUDA's free memory (``memory="auto"``), which the direct layout must fit.
+    ``config.TRAIN_PATH`` forces a path where it can run. Measured: see docs/how_it_works.md ("Fused training
+    path")."""
     from . import config
     from .fused_pass import preferred
     from .fused_pass import supported as fused_supported
@@ -466,7 +469,7 @@ def _train_path(hidden, weight, softcap, z_loss, filter_eps, accum_dtype) -> str
     if not hidden.is_cuda:
         return "one-pass"
     (n, d), v = hidden.shape, weight.shape[0]
-    if can["fused"] and preferred(n, v, d, weight.requires_grad):
+    if can["fused"] and preferred(n, v, d, weight.requires_grad, free_bytes):
         return "fused"
     if d <= config.TWO_PASS_MAX_D and can["two-pass"]:
         return "two-pass"
@@ -489,17 +492,27 @@ def _validate_options(z_loss, return_lse, memory, accum_dtype, sort_vocab, weigh
         raise ValueError("return_lse, memory='low' and sort_vocab=True are not available with process_group.")
 
 
+def free_cuda_memory(device) -> int:
+    """Bytes new buffers can take on a CUDA device: the driver's free memory plus what torch's caching allocator holds
+    and does not use (a training loop keeps most of its memory reserved between steps)."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
 def training_options(hidden, weight, softcap, backend, z_loss, filter_eps, sort_vocab, memory, accum_dtype,
                      one_pass, need_stats=False, reduce=False) -> _Options:
     """How a call runs, from the validated arguments (``filter_eps`` a number; ``sort_vocab`` resolved): the memory
-    mode (``"auto"`` resolved against CUDA's free memory) and, for training, the fused, two-pass or one-pass path
-    (the one-pass name also where the low-memory mode runs instead)."""
+    mode (``"auto"`` resolved against CUDA's free memory, read once here) and, for training, the fused, two-pass or
+    one-pass path (the one-pass name also where the low-memory mode runs instead)."""
     filter_eps = float(filter_eps)
-    path = _train_path(hidden, weight, softcap, z_loss, filter_eps, accum_dtype) if one_pass else "one-pass"
-    mem = _resolve_memory(memory, one_pass, hidden, weight, accum_dtype, sort_vocab, path)
+    free = None
+    if memory == "auto" and one_pass and hidden.device.type == "cuda":
+        free = free_cuda_memory(hidden.device)
+    path = _train_path(hidden, weight, softcap, z_loss, filter_eps, accum_dtype, free) if one_pass else "one-pass"
+    mem = _resolve_memory(memory, one_pass, hidden, weight, accum_dtype, sort_vocab, path, free)
     return _Options(softcap=softcap, backend=backend, filter_eps=filter_eps if mem != "low" else 0.0,
                     sort_vocab=sort_vocab and mem != "low", z_loss=float(z_loss), memory=mem, accum_dtype=accum_dtype,
-                    need_stats=need_stats, path=path if mem == "fast" else "one-pass", reduce=reduce)
+                    need_stats=need_stats, path=path if mem == "fast" else "one-pass", reduce=reduce, free_bytes=free)
 
 
 # Functions called with the smoothing factor (a float; None when per-token) by every call of the op that trains
@@ -519,26 +532,28 @@ def notify_training_call(label_smoothing) -> None:
         fn(label_smoothing)
 
 
-def _resolve_memory(memory, one_pass, hidden, weight, accum_dtype, sort, path="one-pass") -> str:
-    """'auto': the low-memory path when CUDA's free memory cannot hold the fast path's buffers."""
+def _resolve_memory(memory, one_pass, hidden, weight, accum_dtype, sort, path="one-pass", free=None) -> str:
+    """'auto': the low-memory path when CUDA's free memory (``free``, read by ``training_options``) cannot hold the
+    fast path's buffers."""
     if memory != "auto":
         return memory
     if not one_pass or hidden.device.type != "cuda":
         return "fast"
-    from .config import TRAIN_CHUNK_BYTES
+    from .config import MEMORY_HEADROOM, TRAIN_CHUNK_BYTES
     from .fused_pass import extra_memory
 
     n, (v, d) = hidden.shape[0], weight.shape
-    if path == "fused":  # R (every row, or a chunk and dW's fp32 accumulator)
-        need = extra_memory(n, v, d, weight.requires_grad)
+    if path == "fused":  # R (every row, if it fits; else a chunk and dW's fp32 accumulator)
+        need = extra_memory(n, v, d, weight.requires_grad, free)
     else:
         need = min(n, max(1, TRAIN_CHUNK_BYTES // (v * 4))) * v * 4  # one chunk of fp32 logits
     if sort:
         need += v * d * weight.element_size()  # the sorted copy of W
     if accum_dtype == torch.float32 and weight.dtype != torch.float32 and path != "fused":
         need += v * d * 4
-    free, _ = torch.cuda.mem_get_info(hidden.device)
-    return "low" if free < 1.25 * need else "fast"
+    if free is None:
+        free = free_cuda_memory(hidden.device)
+    return "low" if free < MEMORY_HEADROOM * need else "fast"
 
 
 def linear_cross_entropy(
