@@ -618,11 +618,14 @@ def linear_cross_entropy(
             ``lse_square_scale``), with its gradient ``2 lam lse p``.
         return_lse: also return the per-token log-sum-exp (shape of targets, fp32), differentiable: a loss
             built on it back-propagates (through the recomputing backward).
-        memory: ``"fast"`` (the one-pass path: a chunk of up to 2 GiB of fp32 logits), ``"low"`` (the
-            statistics first, then vocabulary chunks of 32 MiB with an fp32 dh accumulator: about ``4 N D``
-            bytes plus 32 MiB of extra memory, 1% of a materialising torch.compile loss at the Gemma2-2B shape,
-            at the cost of one more logits matmul), ``"auto"``: ``"low"`` when CUDA's free memory cannot hold
-            the fast path's buffers.
+        memory: ``"fast"`` (the fastest training path's buffers: the fused path's bf16 ``exp(z - c)`` for every
+            row where that costs at most 1 GiB more than 1 GiB chunks and dW's fp32 accumulator (4.2 GB at the
+            Gemma2-2B shape, N = 8192), else those chunks; the one-pass path's chunk of up to 2 GiB of fp32 logits),
+            ``"low"`` (the statistics first, then vocabulary chunks of 32 MiB with an fp32 dh accumulator: about
+            ``4 N D`` bytes plus 32 MiB of extra memory, 1% of a materialising torch.compile loss at the Gemma2-2B
+            shape, at the cost of one more logits matmul), ``"auto"``: as ``"fast"``, with the fused path's
+            every-row buffer only where 1.25 x it fits CUDA's free memory, and ``"low"`` when the free memory cannot
+            hold the fast path's buffers.
         accum_dtype: dtype of dW's accumulation across the training path's row chunks (``torch.float32``: an
             fp32 buffer of V x D, cast once at the end; default: the weight's dtype, one rounding per chunk).
         sort_vocab: with filtering, sort the vocabulary by mean logit first (tokens likely everywhere share
