@@ -14,7 +14,7 @@ from __future__ import annotations
 import inspect
 import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -94,6 +94,11 @@ ENGAGEMENT = Engagement()
 observe_training_calls(ENGAGEMENT.record_fused)
 
 
+# The outputs' cache field: ``past_key_values`` until transformers 5.24 renamed it ``cache`` (the old keyword then warns,
+# and a ModelOutput subclass that still declares it fails at construction, where the keyword is renamed).
+CACHE_FIELD = "cache" if "cache" in {f.name for f in fields(CausalLMOutputWithPast)} else "past_key_values"
+
+
 @dataclass
 class FusedCausalLMOutput(ModelOutput):
     """What TRL reads from ``model(..., fused_lm_head=True)``. Per-token fields are zero where the
@@ -106,7 +111,10 @@ class FusedCausalLMOutput(ModelOutput):
     is_top1: torch.Tensor | None = None
     label_mask: torch.Tensor | None = None
     aux_loss: torch.Tensor | None = None
-    past_key_values: Any = None
+    if CACHE_FIELD == "cache":
+        cache: Any = None
+    else:
+        past_key_values: Any = None
     hidden_states: Any = None
     attentions: Any = None
 
@@ -237,8 +245,9 @@ def lsce_forward(self, *args, **kwargs):
     # the op records the engagement itself (ENGAGEMENT observes its training calls), also from a compiled graph
     result = call_head(head, head_loss, backbone_out.last_hidden_state, targets)
     if not fused_lm_head:
-        out = CausalLMOutputWithPast(loss=result, logits=None, past_key_values=backbone_out.past_key_values,
-                                     hidden_states=backbone_out.hidden_states, attentions=backbone_out.attentions)
+        out = CausalLMOutputWithPast(loss=result, logits=None, hidden_states=backbone_out.hidden_states,
+                                     attentions=backbone_out.attentions,
+                                     **{CACHE_FIELD: getattr(backbone_out, CACHE_FIELD)})
         return keep_fused_outputs(self, out if return_dict is not False else out.to_tuple())
     tok, stats = result
     targets = targets.to(tok.device)
@@ -250,7 +259,7 @@ def lsce_forward(self, *args, **kwargs):
     return keep_fused_outputs(self, FusedCausalLMOutput(
         loss=loss, log_probs=-tok[cut], entropy=stats.entropy[cut] * mask, label_mask=mask,
         is_top1=(stats.argmax[cut] == nxt) & mask,
-        past_key_values=None, hidden_states=backbone_out.hidden_states, attentions=backbone_out.attentions))
+        hidden_states=backbone_out.hidden_states, attentions=backbone_out.attentions))
 
 
 def call_head(head: torch.nn.Module, fn, hidden: torch.Tensor, targets: torch.Tensor):
