@@ -65,12 +65,16 @@ def trace(name):
             linear_cross_entropy(h, w, y, label_smoothing=0.1).backward()
         print(f"{name} {path}: fwd+bwd {timed(step):.2f} ms", flush=True)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+                                                torch.profiler.ProfilerActivity.CUDA], record_shapes=True) as prof:
             for _ in range(3):
                 step()
             torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60),
               flush=True)
+        # the host side: ops by their own CPU time, per input shape (the GPU runs behind the host at small shapes)
+        print(prof.key_averages(group_by_input_shape=True).table(
+            sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=40, max_shapes_column_width=60),
+            flush=True)
     config.TRAIN_PATH = None
 
 
@@ -84,7 +88,7 @@ def main():
     out = os.environ.get("OUT", "gpu_out")
     os.makedirs(out, exist_ok=True)
     rows = []
-    for name in args.shapes.split(","):
+    for name in filter(None, args.shapes.split(",")):
         n, d, v = SHAPES[name]
         h, w, y, sm, sc, cfg = pass_inputs(name)
         row = dict(shape=name, N=n, D=d, V=v)
