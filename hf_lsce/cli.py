@@ -219,7 +219,7 @@ def _cmd_train_ats(args) -> int:
                 n.startswith("checkpoint-") for n in os.listdir(args.output_dir)):
             raise OutputFolderError(f"--resume: {args.output_dir} holds no `hf-lsce train-ats` checkpoint to continue; "
                                     "start a new run without --resume")
-    if os.path.isdir(args.output_dir) and any(os.scandir(args.output_dir)) and not (args.overwrite or args.resume):
+    if os.path.isdir(args.output_dir) and os.listdir(args.output_dir) and not (args.overwrite or args.resume):
         info = read_marker(args.output_dir)
         raise OutputFolderError(f"{args.output_dir} already holds " + (
             "files hf_lsce did not write" if info is None else f"an earlier `hf-lsce {info.get('command')}` run") +
