@@ -6,6 +6,7 @@
    ``torch.cuda.set_sync_debug_mode("error")``, which raises on any synchronising call.
 3. The asynchronous target check on CUDA: a bad target gives a NaN loss and no gradient, the next call raises the
    ValueError, and the call after that is exact.
+4. ``memory="auto"``'s free-memory reading equals the driver's free memory plus torch's reserved-but-unallocated bytes.
 
     python benchmarks/check_v2_gpu.py
 """
@@ -120,6 +121,19 @@ def main():
     checks.raise_pending_errors()
     row = dict(check="async targets", nan_loss=nan_loss, zero_grad=zero_grad, next_call_raised=raised,
                call_after_is_finite=ok_after)
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+
+    # memory="auto"'s free-memory reading against torch's public counters (with a cached, unused block)
+    from hf_lsce.ops.linear_cross_entropy import free_cuda_memory
+
+    del loss
+    torch.cuda.synchronize()
+    free, _ = torch.cuda.mem_get_info()
+    expect = free + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    got = free_cuda_memory(h.device)
+    row = dict(check="free_cuda_memory", bytes=got, expected=expect, unused_cache=torch.cuda.memory_reserved()
+               - torch.cuda.memory_allocated(), equal=got == expect)
     rows.append(row)
     print(json.dumps(row), flush=True)
     with open(os.path.join(out_dir, "check_v2_gpu.json"), "w") as f:
