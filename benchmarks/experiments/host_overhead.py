@@ -76,32 +76,45 @@ def loss_only(device, b, iters):
     return {"hf": per_iter_ms(hf, device, iters), "hf_lsce": per_iter_ms(ours, device, iters)}
 
 
-def profile_op(device, iters):
-    """cProfile of the op's forward+backward loop (host side; the GPU runs behind it), top functions by own time
-    and by cumulative time."""
+def profile_op(device, iters, n=256, paths=(None,)):
+    """cProfile of the op's forward+backward calls (host side), top functions by own time and by cumulative time, at
+    ``n`` tokens, for each training path in ``paths`` (None: the default's choice). Each call starts with the GPU
+    idle (a synchronisation outside the profiled span), so the host's queueing cost is measured per call (printed:
+    the median) and a host call that waits on the GPU shows as a large own time."""
     import cProfile
     import io
     import pstats
 
+    import hf_lsce.ops.config as config
     from hf_lsce import linear_cross_entropy
 
-    h, w, y = _head_inputs(device)
-    for b in (0.0, 0.1):
-        def ours():
-            linear_cross_entropy(h, w, y, label_smoothing=b, shift=True).backward()
-        for _ in range(10):
-            ours()
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(iters):
-            ours()
-        prof.disable()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        for key in ("tottime", "cumulative"):
-            buf = io.StringIO()
-            pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(35)
-            print(f"--- b = {b}, by {key}, {iters} calls\n" + buf.getvalue().split("\n", 6)[-1], flush=True)
+    h, w, y = _head_inputs(device, n=n)
+    for path in paths:
+        config.TRAIN_PATH = path
+        for b in (0.0, 0.1):
+            def ours():
+                linear_cross_entropy(h, w, y, label_smoothing=b, shift=True).backward()
+            for _ in range(10):
+                ours()
+            sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+            prof = cProfile.Profile()
+            host = []
+            for _ in range(iters):
+                sync()
+                prof.enable()
+                t0 = time.perf_counter()
+                ours()
+                host.append((time.perf_counter() - t0) * 1e3)
+                prof.disable()
+            sync()
+            print(f"=== {n} tokens, path {path or 'default'}, b = {b}: host ms per call from an idle GPU, median "
+                  f"{statistics.median(host):.3f} (min {min(host):.3f}, max {max(host):.3f})", flush=True)
+            for key in ("tottime", "cumulative"):
+                buf = io.StringIO()
+                pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(25 if key == "tottime" else 35)
+                print(f"--- {n} tokens, path {path or 'default'}, b = {b}, by {key}, {iters} calls\n"
+                      + buf.getvalue().split("\n", 6)[-1], flush=True)
+    config.TRAIN_PATH = None
 
 
 def whole_step(device, b, iters):
@@ -142,7 +155,14 @@ def main():
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--cprofile", action="store_true",
                     help="also: where the op's host time goes (cProfile over its loss-only loop, top functions)")
+    ap.add_argument("--cprofile-only", action="store_true", help="only the cProfile listing")
+    ap.add_argument("--tokens", type=int, default=256, help="tokens of the cProfile'd loop")
+    ap.add_argument("--paths", default="", help="training paths to force in the cProfile'd loop, comma-separated "
+                    "(fused, two-pass, one-pass; default: the op's own choice)")
     args = ap.parse_args()
+    if args.cprofile_only:
+        profile_op(args.device, args.iters, args.tokens, [p or None for p in args.paths.split(",")])
+        return
     rows = []
     for what, fn in (("loss only (N = 256, D = 576, V = 49,152)", loss_only),
                      ("one-layer SmolLM2 step (1 x 256, bf16 autocast)", whole_step)):
@@ -151,7 +171,7 @@ def main():
             rows.append(dict(what=what, b=b, **r))
             print(json.dumps(rows[-1]), flush=True)
     if args.cprofile:
-        profile_op(args.device, args.iters)
+        profile_op(args.device, args.iters, args.tokens, [p or None for p in args.paths.split(",")])
     lines = ["| what | b | HF, ms/iter (host) | hf_lsce | difference |", "|---|---|---|---|---|"]
     lines += [f"| {r['what']} | {r['b']} | {r['hf']:.3f} | {r['hf_lsce']:.3f} | {r['hf_lsce'] - r['hf']:+.3f} |"
               for r in rows]
