@@ -130,10 +130,10 @@ def main():
     del loss
     torch.cuda.synchronize()
     free, _ = torch.cuda.mem_get_info()
-    expect = free + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    unused = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
     got = free_cuda_memory(h.device)
-    row = dict(check="free_cuda_memory", bytes=got, expected=expect, unused_cache=torch.cuda.memory_reserved()
-               - torch.cuda.memory_allocated(), equal=got == expect)
+    row = dict(check="free_cuda_memory", bytes=got, expected=free + unused, unused_cache=unused,
+               equal=got == free + unused)
     rows.append(row)
     print(json.dumps(row), flush=True)
     with open(os.path.join(out_dir, "check_v2_gpu.json"), "w") as f:

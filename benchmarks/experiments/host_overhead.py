@@ -89,6 +89,7 @@ def profile_op(device, iters, n=256, paths=(None,)):
     from hf_lsce import linear_cross_entropy
 
     h, w, y = _head_inputs(device, n=n)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     for path in paths:
         config.TRAIN_PATH = path
         for b in (0.0, 0.1):
@@ -96,7 +97,6 @@ def profile_op(device, iters, n=256, paths=(None,)):
                 linear_cross_entropy(h, w, y, label_smoothing=b, shift=True).backward()
             for _ in range(10):
                 ours()
-            sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
             prof = cProfile.Profile()
             host = []
             for _ in range(iters):
@@ -160,8 +160,9 @@ def main():
     ap.add_argument("--paths", default="", help="training paths to force in the cProfile'd loop, comma-separated "
                     "(fused, two-pass, one-pass; default: the op's own choice)")
     args = ap.parse_args()
+    paths = [p or None for p in args.paths.split(",")]
     if args.cprofile_only:
-        profile_op(args.device, args.iters, args.tokens, [p or None for p in args.paths.split(",")])
+        profile_op(args.device, args.iters, args.tokens, paths)
         return
     rows = []
     for what, fn in (("loss only (N = 256, D = 576, V = 49,152)", loss_only),
@@ -171,7 +172,7 @@ def main():
             rows.append(dict(what=what, b=b, **r))
             print(json.dumps(rows[-1]), flush=True)
     if args.cprofile:
-        profile_op(args.device, args.iters, args.tokens, [p or None for p in args.paths.split(",")])
+        profile_op(args.device, args.iters, args.tokens, paths)
     lines = ["| what | b | HF, ms/iter (host) | hf_lsce | difference |", "|---|---|---|---|---|"]
     lines += [f"| {r['what']} | {r['b']} | {r['hf']:.3f} | {r['hf_lsce']:.3f} | {r['hf_lsce'] - r['hf']:+.3f} |"
               for r in rows]
