@@ -271,3 +271,25 @@ def test_train_ats_with_trainer_checkpoints_and_cli(shared_data, tmp_path):
     assert main(["eval", "--model", str(tmp_path / "cli"), "--tasks", "arc_easy", "--data-dir", shared_data,
                  "--limit", "3", "--output-dir", str(tmp_path / "ev"), "--dtype", "fp32", "--device", "cpu"]) == 0
     assert json.loads((tmp_path / "ev" / "calibration.json").read_text())["tasks"]["arc_easy"]["n"] == 3
+
+
+@pytest.mark.parametrize("family", ["cohere", "granite"])
+def test_a_base_that_scales_its_logits_is_calibrated_from_its_own_logits(family):
+    """Cohere multiplies its logits by logit_scale, Granite divides them by logits_scaling: ATS scales the base's own
+    logits (temperature 1 gives them back exactly), and the fused loss equals the materialised one."""
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from tiny_models import tiny_model
+
+    base = tiny_model(family).eval()
+    cal = ATSCalibrator.from_base(base, head_type="scalar").eval()
+    ids = torch.randint(3, base.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(cal(ids).logits, base(ids).logits.float(), rtol=1e-5, atol=1e-6)
+        cal.head.log_scale.fill_(0.7)  # temperature 1 / e^0.7
+        assert torch.allclose(cal(ids).logits, base(ids).logits.float() * math.exp(0.7), rtol=1e-5, atol=1e-5)
+    cal.train()
+    fused = cal(ids, labels=ids).loss
+    cal.loss_path = "materialise"
+    assert float(cal(ids, labels=ids).loss) == pytest.approx(float(fused), rel=1e-5)

@@ -206,7 +206,7 @@ def _tiny():
     (lambda m: apply_lsce_patch(m, filter_eps=-1.0), ValueError, "filter_eps must be 'auto' or a finite number"),
     (lambda m: apply_lsce_patch(m, filter_eps="on"), ValueError, "filter_eps"),
     (lambda m: apply_lsce_patch(model_type=3), TypeError, "model_type must be a string"),
-    (lambda m: apply_lsce_patch(model_type="gpt2"), ValueError, "not supported"),
+    (lambda m: apply_lsce_patch(model_type="gpt2"), ValueError, "not in hf_lsce.s table of families"),
     (lambda m: apply_lsce_patch(m, model_type="gemma"), ValueError, "does not match"),
 ])
 def test_patch_rejects_bad_arguments(call, exc, match):

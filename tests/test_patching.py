@@ -10,27 +10,13 @@ from transformers.trainer_pt_utils import LabelSmoother
 from hf_lsce import apply_lsce_patch, is_patched, revert_lsce_patch
 from hf_lsce.ops import reference
 
-V = 101
-COMMON = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
-FAMILIES = {
-    "llama": {},
-    "mistral": {},
-    "gemma": {},
-    "gemma2": dict(final_logit_softcapping=1.5),  # small cap so it matters at tiny scale
-    "gemma3_text": dict(final_logit_softcapping=2.0),
-    "qwen2": {},
-    "qwen3": {},
-}
+from tiny_models import COMMON, FAMILIES, V, tiny_model
 
 
 def tiny(model_type, seed=0, **over):
-    cfg = AutoConfig.for_model(model_type, **{**COMMON, **FAMILIES.get(model_type, {}), **over})
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg).float()
-    with torch.no_grad():  # tiny random heads give near-uniform softmax; sharpen so the test means something
-        model.get_output_embeddings().weight.mul_(8.0)
-    return model
+    """A tiny model of the family with its quirk settings (tiny_models.FAMILIES), head sharpened x 8: tiny random
+    heads give a near-uniform softmax, where smoothing would change little."""
+    return tiny_model(model_type, seed=seed, **over)
 
 
 def batch(bsz=3, t=11, seed=0, ignore=True):
@@ -58,16 +44,24 @@ def rel(a, b):
 
 
 def unpatched_loss(model, ids, labels, b, **kw):
+    """Stock smoothing of the unpatched model's logits (HF's LabelSmoother), plus, for a mixture of experts with its
+    router's logits on, the auxiliary term the model's own forward adds to its loss when given labels."""
     out = model(input_ids=ids, **kw)
     if b == 0:
-        return torch.nn.functional.cross_entropy(
+        loss = torch.nn.functional.cross_entropy(
             out.logits[:, :-1].reshape(-1, V).float(), labels[:, 1:].reshape(-1), ignore_index=-100)
-    return LabelSmoother(epsilon=b)(out, labels, shift_labels=True)
+    else:
+        loss = LabelSmoother(epsilon=b)(out, labels, shift_labels=True)
+    if getattr(out, "aux_loss", None) is not None:
+        loss = loss + model.router_aux_loss_coef * out.aux_loss
+    return loss
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("b", [0.0, 0.1])
 def test_patched_equals_unpatched_labelsmoother(family, b):
+    """Every family of the table, its quirk exercised (soft-cap, logit scale, router loss): the patched loss and
+    every gradient equal stock smoothing of the unpatched model's fp32 logits (+ the router's term)."""
     ref_model = tiny(family)
     model = copy.deepcopy(ref_model)
     apply_lsce_patch(model, label_smoothing=b)
@@ -86,6 +80,9 @@ def test_patched_equals_unpatched_labelsmoother(family, b):
     if b == 0:  # and HF's own loss
         hf = ref_model(input_ids=ids, labels=labels).loss
         assert rel(out.loss.detach(), hf.detach()) < 1e-5
+    if FAMILIES[family].get("output_router_logits"):  # the router's term is there, and large enough to be missed
+        assert out.aux_loss is not None and torch.equal(out.aux_loss, ref_model(input_ids=ids).aux_loss)
+        assert float(model.router_aux_loss_coef * out.aux_loss.detach()) > 1e-3 * float(ref.detach())
 
 
 def test_packed_padding_free_batch_and_shift_labels():
@@ -196,14 +193,12 @@ def test_revert_and_class_patch_and_twice(tmp_path):
 
 
 def test_unsupported_models_fail_closed():
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    with pytest.raises(ValueError, match="supports: llama"):
-        apply_lsce_patch(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50)))
     with pytest.raises(ValueError, match="pretraining_tp"):
         apply_lsce_patch(tiny("llama", pretraining_tp=2))
-    with pytest.raises(ValueError, match="not supported"):
-        apply_lsce_patch(model_type="gpt2")
+    with pytest.raises(ValueError, match=r"patch the loaded model instead \(apply_lsce_patch\(model\)\)"):
+        apply_lsce_patch(model_type="gpt2")  # a class patch needs the table; an instance is verified
+    with pytest.raises(ValueError, match="config.output_multiplier=2.0 scales the logits"):
+        apply_lsce_patch(tiny("llama", output_multiplier=2.0))  # a scaling attribute the family's entry does not name
     with pytest.raises(ValueError, match="label_smoothing"):
         apply_lsce_patch(tiny("llama"), label_smoothing=2.0)
     m = tiny("llama")
@@ -219,6 +214,108 @@ def test_unsupported_models_fail_closed():
     ids, labels = batch()
     with pytest.raises(ValueError, match="pretraining_tp"):
         bad(input_ids=ids, labels=labels)
+
+
+# ----------------------------------------------------------------- families outside the table
+def _gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=V, n_positions=64, resid_pdrop=0.0,
+                                       embd_pdrop=0.0, attn_pdrop=0.0)).float()  # no dropout: comparable runs
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)  # tied to the input embedding: both sharpened
+    return model
+
+
+def _without_table_entry(monkeypatch, family):
+    from hf_lsce.patching import models
+
+    monkeypatch.setattr(models, "MODEL_TABLE", {k: v for k, v in models.MODEL_TABLE.items() if k != family})
+
+
+@pytest.mark.parametrize("case", ["gpt2", "phi3", "starcoder2"])
+def test_family_outside_the_table_is_verified_on_the_model_then_exact(case, monkeypatch):
+    """GPT-2 (backbone .transformer, a tied head) is in no table; phi3 and starcoder2 with their entries removed stand
+    for any family a newer transformers adds. apply_lsce_patch(model) runs the check, then the loss and every
+    gradient equal stock smoothing, and the check left the model as it found it."""
+    if case == "gpt2":
+        ref_model = _gpt2()
+    else:
+        ref_model = tiny(case)
+        _without_table_entry(monkeypatch, case)
+    model = copy.deepcopy(ref_model).train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    apply_lsce_patch(model, label_smoothing=0.1)
+    assert model._lsce_generic_spec.generic and model.training
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert not any(m._forward_hooks for m in model.modules()) and all(p.grad is None for p in model.parameters())
+    ids, labels = batch()
+    ref_model.train()
+    ref = unpatched_loss(ref_model, ids, labels, 0.1)
+    ref.backward()
+    out = model(input_ids=ids, labels=labels)
+    out.loss.backward()
+    assert out.logits is None and rel(out.loss.detach(), ref.detach()) < 1e-5
+    rg, g = grads(ref_model), grads(model)
+    assert rg.keys() == g.keys() and all(rel(g[n], rg[n]) < 1e-4 for n in rg)
+    revert_lsce_patch(model)
+    assert "_lsce_generic_spec" not in model.__dict__
+
+
+def _odd_llama(transform):
+    """A causal LM outside the table whose forward does something to its logits or loss that the table does not
+    know, by a factor so close to 1 that only an exact check sees it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    class OddConfig(LlamaConfig):
+        model_type = "odd_llama"
+
+    class OddForCausalLM(LlamaForCausalLM):
+        config_class = OddConfig
+
+        def forward(self, input_ids=None, labels=None, **kwargs):
+            hidden = self.model(input_ids=input_ids, **kwargs).last_hidden_state
+            if transform == "before_head":
+                hidden = hidden * 1.0001
+            logits = self.lm_head(hidden)
+            if transform == "scale":
+                logits = logits * 1.0001
+            elif transform == "softcap":  # a cap far above these logits: changes them by ~1e-7 relative
+                logits = 1000.0 * torch.tanh(logits / 1000.0)
+            loss = None
+            if labels is not None:
+                loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size)
+                if transform == "z_loss":
+                    loss = loss + 1e-4 * torch.logsumexp(logits.float(), -1).pow(2).mean()
+            return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+    torch.manual_seed(0)
+    return OddForCausalLM(OddConfig(**tiny("llama").config.to_diff_dict()))
+
+
+@pytest.mark.parametrize("transform,why", [
+    ("scale", "not the lm_head's output"), ("softcap", "not the lm_head's output"),
+    ("before_head", "input is not the backbone's last hidden state"),
+    ("z_loss", "not the shifted cross-entropy of its logits"), ("none", None)])
+def test_unknown_logit_transform_fails_the_check(transform, why):
+    """Each transform the table does not know is refused with the reason, however small; the same class without
+    one passes (so the refusals are the transforms', not the subclass's)."""
+    model = _odd_llama(transform)
+    if why is None:
+        assert apply_lsce_patch(model)._lsce_generic_spec.classes == ("OddForCausalLM",)
+        return
+    with pytest.raises(ValueError, match=why):
+        apply_lsce_patch(model)
+    assert not is_patched(model)
+
+
+def test_moe_outside_the_table_with_its_router_loss_is_refused(monkeypatch):
+    _without_table_entry(monkeypatch, "mixtral")
+    with pytest.raises(ValueError, match="auxiliary"):
+        apply_lsce_patch(tiny("mixtral"))
+    apply_lsce_patch(tiny("mixtral", output_router_logits=False))  # its loss is then the plain cross-entropy
 
 
 # ----------------------------------------------------------------- Trainer

@@ -21,7 +21,7 @@ from transformers.trainer_pt_utils import LabelSmoother
 from hf_lsce import apply_lsce_patch, revert_lsce_patch
 from hf_lsce.patching import ENGAGEMENT
 from hf_lsce.patching.trainer import LsceNotEngagedError
-from tiny_models import TokenRows, prompt_completion_rows, tiny_model, word_tokenizer
+from tiny_models import FAMILIES, TokenRows, prompt_completion_rows, tiny_model, word_tokenizer
 
 B = 0.1
 STEPS = 2
@@ -86,24 +86,24 @@ def precise_head(model):
     return model
 
 
-def run(kind, precision, ga, patch, out, b=B, precise=False):
-    """Train STEPS steps; returns (losses, updates, lm_head calls, fused calls, trainer)."""
-    base = tiny_model("llama")
+def run(kind, precision, ga, patch, out, b=B, precise=False, family="llama", args_over=None):
+    """Train STEPS steps of a tiny ``family`` model; returns (losses, updates, lm_head calls, fused calls, trainer)."""
+    base = tiny_model(family)
     if precise:
         precise_head(base)
     init = {k: v.clone() for k, v in base.state_dict().items()}
     if patch == "class":
         apply_lsce_patch()
-        model = tiny_model("llama")  # built after the class patch, as from_pretrained would
+        model = tiny_model(family)  # built after the class patch, as from_pretrained would
         model.load_state_dict(init)
     else:
         model = base
         if patch == "instance":
             apply_lsce_patch(model)
     calls = []
-    model.lm_head.register_forward_hook(lambda *a: calls.append(1))
+    model.get_output_embeddings().register_forward_hook(lambda *a: calls.append(1))
     fused_before = ENGAGEMENT.fused_calls
-    trainer = make_trainer(kind, model, out, precision, ga, b)
+    trainer = make_trainer(kind, model, out, precision, ga, b, args_over=dict(args_over or {}))
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     updates = {k: (v - init[k]) for k, v in model.state_dict().items()}
@@ -113,6 +113,16 @@ def run(kind, precision, ga, patch, out, b=B, precise=False):
 @functools.lru_cache(maxsize=None)
 def stock(kind, precision, ga, out, precise=False):
     return run(kind, precision, ga, None, out, precise=precise)[:3]
+
+
+def assert_same_run(losses, updates, ref_losses, ref_updates, tol):
+    """Every logged loss and every weight's update within ``tol`` of the reference run's."""
+    assert len(losses) == len(ref_losses) == STEPS
+    for a, r in zip(losses, ref_losses):
+        assert abs(a - r) / r < tol["loss"], (losses, ref_losses)
+    for name, r in ref_updates.items():
+        if r.float().norm() > 0:
+            assert rel(updates[name].float(), r.float()) < tol["update"], name
 
 
 def rel(a, b):
@@ -155,15 +165,66 @@ def test_patched_training_equals_stock_smoothing(kind, precision, patch, ga, tmp
     if precision == "bf16":  # and within stock bf16's own error of what users get today
         checks.append((*stock(kind, precision, ga, str(tmp_path_factory.mktemp("stock16")))[:2], TOL_STOCK_BF16))
     for r_losses, r_updates, tol in checks:
-        assert len(losses) == len(r_losses) == STEPS
-        for a, r in zip(losses, r_losses):
-            assert abs(a - r) / r < tol["loss"], (losses, r_losses)
-        for name, r in r_updates.items():
-            if r.float().norm() > 0:
-                assert rel(updates[name].float(), r.float()) < tol["update"], name
+        assert_same_run(losses, updates, r_losses, r_updates, tol)
     if kind == "sft":
         logs = [h for h in trainer.state.log_history if "loss" in h]
         assert all("entropy" in h and "mean_token_accuracy" in h for h in logs)
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "llama"])  # llama: the matrix above
+def test_every_family_trains_fused_under_the_bf16_trainer(family, tmp_path):
+    """The Trainer's own bf16 flag and label_smoothing_factor, two steps of each family in the table, the model
+    built after the class patch (as `hf-lsce run` does): the head never returns logits, one fused call per step
+    with the b asked for, and the logged losses equal the same patched run in fp32 to bf16's rounding (so the
+    quirk survives autocast)."""
+    losses, _, calls, fused, trainer = run("trainer", "bf16", 1, "class", tmp_path / "bf16", family=family)
+    assert calls == 0, "the lm_head ran: logits were built"
+    assert fused == STEPS and ENGAGEMENT.smoothing == [B] and trainer.label_smoother is None
+    ref = run("trainer", "fp32", 1, "instance", tmp_path / "fp32", family=family)[0]
+    assert all(abs(a - r) / r < 2e-2 for a, r in zip(losses, ref)), (losses, ref)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "granite"])
+def test_moe_and_scaled_logits_through_sft_trainer_like_stock_trl(family, tmp_path):
+    """A mixture of experts and a family that scales its logits, through TRL's SFTTrainer, patched against stock TRL:
+    at b = 0.1 (router loss off: stock TRL's smoothing drops it, see the next test), and for the MoE at b = 0 with
+    the router loss on, where stock TRL adds coef * aux_loss from the model's outputs and so must the patch's."""
+    cases = [(B, dict(router_aux_loss_coef=0.0) if family == "qwen3_moe" else {})]
+    if family == "qwen3_moe":
+        cases.append((0.0, {}))
+    for b, over in cases:
+        ref_losses, ref_updates, ref_calls, _, _ = run("sft", "fp32", 1, None, tmp_path / f"stock{b}", b=b,
+                                                        family=family, args_over=over)
+        losses, updates, calls, fused, trainer = run("sft", "fp32", 1, "instance", tmp_path / f"ours{b}", b=b,
+                                                     family=family, args_over=over)
+        assert (ref_calls > 0 or b == 0) and calls == 0 and fused == STEPS  # stock TRL at b = 0: its own fused head
+        assert_same_run(losses, updates, ref_losses, ref_updates, TOL)
+        aux = [h.get("aux_loss") for h in trainer.state.log_history if "loss" in h]
+        assert all(a is not None and a > 0 for a in aux) == (family == "qwen3_moe" and b == 0.0)
+
+
+def test_stock_trainer_smoothing_drops_the_router_loss_the_patch_keeps(tmp_path):
+    """What stock label_smoothing_factor does with a mixture of experts' router loss: the Trainer pops the labels, the
+    model returns no loss, and the LabelSmoother scores the logits alone, so coef * aux_loss is not in the loss.
+    The patched model's loss is the model's own (smoothed cross-entropy + coef * aux_loss, as without smoothing)."""
+    from transformers import Trainer
+
+    model = tiny_model("mixtral")
+    rows = TokenRows(ROWS).rows[:8]
+    batch = {"input_ids": torch.stack([r["input_ids"] for r in rows]), "labels": torch.stack([r["labels"] for r in rows])}
+    model.train()
+    with torch.no_grad():
+        out = model(input_ids=batch["input_ids"])
+        smoothed = float(LabelSmoother(B)(out, batch["labels"], shift_labels=True))
+        term = float(model.router_aux_loss_coef * out.aux_loss)
+    trainer = make_trainer("trainer", model, tmp_path / "stock")
+    with torch.no_grad():
+        stock_loss = float(Trainer.compute_loss(trainer, model, dict(batch)))
+        apply_lsce_patch(model)
+        ours = float(trainer.compute_loss(model, dict(batch), num_items_in_batch=(batch["labels"][:, 1:] != -100).sum()))
+    assert term > 100 * 1e-5 * smoothed  # the term is far above the tolerance
+    assert abs(stock_loss - smoothed) < 1e-5 * smoothed  # stock: the term is dropped
+    assert abs(ours - (smoothed + term)) < 1e-5 * smoothed  # the patch: kept
 
 
 def test_sft_smoothing_from_apply_lsce_patch_without_the_deprecated_flag(tmp_path, caplog):

@@ -13,15 +13,29 @@ import torch
 V = 101
 COMMON = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
+# Every family of hf_lsce's table, with the settings that exercise its quirk at tiny scale: small soft-caps (so that
+# they matter), logit scales other than 1, and for mixtures of experts few experts, the router's logits on and a
+# large auxiliary coefficient (so that a dropped term would show).
+MOE = dict(num_experts=4, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+           output_router_logits=True, router_aux_loss_coef=0.5)
+FAMILIES = {
+    "llama": {}, "mistral": {}, "gemma": {},
+    "gemma2": dict(final_logit_softcapping=1.5), "gemma3_text": dict(final_logit_softcapping=2.0),
+    "qwen2": {}, "qwen3": {}, "phi3": {}, "smollm3": {}, "olmo2": {}, "olmo3": {}, "glm4": {}, "starcoder2": {},
+    "granite": dict(logits_scaling=4.0), "cohere": dict(logit_scale=0.25), "cohere2": dict(logit_scale=0.25),
+    "llama4_text": {},
+    "mixtral": MOE, "qwen2_moe": MOE, "qwen3_moe": MOE, "olmoe": MOE, "gpt_oss": MOE,
+}
 SPECIAL = ["<pad>", "<eos>", "<unk>"]
 WORDS = [f"w{i}" for i in range(V - len(SPECIAL))]
 
 
 def tiny_config(model_type: str = "llama", **over):
+    """A tiny configuration of ``model_type`` with its family's quirk settings (``FAMILIES``), then ``over``."""
     from transformers import AutoConfig
 
     return AutoConfig.for_model(model_type, **{**COMMON, "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": None,
-                                               **over})
+                                               **FAMILIES.get(model_type, {}), **over})
 
 
 def tiny_model(model_type: str = "llama", seed: int = 0, sharpen: float = 8.0, **over):

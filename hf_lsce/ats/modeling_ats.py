@@ -19,7 +19,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, LogitsProcessor, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutput
 
-from ..patching.models import output_head, softcap_of, text_config
+from ..patching.models import logit_scale_of, output_head, softcap_of, text_config
 from .configuration_ats import ATSConfig
 from .loss import fused_selective_smoothing_loss, selective_smoothing_loss
 
@@ -276,14 +276,18 @@ class ATSCalibrator(PreTrainedModel):
         s = self.inverse_temperature(hidden, attention_mask, position_ids)
         head = output_head(self.base_model_lm)
         cap = softcap_of(self.base_model_lm)
+        k = logit_scale_of(self.base_model_lm)  # a family that scales its logits (Cohere, Granite)
         loss, logits = None, None
         fused = labels is not None and self.training and self._fused_ok(cap, head)
         if fused:
-            loss = fused_selective_smoothing_loss(hidden, s, head.weight, labels, alpha=self._alpha())
+            loss = fused_selective_smoothing_loss(hidden, s if k is None else s * k, head.weight, labels,
+                                                  alpha=self._alpha())
         else:
             sl = slice(-logits_to_keep, None) if logits_to_keep else slice(None)
             with torch.no_grad():
                 base_logits = head(hidden[:, sl]).float()
+                if k is not None:
+                    base_logits = base_logits * k
                 if cap is not None:
                     base_logits = cap * torch.tanh(base_logits / cap)
             logits = base_logits * s[:, sl, None]

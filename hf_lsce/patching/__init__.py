@@ -15,10 +15,12 @@ import torch
 
 from .forward import ENGAGEMENT, ORIGINAL_CLASS_FORWARDS, is_ours, make_patched_forward
 from ..ops.linear_cross_entropy import validate_filter_eps
-from .models import MODEL_TABLE, check_supported, family_classes, softcap_of, supported_message, unwrap_model
+from .models import (MODEL_TABLE, check_supported, family_classes, softcap_of, supported_message, table_spec,
+                     unwrap_model, verify_generic)
 from .trainer import install_trainer_hooks, remove_trainer_hooks, route_smoothing
 
-_SETTINGS = ("_lsce_label_smoothing", "_lsce_explicit_smoothing", "_lsce_fused_eval_loss", "_lsce_filter_eps")
+_SETTINGS = ("_lsce_label_smoothing", "_lsce_explicit_smoothing", "_lsce_fused_eval_loss", "_lsce_filter_eps",
+             "_lsce_generic_spec")
 
 
 def _class_patched(cls: type) -> bool:
@@ -74,8 +76,10 @@ def apply_lsce_patch(model=None, *, model_type: str | None = None, label_smoothi
 
     Args:
         model: a model instance to patch (a PEFT ``PeftModel`` or a wrapped model patches the causal LM
-            inside it); None patches the classes of every supported family (or only ``model_type``'s), so
-            models created afterwards are patched too.
+            inside it); None patches the classes of every family in the table (or only ``model_type``'s), so
+            models created afterwards are patched too. A causal LM outside the table is patched only as an
+            instance, after ``verify_generic`` ran its own forward once on a short random input and found its loss
+            to be the fused op's (its logits the head's output unchanged, its loss their shifted cross-entropy).
         model_type: restrict the class patch to one family (e.g. ``"llama"``).
         label_smoothing: fixed smoothing b. None: take the Trainer's ``label_smoothing_factor``
             (or 0 outside a Trainer). A float set here wins over the Trainer's flag, and drives TRL's
@@ -104,6 +108,8 @@ def apply_lsce_patch(model=None, *, model_type: str | None = None, label_smoothi
             raise TypeError(f"model must be a transformers causal LM with a .config; got {type(target).__name__}.")
         if model_type is not None and getattr(target.config, "model_type", None) != model_type:
             raise ValueError(f"model_type={model_type!r} does not match the model's {target.config.model_type!r}.")
+        if table_spec(target) is None and "_lsce_generic_spec" not in target.__dict__:
+            target._lsce_generic_spec = verify_generic(target)  # a family outside the table: checked on the model
         check_supported(target)
         if filter_eps not in ("auto", 0, 0.0) and softcap_of(target) is not None:
             raise ValueError(f"filter_eps={filter_eps!r}: gradient filtering is not available for a soft-capped head "
@@ -121,7 +127,7 @@ def apply_lsce_patch(model=None, *, model_type: str | None = None, label_smoothi
     else:
         types_ = [model_type] if model_type is not None else list(MODEL_TABLE)
         for mt in types_:
-            for cls in family_classes(mt):
+            for cls in family_classes(mt, missing_ok=model_type is None):
                 if cls not in ORIGINAL_CLASS_FORWARDS:
                     ORIGINAL_CLASS_FORWARDS[cls] = cls.__dict__["forward"]
                     cls.forward = make_patched_forward(cls.__dict__["forward"])

@@ -19,13 +19,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 from transformers.utils import ModelOutput
 
 from ..ops import divide_summed_loss, linear_cross_entropy
 from ..ops.linear_cross_entropy import observe_training_calls
 from ..ops.checks import check_now
-from .models import check_supported, output_head, softcap_of
+from .models import check_supported, logit_scale_of, output_head, router_aux_loss, softcap_of, table_spec
 
 # Registry of original forwards of patched classes (class -> function).
 ORIGINAL_CLASS_FORWARDS: dict[type, Any] = {}
@@ -212,7 +212,8 @@ def lsce_forward(self, *args, **kwargs):
             if return_dict is not None:
                 kwargs["return_dict"] = return_dict
             return orig(**kwargs)
-        # Evaluation with smoothing: the model's own logits, the smoothed loss from them.
+        # Evaluation with smoothing: the model's own logits, the smoothed loss from them (plus, for a mixture of
+        # experts, the router's term its forward adds when given labels).
         out = orig(**kwargs, return_dict=True)
         logits = out.logits.float()
         if shift_labels is None:
@@ -220,21 +221,31 @@ def lsce_forward(self, *args, **kwargs):
         tok = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), shift_labels.reshape(-1).to(logits.device),
                               ignore_index=-100, label_smoothing=b, reduction="sum")
         loss = divide_summed_loss(tok, num_items, (shift_labels != -100).sum())
+        spec = table_spec(self)
+        if spec is not None and spec.router_aux and getattr(out, "aux_loss", None) is not None:
+            loss = loss + self.router_aux_loss_coef * out.aux_loss.to(loss.device)
         out = type(out)(loss=loss, **{k: v for k, v in out.items() if k != "loss"})  # loss first, as HF orders it
         return out if return_dict is not False else out.to_tuple()
 
-    check_supported(self)  # fail closed on configs the op cannot reproduce (the class patch checks here)
+    spec = check_supported(self)  # fail closed on configs the op cannot reproduce (the class patch checks here)
     kwargs.pop("logits_to_keep", None)
     if fused_lm_head:
         kwargs["use_cache"] = False
-    backbone_out = self.model(**kwargs, return_dict=True)
+    router = spec.router_aux and _wants_router_logits(self, kwargs)
+    if spec.router_aux:
+        kwargs["output_router_logits"] = router
+    backbone_out = getattr(self, spec.backbone)(**kwargs, return_dict=True)
     head = output_head(self)
     targets, shift = (shift_labels, False) if shift_labels is not None else (labels, True)
     op_kwargs = dict(label_smoothing=b, softcap=softcap_of(self), shift=shift,
                      filter_eps=getattr(self, "_lsce_filter_eps", "auto"))
+    scale = logit_scale_of(self, spec)
 
     def head_loss(weight, bias, hidden, targets):
         hidden, targets = hidden.to(weight.device), targets.to(weight.device)
+        if scale is not None:  # logits * scale = (hidden * scale) W^T + bias * scale
+            hidden = hidden * scale
+            bias = bias * scale if bias is not None else None
         if not fused_lm_head:
             # sum of token losses / num_items_in_batch (or the valid-token count): the reduced loss lets the op
             # compute its gradients in the forward with the right weights (one pass, no rescaling).
@@ -244,22 +255,37 @@ def lsce_forward(self, *args, **kwargs):
 
     # the op records the engagement itself (ENGAGEMENT observes its training calls), also from a compiled graph
     result = call_head(head, head_loss, backbone_out.last_hidden_state, targets)
+    aux = None
+    if router:  # as the family's own forward: loss + router_aux_loss_coef * load-balancing loss
+        aux = router_aux_loss(self, spec, backbone_out.router_logits, kwargs.get("attention_mask"))
     if not fused_lm_head:
-        out = CausalLMOutputWithPast(loss=result, logits=None, hidden_states=backbone_out.hidden_states,
-                                     attentions=backbone_out.attentions,
-                                     **{CACHE_FIELD: getattr(backbone_out, CACHE_FIELD)})
+        loss = result if aux is None else result + self.router_aux_loss_coef * aux.to(result.device)
+        fields = dict(loss=loss, logits=None, hidden_states=backbone_out.hidden_states,
+                      attentions=backbone_out.attentions, **{CACHE_FIELD: getattr(backbone_out, CACHE_FIELD, None)})
+        if spec.router_aux:
+            out = MoeCausalLMOutputWithPast(**fields, aux_loss=aux, router_logits=backbone_out.router_logits)
+        else:
+            out = CausalLMOutputWithPast(**fields)
         return keep_fused_outputs(self, out if return_dict is not False else out.to_tuple())
     tok, stats = result
     targets = targets.to(tok.device)
     loss = divide_summed_loss(tok.sum(), num_items, stats.valid.sum())
+    if aux is not None:  # TRL reads aux_loss and weights it itself; loss is the model's own, as without the patch
+        loss = loss + self.router_aux_loss_coef * aux.to(loss.device)
     # TRL's alignment: position t scores the label at t + 1 (labels[:, 1:]) unless shift_labels were given
     cut = (slice(None), slice(None, -1)) if shift else (slice(None), slice(None))
     nxt = targets[:, 1:] if shift else targets
     mask = stats.valid[cut]
     return keep_fused_outputs(self, FusedCausalLMOutput(
         loss=loss, log_probs=-tok[cut], entropy=stats.entropy[cut] * mask, label_mask=mask,
-        is_top1=(stats.argmax[cut] == nxt) & mask,
+        is_top1=(stats.argmax[cut] == nxt) & mask, aux_loss=aux,
         hidden_states=backbone_out.hidden_states, attentions=backbone_out.attentions))
+
+
+def _wants_router_logits(model, kwargs) -> bool:
+    """``output_router_logits`` as a mixture-of-experts forward resolves it: the call's, else the config's."""
+    flag = kwargs.get("output_router_logits")
+    return bool(flag if flag is not None else getattr(model.config, "output_router_logits", False))
 
 
 def call_head(head: torch.nn.Module, fn, hidden: torch.Tensor, targets: torch.Tensor):

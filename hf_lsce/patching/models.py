@@ -14,39 +14,74 @@ import torch
 
 @dataclass(frozen=True)
 class FamilySpec:
+    """One family's classes and the quirks of its head that change the loss.
+
+    ``scale``: where the family's forward reads a factor its logits are multiplied by (``"mul"``) or divided by
+    (``"div"``), as ``(attribute path from the causal LM, op)``; the op then sees ``hidden * factor`` (and the bias
+    times it), which is the same logits. ``router_aux``: a mixture-of-experts family whose forward, when
+    ``output_router_logits`` is on and labels are given, adds ``router_aux_loss_coef * load_balancing_loss_func(...)``
+    (the function of ``module``) to the loss; the patched forward adds the same term."""
+
     module: str  # transformers module holding the classes
     classes: tuple[str, ...]  # the *ForCausalLM (and text-path) classes we patch
     backbone: str = "model"  # attribute of the causal LM that returns last_hidden_state
+    scale: tuple[str, str] | None = None
+    router_aux: bool = False
+    generic: bool = False  # not from the table: verified on the model itself (verify_generic)
+
+
+def _spec(name: str, cls: str, **quirks) -> FamilySpec:
+    return FamilySpec(f"transformers.models.{name}.modeling_{name}", (cls,), **quirks)
 
 
 MODEL_TABLE: dict[str, FamilySpec] = {
-    "llama": FamilySpec("transformers.models.llama.modeling_llama", ("LlamaForCausalLM",)),
-    "mistral": FamilySpec("transformers.models.mistral.modeling_mistral", ("MistralForCausalLM",)),
-    "gemma": FamilySpec("transformers.models.gemma.modeling_gemma", ("GemmaForCausalLM",)),
-    "gemma2": FamilySpec("transformers.models.gemma2.modeling_gemma2", ("Gemma2ForCausalLM",)),
-    "gemma3_text": FamilySpec("transformers.models.gemma3.modeling_gemma3", ("Gemma3ForCausalLM",)),
-    "gemma3": FamilySpec("transformers.models.gemma3.modeling_gemma3", ("Gemma3ForConditionalGeneration",)),
-    "qwen2": FamilySpec("transformers.models.qwen2.modeling_qwen2", ("Qwen2ForCausalLM",)),
-    "qwen3": FamilySpec("transformers.models.qwen3.modeling_qwen3", ("Qwen3ForCausalLM",)),
+    "llama": _spec("llama", "LlamaForCausalLM"),
+    "mistral": _spec("mistral", "MistralForCausalLM"),
+    "gemma": _spec("gemma", "GemmaForCausalLM"),
+    "gemma2": _spec("gemma2", "Gemma2ForCausalLM"),  # final_logit_softcapping (read by softcap_of)
+    "gemma3_text": _spec("gemma3", "Gemma3ForCausalLM"),
+    "gemma3": _spec("gemma3", "Gemma3ForConditionalGeneration"),
+    "qwen2": _spec("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": _spec("qwen3", "Qwen3ForCausalLM"),
+    "phi3": _spec("phi3", "Phi3ForCausalLM"),
+    "smollm3": _spec("smollm3", "SmolLM3ForCausalLM"),
+    "olmo2": _spec("olmo2", "Olmo2ForCausalLM"),
+    "olmo3": _spec("olmo3", "Olmo3ForCausalLM"),
+    "glm4": _spec("glm4", "Glm4ForCausalLM"),
+    "starcoder2": _spec("starcoder2", "Starcoder2ForCausalLM"),
+    "granite": _spec("granite", "GraniteForCausalLM", scale=("config.logits_scaling", "div")),
+    "cohere": _spec("cohere", "CohereForCausalLM", scale=("logit_scale", "mul")),
+    "cohere2": _spec("cohere2", "Cohere2ForCausalLM", scale=("logit_scale", "mul")),
+    "llama4_text": _spec("llama4", "Llama4ForCausalLM"),  # returns router logits, adds no auxiliary loss
+    "mixtral": _spec("mixtral", "MixtralForCausalLM", router_aux=True),
+    "qwen2_moe": _spec("qwen2_moe", "Qwen2MoeForCausalLM", router_aux=True),
+    "qwen3_moe": _spec("qwen3_moe", "Qwen3MoeForCausalLM", router_aux=True),
+    "olmoe": _spec("olmoe", "OlmoeForCausalLM", router_aux=True),
+    "gpt_oss": _spec("gpt_oss", "GptOssForCausalLM", router_aux=True),
 }
 
-# Config attributes that scale logits in some families: the fused op does not reproduce them.
+# Config attributes that scale logits in some families: a family whose spec does not name the one it has is refused.
 _LOGIT_SCALING_ATTRS = ("logit_scale", "logits_scaling", "output_multiplier", "lm_head_multiplier")
 
 
 def supported_message() -> str:
-    names = ", ".join(f"{k} ({'/'.join(v.classes)})" for k, v in MODEL_TABLE.items())
-    return f"hf_lsce supports: {names}."
+    return (f"hf_lsce supports: {', '.join(MODEL_TABLE)} (model_type); a causal LM of another family is patched by "
+            "apply_lsce_patch(model) after a check on the model itself that the fused loss is its own.")
 
 
-def family_classes(model_type: str) -> list[type]:
-    """The classes of one family (import errors surface as a clear message)."""
+def family_classes(model_type: str, missing_ok: bool = False) -> list[type]:
+    """The classes of one family. A family the installed transformers lacks raises a clear message, or gives no
+    classes with ``missing_ok`` (the class patch of every family)."""
     if model_type not in MODEL_TABLE:
-        raise ValueError(f"model_type={model_type!r} is not supported. {supported_message()}")
+        raise ValueError(f"model_type={model_type!r} is not in hf_lsce's table of families, so its classes cannot be "
+                         "patched ahead of time; patch the loaded model instead (apply_lsce_patch(model)), which "
+                         f"verifies it. {supported_message()}")
     spec = MODEL_TABLE[model_type]
     try:
         mod = importlib.import_module(spec.module)
-    except ImportError as e:  # pragma: no cover - depends on the installed transformers
+    except ImportError as e:
+        if missing_ok:
+            return []
         raise ValueError(f"transformers has no module {spec.module} ({e}); upgrade transformers.") from e
     return [getattr(mod, c) for c in spec.classes if hasattr(mod, c)]
 
@@ -105,33 +140,43 @@ def unwrap_model(model):
     return m
 
 
+def table_spec(model) -> FamilySpec | None:
+    """The table's entry for this model's class, or None (a family or a class the table does not list)."""
+    spec = MODEL_TABLE.get(getattr(model.config, "model_type", None))
+    return spec if spec is not None and own_class(model).__name__ in spec.classes else None
+
+
 def check_supported(model) -> FamilySpec:
-    """Raise ValueError (fail closed) unless the fused op reproduces this model's loss exactly."""
-    model_type = getattr(model.config, "model_type", None)
-    if model_type not in MODEL_TABLE:
-        raise ValueError(f"{type(model).__name__} (model_type={model_type!r}) is not supported. {supported_message()}")
-    spec = MODEL_TABLE[model_type]
-    name = own_class(model).__name__
-    if name not in spec.classes:
-        raise ValueError(
-            f"{name} is not a supported class for model_type={model_type!r}; "
-            f"expected one of {spec.classes}. {supported_message()}")
+    """The model's :class:`FamilySpec`; raise ValueError (fail closed) unless the fused op reproduces its loss exactly:
+    a class of the table, or a model :func:`verify_generic` verified (``apply_lsce_patch(model)`` runs it)."""
+    spec = table_spec(model) or model.__dict__.get("_lsce_generic_spec")
+    if spec is None:
+        model_type = getattr(model.config, "model_type", None)
+        raise ValueError(f"{own_class(model).__name__} (model_type={model_type!r}) is not in hf_lsce's table and was "
+                         f"not verified. {supported_message()}")
     cfg = text_config(model)
     tp = getattr(cfg, "pretraining_tp", 1) or 1
     if tp > 1:
         raise ValueError(
             f"config.pretraining_tp={tp}: the model splits its lm_head into slices; hf_lsce does not reproduce "
             "that. Set config.pretraining_tp = 1 (the same function, computed in one piece) and patch again.")
-    for attr in _LOGIT_SCALING_ATTRS:
-        val = getattr(cfg, attr, None)
-        if val is not None and val != 1:
-            raise ValueError(f"config.{attr}={val} scales the logits; hf_lsce does not reproduce logit scaling.")
-    if name == "Gemma3ForConditionalGeneration" and softcap_of(model) is not None:
+    if not spec.generic:  # a verified model's logits were seen to be the head's output, whatever its config says
+        own = spec.scale[0].rsplit(".", 1)[-1] if spec.scale else None
+        for attr in _LOGIT_SCALING_ATTRS:
+            val = getattr(cfg, attr, None)
+            if attr != own and val is not None and val != 1:
+                raise ValueError(f"config.{attr}={val} scales the logits, and {own_class(model).__name__}'s entry in "
+                                 "hf_lsce's table does not say how; hf_lsce does not reproduce that scaling.")
+    if own_class(model).__name__ == "Gemma3ForConditionalGeneration" and softcap_of(model) is not None:
         raise ValueError(
             "Gemma3ForConditionalGeneration with final_logit_softcapping: its gradients through the fused op are "
             "not yet verified against Hugging Face's, so hf_lsce refuses it. Train the text model "
             "(Gemma3ForCausalLM) or set text_config.final_logit_softcapping = None.")
-    head = output_head(model)
+    _check_head(output_head(model))
+    return spec
+
+
+def _check_head(head) -> None:
     if own_class(head) is not torch.nn.Linear:  # FSDPLinear (a separately wrapped head) is one
         if hasattr(head, "lora_A") or hasattr(head, "base_layer"):
             raise ValueError(
@@ -142,4 +187,104 @@ def check_supported(model) -> FamilySpec:
             f"the lm_head is a {type(head).__module__}.{type(head).__name__}, not a plain nn.Linear (a quantised "
             "or wrapped head?). hf_lsce cannot reproduce it exactly: keep the lm_head a plain nn.Linear "
             "(unquantised, not an adapter's target), then patch.")
-    return spec
+
+
+def logit_scale_of(model, spec: FamilySpec | None = None) -> float | None:
+    """The factor the family's forward multiplies its logits by (None: 1), read where that forward reads it.
+    ``spec`` defaults to the table's entry (a model outside the table scales nothing: its check proved it)."""
+    spec = spec or table_spec(model)
+    if spec is None or spec.scale is None:
+        return None
+    path, op = spec.scale
+    value = model
+    for part in path.split("."):
+        value = getattr(value, part)
+    factor = float(value) if op == "mul" else 1.0 / float(value)
+    return None if factor == 1.0 else factor
+
+
+def router_aux_loss(model, spec: FamilySpec, router_logits, attention_mask):
+    """A mixture-of-experts family's load-balancing loss, by the function and the attributes its own forward uses."""
+    balance = importlib.import_module(spec.module).load_balancing_loss_func
+    return balance(router_logits, model.num_experts, model.num_experts_per_tok, attention_mask)
+
+
+# The short random input verify_generic runs the model's own forward on.
+_VERIFY_TOKENS = 16
+
+
+def verify_generic(model) -> FamilySpec:
+    """Verify, on the model itself, that a causal LM outside the table computes its loss the way the fused op does,
+    and return its :class:`FamilySpec`; otherwise raise ValueError with the reason.
+
+    Structure first: a backbone module (``.model``, else the ``base_model_prefix`` attribute), a plain ``nn.Linear``
+    head, no ``final_logit_softcapping``. Then the model's own forward runs once (evaluation mode, no gradient) on a
+    short random input with labels, with hooks on the backbone and the head: the head must be called once, on the
+    backbone's last hidden state unchanged; the returned logits must be the head's output unchanged (no scaling,
+    soft-cap or other transform, whatever its size); the returned loss must be the shifted cross-entropy of those
+    logits (no extra term, such as a router's auxiliary loss). These are equalities, so a transform that changes
+    the logits little (a soft-cap of small logits) fails them as surely as a large one."""
+    name = own_class(model).__name__
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    attr = next((a for a in ("model", prefix) if a and isinstance(getattr(model, a, None), torch.nn.Module)), None)
+    if attr is None or getattr(model, attr) is model:
+        raise ValueError(f"{name} is not in hf_lsce's table and has no backbone module (.model or .{prefix or '?'}) "
+                         f"returning the last hidden state, so the patch cannot verify it. {supported_message()}")
+    backbone, head = getattr(model, attr), output_head(model)
+    _check_head(head)
+    if softcap_of(model) is not None:
+        raise ValueError(f"{name} is not in hf_lsce's table and its config sets final_logit_softcapping="
+                         f"{softcap_of(model)}; the table does not say how this family applies it. "
+                         f"{supported_message()}")
+    weight = head.weight
+    if weight.is_meta or weight.numel() == 0:
+        raise ValueError(f"{name}'s lm_head weight is not materialised (meta device, or partitioned by DeepSpeed "
+                         "ZeRO-3), so the check cannot run its forward; apply_lsce_patch(model) before sharding it.")
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, weight.shape[0], (1, _VERIFY_TOKENS), generator=g)
+    emb = model.get_input_embeddings()
+    ids = ids.to(emb.weight.device if emb is not None else weight.device)
+    labels = ids.clone()
+    labels[:, :3] = -100
+    seen: dict[str, list] = {"head": [], "backbone": []}
+    hooks = [head.register_forward_hook(lambda m, i, o: seen["head"].append((i[0], o))),
+             backbone.register_forward_hook(lambda m, i, o: seen["backbone"].append(o))]
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = model(input_ids=ids, labels=labels, return_dict=True)
+    except Exception as e:
+        raise ValueError(f"{name} is not in hf_lsce's table, and the check could not run its forward on a short random "
+                         f"input ({type(e).__name__}: {e}). {supported_message()}") from e
+    finally:
+        for h in hooks:
+            h.remove()
+        model.train(was_training)
+
+    def refuse(why: str):
+        raise ValueError(f"{name} is not in hf_lsce's table and failed the check on the model itself: {why}. The fused "
+                         f"loss would not be this model's loss, so it is not patched. {supported_message()}")
+
+    if len(seen["head"]) != 1 or len(seen["backbone"]) != 1:
+        refuse(f"its forward called the backbone {len(seen['backbone'])} and the lm_head {len(seen['head'])} times "
+               "(once each expected)")
+    (head_in, head_out), bb = seen["head"][0], seen["backbone"][0]
+    last = getattr(bb, "last_hidden_state", None)
+    if last is None and isinstance(bb, (tuple, list)):
+        last = bb[0]
+    if not (torch.is_tensor(last) and head_in.shape == last.shape and torch.equal(head_in, last)):
+        refuse("the lm_head's input is not the backbone's last hidden state (the forward transforms it first)")
+    logits = getattr(out, "logits", None)
+    if not (torch.is_tensor(logits) and logits.shape == head_out.shape and torch.equal(logits.float(), head_out.float())):
+        refuse("the logits it returns are not the lm_head's output (a scaling, soft-cap or other transform that the "
+               "table does not know)")
+    if getattr(out, "aux_loss", None) is not None:
+        refuse("it returns an auxiliary (router) loss, which the table does not know how to add")
+    ref = torch.nn.functional.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]),
+                                            labels[:, 1:].reshape(-1).to(logits.device), ignore_index=-100)
+    loss = getattr(out, "loss", None)
+    if not (torch.is_tensor(loss) and torch.isfinite(ref) and abs(float(loss) - float(ref)) <= 1e-5 * abs(float(ref)) + 1e-6):
+        refuse(f"its loss ({None if loss is None else float(loss)}) is not the shifted cross-entropy of its logits "
+               f"({float(ref)}): its loss function is not the one the fused op computes")
+    return FamilySpec(type(model).__module__, (name,), backbone=attr, generic=True)
