@@ -83,13 +83,11 @@ class _HostReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("path,filter_eps", [("one-pass", 0.0), ("two-pass", 0.0), ("one-pass", 1e-30),
-                                             ("two-pass", 1e-30)])
+@pytest.mark.parametrize("path", ["one-pass", "two-pass"])
 @pytest.mark.parametrize("upstream", [1.0, 0.25])
-def test_a_training_call_reads_no_device_value_on_the_host(asynchronous, monkeypatch, upstream, path, filter_eps):
+def test_a_training_call_reads_no_device_value_on_the_host(asynchronous, monkeypatch, upstream, path):
     """The training paths of the kernels (a reduced loss, a tensor num_items_in_batch as the Trainer passes,
-    per-token b; with gradient filtering, its per-row choice of tiles too) read nothing back: no .item(), bool(),
-    .tolist() or data-dependent shape."""
+    per-token b) read nothing back: no .item(), bool(), .tolist() or data-dependent shape."""
     import hf_lsce.ops.config as config
 
     monkeypatch.setattr(config, "TRAIN_PATH", path)
@@ -102,7 +100,7 @@ def test_a_training_call_reads_no_device_value_on_the_host(asynchronous, monkeyp
     n_items = (y != -100).sum() + 3
     with _HostReads() as reads:
         loss = linear_cross_entropy(hh, ww, y, label_smoothing=b, reduction="sum", num_items_in_batch=n_items,
-                                    backend="triton", filter_eps=filter_eps)
+                                    backend="triton")
         (upstream * loss).backward()
     assert reads.seen == [] and tolists == []
     _, gh, gw, _ = reference(h, w, y, smoothing=0.1, reduction="sum", num_items=float(n_items))

@@ -251,7 +251,6 @@ def _bad(**over):
     (dict(num_items_in_batch=-3), ValueError, "num_items_in_batch"),
     (dict(num_items_in_batch=4, reduction="none"), ValueError, "num_items_in_batch"),
     (dict(backend="cuda"), ValueError, "backend"),
-    (dict(filter_eps=-1.0), ValueError, "filter_eps"),
     (dict(ignore_index=1.5), TypeError, "ignore_index"),
 ])
 def test_bad_input_raises_naming_the_argument(over, exc, words):

@@ -478,34 +478,6 @@ def test_fused_lm_head_protocol_equals_trl_own_fused_head(shifted):
     assert torch.allclose(ours.loss, ref.loss, atol=1e-6)
 
 
-def test_filter_eps_reaches_the_op_and_soft_capped_heads_refuse_it(monkeypatch):
-    """apply_lsce_patch(filter_eps=...) hands the bound to every fused call (the op's own tests cover what it
-    does); the loss stays the stock smoothed one (filtering touches gradients only); a soft-capped head refuses it
-    at patch time."""
-    import hf_lsce.patching.forward as pf
-
-    seen = []
-    real = pf.linear_cross_entropy
-
-    def spy(*a, **k):
-        seen.append(k.get("filter_eps"))
-        return real(*a, **k)
-    monkeypatch.setattr(pf, "linear_cross_entropy", spy)
-    ref_model = tiny("llama")
-    model = copy.deepcopy(ref_model)
-    apply_lsce_patch(model, label_smoothing=0.1, filter_eps=2.0 ** -6)
-    ids, labels = batch()
-    model.train(), ref_model.train()
-    out = model(input_ids=ids, labels=labels)
-    assert seen == [2.0 ** -6]
-    assert rel(out.loss.detach(), unpatched_loss(ref_model, ids, labels, 0.1).detach()) < 1e-5
-    apply_lsce_patch(model, label_smoothing=0.1)  # patched again without it: back to the op's default
-    model(input_ids=ids, labels=labels)
-    assert seen[-1] == "auto"
-    with pytest.raises(ValueError, match="not available for a soft-capped head"):
-        apply_lsce_patch(tiny("gemma2"), filter_eps=2.0 ** -6)
-
-
 def test_cuda_graph_replays_are_trusted_only_after_a_counted_step(monkeypatch):
     """Under the Trainer's torch_compile_mode='reduce-overhead' a replayed step runs no Python, so the op reports no
     call: accepted once an earlier (recorded) step was counted through the op, refused otherwise and in other modes."""

@@ -12,11 +12,6 @@ Two ways to chunk G so that its memory stays bounded:
 * by vocabulary columns (``triton_gradients_by_columns``, the two-pass training path and ``memory="low"``): every
   row x a chunk of columns, so each chunk's rows of dW are written once (one rounding) and dh adds into an fp32
   accumulator.
-
-Gradient filtering (``filter_eps > 0``, the column path only; ``sparse.py``): the kernels write G without the
-uniform smoothing term and, per row and ``TILE_V`` columns, the tile's mass ``sum |G|``; the tiles a row can lose
-within its budget are skipped by the sparse products, and the uniform term is added exactly as a rank-one
-correction.
 """
 from __future__ import annotations
 
@@ -26,30 +21,24 @@ import triton.language as tl
 
 from .config import launch, tuning_configs
 from .forward import _dot, _finish_logits, _logit_tile, _split_bounds, _tile_offsets, tma_ready, vocab_splits
+from .matmul import addmm_f32, mm_f32
 
 
 @triton.jit
-def _grad_tile(G, MASS, stride_gn, stride_mn, z, t, v0, offs_n, offs_v, mask_n, mask_v, y, lse2, p_mult, uniform,
-               on_target, SOFTCAP: tl.constexpr, FILTER: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_V: tl.constexpr, MASS_W: tl.constexpr):
-    """One tile of G from its logits (``z`` fp32, bias added, capped; ``t`` the tanh of the cap): stored in G's
-    dtype; with FILTER, also each row's ``sum |G|`` per MASS_W columns (``uniform`` is then 0: not part of G)."""
+def _grad_tile(G, stride_gn, z, t, offs_n, offs_v, mask_n, mask_v, y, lse2, p_mult, uniform, on_target,
+               SOFTCAP: tl.constexpr):
+    """One tile of G from its logits (``z`` fp32, bias added, capped; ``t`` the tanh of the cap), stored in G's
+    dtype."""
     p = tl.math.exp2(z * 1.4426950408889634 - lse2[:, None])
     g = p * p_mult[:, None] - uniform[:, None] - tl.where(offs_v[None, :] == y[:, None], on_target[:, None], 0.0)
     if SOFTCAP:
         g = g * (1.0 - t * t)
     m = mask_n[:, None] & mask_v[None, :]
     tl.store(G + offs_n[:, None].to(tl.int64) * stride_gn + offs_v[None, :], g.to(G.dtype.element_ty), mask=m)
-    if FILTER:
-        seg = tl.sum(tl.reshape(tl.where(m, tl.abs(g), 0.0), (BLOCK_N, BLOCK_V // MASS_W, MASS_W)), axis=2)
-        cols = v0 // MASS_W + tl.arange(0, BLOCK_V // MASS_W)
-        any_col = tl.max(tl.reshape(mask_v.to(tl.int32), (BLOCK_V // MASS_W, MASS_W)), axis=1) > 0
-        tl.store(MASS + offs_n[:, None].to(tl.int64) * stride_mn + cols[None, :], seg,
-                 mask=mask_n[:, None] & any_col[None, :])
 
 
 @triton.jit
-def _row_terms(Y, LSE, GRAD, SMOOTH, EXTRA, offs_n, mask_n, inv_v, HAS_EXTRA: tl.constexpr, FILTER: tl.constexpr):
+def _row_terms(Y, LSE, GRAD, SMOOTH, EXTRA, offs_n, mask_n, inv_v, HAS_EXTRA: tl.constexpr):
     """Per row of a tile: target, lse in base 2, the factor of p, the uniform term and the target's term."""
     y = tl.load(Y + offs_n, mask=mask_n, other=-1)
     lse2 = tl.load(LSE + offs_n, mask=mask_n, other=0.0) * 1.4426950408889634
@@ -59,40 +48,36 @@ def _row_terms(Y, LSE, GRAD, SMOOTH, EXTRA, offs_n, mask_n, inv_v, HAS_EXTRA: tl
     if HAS_EXTRA:
         p_mult += tl.load(EXTRA + offs_n, mask=mask_n, other=0.0)
     uniform = b * inv_v * grad
-    if FILTER:  # the uniform term leaves G (a rank-one correction, exact)
-        uniform = uniform * 0.0
     return y, lse2, p_mult, uniform, (1.0 - b) * grad
 
 
 @triton.jit
 def _lce_grad_logits_kernel(
-    H, W, B, Y, LSE, GRAD, SMOOTH, EXTRA, G, MASS,
+    H, W, B, Y, LSE, GRAD, SMOOTH, EXTRA, G,
     N, V, D,
-    stride_hn, stride_hd, stride_wv, stride_wd, stride_gn, stride_mn,
+    stride_hn, stride_hd, stride_wv, stride_wd, stride_gn,
     softcap, inv_v,
-    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_EXTRA: tl.constexpr, FILTER: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, MASS_W: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_EXTRA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """G[n, v] = grad_n * dloss_n / dz_nv (+ extra_n p_nv: z-loss, an lse output's gradient), the full
-    gradient (smoothing term included unless FILTER), input dtype; one program per tile."""
+    gradient (smoothing term included), input dtype; one program per tile."""
     offs_n, offs_v, mask_n, mask_v = _tile_offsets(N, V, BLOCK_N, BLOCK_V)
     z, t = _logit_tile(H, W, B, offs_n, offs_v, mask_n, mask_v, D, stride_hn, stride_hd,
                        stride_wv, stride_wd, softcap, HAS_BIAS, SOFTCAP, BLOCK_D,
                        DOT_PRECISION, UPCAST, BLOCK_N, BLOCK_V)
-    y, lse2, p_mult, uniform, on_target = _row_terms(Y, LSE, GRAD, SMOOTH, EXTRA, offs_n, mask_n, inv_v,
-                                                     HAS_EXTRA, FILTER)
-    _grad_tile(G, MASS, stride_gn, stride_mn, z, t, tl.program_id(1) * BLOCK_V, offs_n, offs_v, mask_n, mask_v, y,
-               lse2, p_mult, uniform, on_target, SOFTCAP, FILTER, BLOCK_N, BLOCK_V, MASS_W)
+    y, lse2, p_mult, uniform, on_target = _row_terms(Y, LSE, GRAD, SMOOTH, EXTRA, offs_n, mask_n, inv_v, HAS_EXTRA)
+    _grad_tile(G, stride_gn, z, t, offs_n, offs_v, mask_n, mask_v, y, lse2, p_mult, uniform, on_target, SOFTCAP)
 
 
 @triton.jit
 def _lce_grad_logits_tma_kernel(
-    h_desc, w_desc, B, Y, LSE, GRAD, SMOOTH, EXTRA, G, MASS,
-    N, V, D, NUM_SPLITS, stride_gn, stride_mn,
+    h_desc, w_desc, B, Y, LSE, GRAD, SMOOTH, EXTRA, G,
+    N, V, D, NUM_SPLITS, stride_gn,
     softcap, inv_v,
-    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_EXTRA: tl.constexpr, FILTER: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, MASS_W: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_EXTRA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """The G of ``_lce_grad_logits_kernel`` from the forward's TMA loop: one program per (vocabulary split, row
@@ -102,8 +87,7 @@ def _lce_grad_logits_tma_kernel(
     n0 = tl.program_id(1) * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    y, lse2, p_mult, uniform, on_target = _row_terms(Y, LSE, GRAD, SMOOTH, EXTRA, offs_n, mask_n, inv_v,
-                                                     HAS_EXTRA, FILTER)
+    y, lse2, p_mult, uniform, on_target = _row_terms(Y, LSE, GRAD, SMOOTH, EXTRA, offs_n, mask_n, inv_v, HAS_EXTRA)
     v_start, v_end = _split_bounds(V, NUM_SPLITS, BLOCK_V)
     k_steps = tl.cdiv(D, BLOCK_D)
     acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
@@ -117,8 +101,8 @@ def _lce_grad_logits_tma_kernel(
             offs_v = v0 + tl.arange(0, BLOCK_V)
             mask_v = offs_v < v_end
             z, t = _finish_logits(acc, B, offs_v, mask_v, softcap, HAS_BIAS, SOFTCAP)
-            _grad_tile(G, MASS, stride_gn, stride_mn, z, t, v0, offs_n, offs_v, mask_n, mask_v, y, lse2, p_mult,
-                       uniform, on_target, SOFTCAP, FILTER, BLOCK_N, BLOCK_V, MASS_W)
+            _grad_tile(G, stride_gn, z, t, offs_n, offs_v, mask_n, mask_v, y, lse2, p_mult, uniform, on_target,
+                       SOFTCAP)
             acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
 
 
@@ -143,21 +127,17 @@ def add_chunk_gradients(g, hidden_chunk, weight, dh_chunk, dw, db, first: bool) 
 
 
 def write_grad_logits(config, hidden, weight, bias, targets, lse, grad, smoothing, extra, g, v_total: int,
-                      softcap, mass=None) -> None:
+                      softcap) -> None:
     """G (rows of ``hidden`` x rows of ``weight``) = ``grad_n dL/dz + extra_n p``, for the columns ``weight`` holds
     of a vocabulary of ``v_total`` (``targets`` and ``bias`` relative to those columns): the TMA kernel with the
-    forward's grid where it can read the inputs, else the (autotuned) pointer kernel. ``mass`` (rows x
-    ceil(columns / ``mass_width(config)``), fp32) given: G without the uniform smoothing term, and each row's
-    ``sum |G|`` per that many columns written there (gradient filtering)."""
+    forward's grid where it can read the inputs, else the (autotuned) pointer kernel."""
     n, d = hidden.shape
     vc = weight.shape[0]
     b = bias if bias is not None else weight
     ext = extra if extra is not None else grad
     cap = float(softcap) if softcap is not None else 1.0
-    m = mass if mass is not None else lse
     flags = dict(HAS_BIAS=bias is not None, SOFTCAP=softcap is not None, HAS_EXTRA=extra is not None,
-                 FILTER=mass is not None, DOT_PRECISION=config.dot_precision, UPCAST=config.upcast_dot,
-                 MASS_W=mass_width(config))
+                 DOT_PRECISION=config.dot_precision, UPCAST=config.upcast_dot)
     if tma_ready(config, hidden, weight):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -166,30 +146,19 @@ def write_grad_logits(config, hidden, weight, bias, targets, lse, grad, smoothin
         blocks = triton.cdiv(n, config.block_n)
         splits = vocab_splits(config, n, vc, config.block_v)
         launch(_lce_grad_logits_tma_kernel, None, config, lambda meta: (splits, blocks),
-               (h_desc, w_desc, b, targets, lse, grad, smoothing, ext, g, m, n, vc, d, splits, g.stride(0),
-                m.stride(0) if mass is not None else 0, cap, 1.0 / v_total), flags)
+               (h_desc, w_desc, b, targets, lse, grad, smoothing, ext, g, n, vc, d, splits, g.stride(0), cap,
+                1.0 / v_total), flags)
     else:
         launch(_lce_grad_logits_kernel, _lce_grad_logits_autotuned, config,
                lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(vc, meta["BLOCK_V"])),
-               (hidden, weight, b, targets, lse, grad, smoothing, ext, g, m, n, vc, d, hidden.stride(0),
-                hidden.stride(1), weight.stride(0), weight.stride(1), g.stride(0),
-                m.stride(0) if mass is not None else 0, cap, 1.0 / v_total), flags)
-
-
-def mass_width(config) -> int:
-    """Columns per entry of the G kernels' mass output: ``sparse.TILE_V``, or the kernel's tile width where that is
-    narrower (the interpreter's small tiles); ``sparse.tile_masses`` sums them to TILE_V."""
-    from .sparse import TILE_V
-
-    return min(config.block_v, TILE_V)
+               (hidden, weight, b, targets, lse, grad, smoothing, ext, g, n, vc, d, hidden.stride(0),
+                hidden.stride(1), weight.stride(0), weight.stride(1), g.stride(0), cap, 1.0 / v_total), flags)
 
 
 def add_column_chunk_gradients(g, hidden, weight_cols, dh_acc, dw_rows, db_rows, first: bool) -> None:
     """From G over one chunk of vocabulary columns (every row): those rows of dW written whole (one matmul over all
     N, one rounding), ``G W_cols`` added into the fp32 dh accumulator (written on the ``first`` chunk), those
     entries of db; any of them may be None."""
-    from .train_pass import _addmm_f32, _mm_f32
-
     if dw_rows is not None:
         if hidden.is_cuda:
             torch.mm(g.T, hidden, out=dw_rows)
@@ -197,9 +166,9 @@ def add_column_chunk_gradients(g, hidden, weight_cols, dh_acc, dw_rows, db_rows,
             dw_rows.copy_((g.float().T @ hidden.float()).to(dw_rows.dtype))
     if dh_acc is not None:
         if first:
-            _mm_f32(g, weight_cols, dh_acc)
+            mm_f32(g, weight_cols, dh_acc)
         else:
-            _addmm_f32(dh_acc, g, weight_cols)
+            addmm_f32(dh_acc, g, weight_cols)
     if db_rows is not None:
         db_rows.copy_(g.sum(0, dtype=torch.float32))
 
@@ -229,75 +198,31 @@ def triton_backward_dense(hidden, weight, bias, targets, lse, grad, smoothing, s
 
 def triton_gradients_by_columns(hidden, weight, bias, targets, lse, grad, smoothing, softcap, config,
                                 need_dh: bool = True, need_dw: bool = True, need_db: bool = True,
-                                chunk_bytes: int | None = None, extra: torch.Tensor | None = None,
-                                filter_eps: float = 0.0, sort_vocab: bool = False, zy: torch.Tensor | None = None,
-                                info: dict | None = None):
+                                chunk_bytes: int | None = None, extra: torch.Tensor | None = None):
     """The gradients of ``triton_backward_dense`` (dh in hidden's dtype, dW in weight's, db fp32), through chunks
     of vocabulary *columns* of G: the lse is known, so each chunk of columns is complete for every row. Its rows of
     dW come from one matmul over all N (written once, one rounding, as torch's own bf16 path), its part of dh is
     added into an fp32 accumulator (``4 N D`` bytes; one rounding at the end). The logits are recomputed on chip
-    (the TMA kernel where the device has one); G is written in the input dtype, ``chunk_bytes`` at a time.
-
-    ``filter_eps > 0``: gradient filtering with a per-row bound (``sparse.py``; not with soft-cap): every row may
-    lose at most ``filter_eps`` of the L1 mass of its G (the softmax and target terms; the uniform smoothing term is
-    exact), spread over the chunks in proportion to their width; the row's mass comes from its target logit
-    ``zy`` (computed when not given) and lse. ``sort_vocab``: the vocabulary sorted by mean logit first. ``info``
-    receives the filter's statistics as device tensors (``sparse.FilterStats``)."""
+    (the TMA kernel where the device has one); G is written in the input dtype, ``chunk_bytes`` at a time."""
     from .config import GRAD_CHUNK_BYTES
-    from .sparse import (TILE_N, TILE_V, FilterStats, filter_active, row_mass, sorted_vocabulary, sparse_dh,
-                         sparse_dw, tile_masses, uniform_terms)
 
     n, d = hidden.shape
     v = weight.shape[0]
     dev = hidden.device
-    filt = filter_eps > 0
-    if filt and softcap is not None:
-        raise ValueError("gradient filtering is not available with soft-cap; use filter_eps=0")
     cols = max(1, min(v, (chunk_bytes or GRAD_CHUNK_BYTES) // (max(n, 1) * hidden.element_size())))
-    unit = max(config.block_v if config.tma else 1, TILE_V if filt else 1)
+    unit = config.block_v if config.tma else 1
     if cols < v:
         cols = max(unit, cols // unit * unit)  # whole tiles per chunk
     buf = torch.empty(n * cols, dtype=hidden.dtype, device=dev)
     dh_acc = torch.empty(n, d, dtype=torch.float32, device=dev) if need_dh else None
     dw = torch.empty(v, d, dtype=weight.dtype, device=dev) if need_dw else None
     db = torch.empty(v, dtype=torch.float32, device=dev) if (need_db and bias is not None) else None
-    w_mm, b_mm, t_mm, order = weight, bias, targets, None
-    if filt:
-        if sort_vocab:
-            order, w_mm, b_mm, t_mm = sorted_vocabulary(hidden, weight, bias, targets)
-        mw = mass_width(config)
-        mbuf = torch.empty(n * triton.cdiv(cols, mw), dtype=torch.float32, device=dev)
-        budget = filter_eps * row_mass(hidden, weight, bias, targets, lse, grad, smoothing, extra, zy)
-        u, rvec = uniform_terms(grad, smoothing, v, hidden, need_dw)
-        stats = FilterStats(n, dev)
     for c0 in range(0, v, cols):
         c1 = min(v, c0 + cols)
         g = buf[: n * (c1 - c0)].view(n, c1 - c0)
-        mass = mbuf[: n * triton.cdiv(c1 - c0, mw)].view(n, -1) if filt else None
         # the kernels compare targets with local column indices; ignored rows (-1) stay negative
-        write_grad_logits(config, hidden, w_mm[c0:c1], b_mm[c0:c1] if b_mm is not None else None, t_mm - c0,
-                          lse, grad, smoothing, extra, g, v, softcap, mass=mass)
-        if not filt:
-            add_column_chunk_gradients(g, hidden, weight[c0:c1], dh_acc, dw[c0:c1] if need_dw else None,
-                                       db[c0:c1] if db is not None else None, first=c0 == 0)
-            continue
-        tm = tile_masses(mass, mw)
-        tgt = torch.div(t_mm - c0, TILE_V, rounding_mode="floor")  # outside this chunk: no tile of it
-        plan = filter_active(tm, tgt, budget * ((c1 - c0) / v), TILE_N, stats)
-        if need_dh:
-            sparse_dh(g, w_mm[c0:c1], plan, dh_acc, accumulate=c0 > 0)
-        if need_dw:
-            if order is None:
-                sparse_dw(g, hidden, plan, dw[c0:c1], first=True, rvec=rvec)
-            else:
-                sparse_dw(g, hidden, plan, dw, first=True, rvec=rvec, perm=order[c0:c1])
-        if db is not None:
-            db[c0:c1] = g.sum(0, dtype=torch.float32) - u.sum()
-    if filt:
-        if need_dh:
-            dh_acc -= u[:, None] * weight.sum(0, dtype=torch.float32)[None, :]
-        if db is not None and order is not None:
-            db = torch.empty_like(db).index_copy_(0, order, db)
-        if info is not None:
-            info.update(stats.finish(budget, filter_eps, sorted=order is not None))
+        write_grad_logits(config, hidden, weight[c0:c1], bias[c0:c1] if bias is not None else None, targets - c0,
+                          lse, grad, smoothing, extra, g, v, softcap)
+        add_column_chunk_gradients(g, hidden, weight[c0:c1], dh_acc, dw[c0:c1] if need_dw else None,
+                                   db[c0:c1] if db is not None else None, first=c0 == 0)
     return (dh_acc.to(hidden.dtype) if need_dh else None), dw, db

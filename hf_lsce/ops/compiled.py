@@ -10,8 +10,8 @@ body (the same kernels, chosen by the same code) when the compiled graph runs:
 * ``hf_lsce::token_losses``: per-token smoothed losses and statistics from the forward kernels (no gradient work);
   differentiable through ``torch.library.register_autograd``;
 * ``hf_lsce::token_loss_gradients``: its backward: dh, dW, db of ``sum_n g_n loss_n`` (``g`` the upstream gradient of
-  the per-token losses) by the training path the eager op would take (two-pass, one-pass with its gradient
-  filtering, or the low-memory path), and the recomputing dense backward when the lse output has a gradient;
+  the per-token losses) by the training path the eager op would take (fused, two-pass, one-pass or the
+  low-memory path), and the recomputing dense backward when the lse output has a gradient;
 * ``hf_lsce::reduced_training_loss``: a reduced training loss (the Trainer's: sum / ``num_items_in_batch``) without
   an lse output: as eagerly, its forward runs the training path and returns the gradients of the loss with the
   statistics; its backward multiplies them by the upstream scalar (a traced element-wise op), so the one-pass path
@@ -31,6 +31,8 @@ import torch
 from torch import Tensor
 
 from .checks import check_device_values
+from .dispatch import forward_stats
+from .paths import loss_gradients, notify_training_call, statistics_and_gradients, token_loss_terms, training_options
 
 
 def compiling() -> bool:
@@ -60,13 +62,10 @@ def _stats_dtype(hidden: Tensor) -> torch.dtype:
 
 @torch.library.custom_op("hf_lsce::token_losses", mutates_args=())
 def token_losses(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, smoothing: Tensor,
-                 softcap: Optional[float], backend: str, z_loss: float, need_stats: bool, filter_eps: float,
-                 sort_vocab: bool, memory: str, accum_dtype: Optional[torch.dtype], one_pass: bool,
-                 training: bool, observed_smoothing: Optional[float]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                 softcap: Optional[float], backend: str, z_loss: float, need_stats: bool, memory: str,
+                 accum_dtype: Optional[torch.dtype], one_pass: bool, training: bool,
+                 observed_smoothing: Optional[float]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(per-token loss, lse, argmax, nll, entropy); ignored tokens (target < 0) have loss and nll 0."""
-    from .dispatch import forward_stats
-    from .linear_cross_entropy import notify_training_call, token_loss_terms
-
     n = hidden.shape[0]
     if n == 0:
         e = torch.zeros(0, dtype=_stats_dtype(hidden), device=hidden.device)
@@ -79,8 +78,8 @@ def token_losses(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets
 
 
 @token_losses.register_fake
-def _(hidden, weight, bias, targets, smoothing, softcap, backend, z_loss, need_stats, filter_eps, sort_vocab, memory,
-      accum_dtype, one_pass, training, observed_smoothing):
+def _(hidden, weight, bias, targets, smoothing, softcap, backend, z_loss, need_stats, memory, accum_dtype, one_pass,
+      training, observed_smoothing):
     n, dt = hidden.shape[0], _stats_dtype(hidden)
     return (hidden.new_empty(n, dtype=dt), hidden.new_empty(n, dtype=dt), hidden.new_empty(n, dtype=torch.long),
             hidden.new_empty(n, dtype=dt), hidden.new_empty(n, dtype=dt))
@@ -89,14 +88,10 @@ def _(hidden, weight, bias, targets, smoothing, softcap, backend, z_loss, need_s
 @torch.library.custom_op("hf_lsce::token_loss_gradients", mutates_args=())
 def token_loss_gradients(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, lse: Tensor,
                          smoothing: Tensor, grad: Tensor, grad_lse: Optional[Tensor], softcap: Optional[float],
-                         backend: str, z_loss: float, filter_eps: float, sort_vocab: bool, memory: str,
-                         accum_dtype: Optional[torch.dtype], one_pass: bool, need_dh: bool, need_dw: bool,
-                         need_db: bool) -> tuple[Tensor, Tensor, Tensor]:
+                         backend: str, z_loss: float, memory: str, accum_dtype: Optional[torch.dtype],
+                         one_pass: bool, need_dh: bool, need_dw: bool, need_db: bool) -> tuple[Tensor, Tensor, Tensor]:
     """(dh, dw, db) of ``sum_n grad_n loss_n + grad_lse_n lse_n``; an output not needed is an empty tensor."""
-    from .linear_cross_entropy import loss_gradients, training_options
-
-    opts = training_options(hidden, weight, softcap, backend, z_loss, filter_eps, sort_vocab, memory, accum_dtype,
-                            one_pass)
+    opts = training_options(hidden, weight, softcap, backend, z_loss, memory, accum_dtype, one_pass)
     need_db = need_db and bias is not None
     dh, dw, db = loss_gradients(hidden, weight, bias, targets, lse, smoothing, grad, grad_lse, opts, one_pass,
                                 need_dh, need_dw, need_db)
@@ -106,35 +101,35 @@ def token_loss_gradients(hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
 
 
 @token_loss_gradients.register_fake
-def _(hidden, weight, bias, targets, lse, smoothing, grad, grad_lse, softcap, backend, z_loss, filter_eps, sort_vocab,
-      memory, accum_dtype, one_pass, need_dh, need_dw, need_db):
+def _(hidden, weight, bias, targets, lse, smoothing, grad, grad_lse, softcap, backend, z_loss, memory, accum_dtype,
+      one_pass, need_dh, need_dw, need_db):
     empty = hidden.new_empty(0)
     return (torch.empty_like(hidden) if need_dh else empty, torch.empty_like(weight) if need_dw else empty,
             torch.empty_like(bias) if need_db and bias is not None else empty)
 
 
 def _setup_context(ctx, inputs, output):
-    (hidden, weight, bias, targets, smoothing, softcap, backend, z_loss, _, filter_eps, sort_vocab, memory,
-     accum_dtype, one_pass, _, _) = inputs
+    (hidden, weight, bias, targets, smoothing, softcap, backend, z_loss, _, memory, accum_dtype, one_pass, _,
+     _) = inputs
     lse = output[1]
     ctx.save_for_backward(hidden, weight, bias, targets, smoothing, lse)
-    ctx.options = (softcap, backend, z_loss, filter_eps, sort_vocab, memory, accum_dtype, one_pass)
+    ctx.options = (softcap, backend, z_loss, memory, accum_dtype, one_pass)
     ctx.mark_non_differentiable(output[2], output[3], output[4])
 
 
 def _backward(ctx, grad_loss, grad_lse, *unused):
     hidden, weight, bias, targets, smoothing, lse = ctx.saved_tensors
-    softcap, backend, z_loss, filter_eps, sort_vocab, memory, accum_dtype, one_pass = ctx.options
+    softcap, backend, z_loss, memory, accum_dtype, one_pass = ctx.options
     need_dh, need_dw, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
     if grad_loss is None and grad_lse is None:
-        return (None,) * 16
+        return (None,) * 14
     grad = torch.zeros_like(lse) if grad_loss is None else grad_loss
     grad = torch.where(targets >= 0, grad.to(lse.dtype), torch.zeros_like(lse))
     dh, dw, db = token_loss_gradients(hidden, weight, bias, targets, lse, smoothing, grad.contiguous(),
                                       None if grad_lse is None else grad_lse.to(lse.dtype).contiguous(), softcap,
-                                      backend, z_loss, filter_eps, sort_vocab, memory, accum_dtype, one_pass,
-                                      need_dh, need_dw, need_db and bias is not None)
-    return (dh if need_dh else None, dw if need_dw else None, db if need_db and bias is not None else None) + (None,) * 13
+                                      backend, z_loss, memory, accum_dtype, one_pass, need_dh, need_dw,
+                                      need_db and bias is not None)
+    return (dh if need_dh else None, dw if need_dw else None, db if need_db and bias is not None else None) + (None,) * 11
 
 
 torch.library.register_autograd("hf_lsce::token_losses", _backward, setup_context=_setup_context)
@@ -143,15 +138,12 @@ torch.library.register_autograd("hf_lsce::token_losses", _backward, setup_contex
 @torch.library.custom_op("hf_lsce::reduced_training_loss", mutates_args=())
 def reduced_training_loss(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, smoothing: Tensor,
                           token_weight: Tensor, denom: Optional[Tensor], softcap: Optional[float], backend: str,
-                          z_loss: float, need_stats: bool, filter_eps: float, sort_vocab: bool, memory: str,
+                          z_loss: float, need_stats: bool, memory: str,
                           accum_dtype: Optional[torch.dtype], observed_smoothing: Optional[float], need_dh: bool,
                           need_dw: bool, need_db: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
                                                                  Tensor, Tensor]:
     """(loss = sum_n loss_n / denom, lse, argmax, nll, entropy, dh, dw, db), the gradients those of the loss; a
     gradient not needed is an empty tensor."""
-    from .linear_cross_entropy import (notify_training_call, statistics_and_gradients, token_loss_terms,
-                                       training_options)
-
     n, dt = hidden.shape[0], _stats_dtype(hidden)
     need_db = need_db and bias is not None
     empty = hidden.new_empty(0)
@@ -161,8 +153,8 @@ def reduced_training_loss(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]
                 torch.zeros_like(bias) if need_db else empty)
         return (torch.zeros((), dtype=dt, device=hidden.device), e, torch.zeros(0, dtype=torch.long,
                 device=hidden.device), e.clone(), e.clone(), *kept)
-    opts = training_options(hidden, weight, softcap, backend, z_loss, filter_eps, sort_vocab, memory, accum_dtype,
-                            True, need_stats=need_stats, reduce=True)
+    opts = training_options(hidden, weight, softcap, backend, z_loss, memory, accum_dtype, True,
+                            need_stats=need_stats, reduce=True)
     stats, (dh, dw, db) = statistics_and_gradients(hidden, weight, bias, targets, smoothing, token_weight, opts,
                                                    need_dh, need_dw, need_db)
     lse, zy, sz, argmax, entropy = stats
@@ -174,8 +166,8 @@ def reduced_training_loss(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]
 
 
 @reduced_training_loss.register_fake
-def _(hidden, weight, bias, targets, smoothing, token_weight, denom, softcap, backend, z_loss, need_stats, filter_eps,
-      sort_vocab, memory, accum_dtype, observed_smoothing, need_dh, need_dw, need_db):
+def _(hidden, weight, bias, targets, smoothing, token_weight, denom, softcap, backend, z_loss, need_stats, memory,
+      accum_dtype, observed_smoothing, need_dh, need_dw, need_db):
     n, dt = hidden.shape[0], _stats_dtype(hidden)
     empty = hidden.new_empty(0)
     return (hidden.new_empty((), dtype=dt), hidden.new_empty(n, dtype=dt), hidden.new_empty(n, dtype=torch.long),
@@ -194,24 +186,24 @@ def _backward_reduced(ctx, grad_loss, *unused):
     dh, dw, db = ctx.saved_tensors
     need_dh, need_dw, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
     if grad_loss is None:
-        return (None,) * 19
+        return (None,) * 17
     g = grad_loss.reshape(()).float()
 
     def scaled(t):
         return (t.float() * g).to(t.dtype)
 
     return (scaled(dh) if need_dh else None, scaled(dw) if need_dw else None,
-            scaled(db) if need_db and ctx.has_bias else None) + (None,) * 16
+            scaled(db) if need_db and ctx.has_bias else None) + (None,) * 14
 
 
 torch.library.register_autograd("hf_lsce::reduced_training_loss", _backward_reduced, setup_context=_setup_reduced)
 
 
 def reduced_loss(hidden, weight, bias, targets, smoothing, token_weight, denom, softcap, backend, z_loss, need_stats,
-                 filter_eps, sort_vocab, memory, accum_dtype, observed_smoothing):
+                 memory, accum_dtype, observed_smoothing):
     """``reduced_training_loss`` with the gradients it needs read from ``requires_grad``: (loss, lse, argmax, nll,
     entropy)."""
     out = reduced_training_loss(hidden, weight, bias, targets, smoothing, token_weight, denom, softcap, backend,
-                                z_loss, need_stats, filter_eps, sort_vocab, memory, accum_dtype, observed_smoothing,
+                                z_loss, need_stats, memory, accum_dtype, observed_smoothing,
                                 hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
     return out[:5]

@@ -33,7 +33,7 @@ once and no ``V x D`` fp32 buffer is written, read back and cast (at the Gemma2-
 7 ms of 49). Otherwise rows are processed ``FUSED_CHUNK_BYTES`` of R at a time (so memory does not grow with N);
 dW is accumulated across chunks in fp32 (``4 V D`` bytes, one rounding at the end, where the rank-one smoothing
 term is also subtracted). bf16 only (fp16's range cannot hold R); not with soft-cap (its derivative is not a factor
-per row), z-loss or gradient filtering: those take the other training paths.
+per row) or z-loss: those take the other training paths.
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ import triton.language as tl
 
 from .config import interpreting
 from .forward import _dot, _finish_logits, _init_state, _split_bounds, _tile_sums, tma_ready
-from .train_pass import _addmm_f32, _mm_f32
+from .matmul import addmm_f32, mm_f32
 
 # c_n = mean logit + C_SHIFT; a row whose max exceeds c_n by more than R_EXP_MAX is redone with c_n = its max.
 C_SHIFT = 24.0
@@ -109,11 +109,11 @@ def _exp_tiles_tma_kernel(
         tl.store(AM_OUT + out, am, mask=mask_n)
 
 
-def supported(hidden, weight, softcap, z_loss, filter_eps, config) -> bool:
-    """Whether the fused path can run these inputs: bf16 (a bias has hidden's dtype: the op's validation), no soft-cap,
-    z-loss or filtering, and the TMA kernel's inputs (``forward.tma_ready``)."""
+def supported(hidden, weight, softcap, z_loss, config) -> bool:
+    """Whether the fused path can run these inputs: bf16 (a bias has hidden's dtype: the op's validation), no soft-cap
+    or z-loss, and the TMA kernel's inputs (``forward.tma_ready``)."""
     return (hidden.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and softcap is None and not z_loss
-            and not filter_eps and tma_ready(config, hidden, weight))
+            and tma_ready(config, hidden, weight))
 
 
 def _exp_tiles(config, h, weight, bias, targets, c, r, stats: bool, flag=None, bufs=None, descs=None):
@@ -380,17 +380,17 @@ def triton_fused_pass(hidden, weight, bias, targets, smoothing, scale, config, n
             STATS=need_stats, GRAD=grad, SCALE_H=need_dw, BLOCK_R=br, BLOCK_D=bd, num_warps=warps)
         if need_dh:
             t = dh32[:nr]
-            _mm_f32(r, weight, t)
+            mm_f32(r, weight, t)
             _dh_rows_kernel[grid](t, a, u, colsum, dh[s0:e0], nr, d, t.stride(0), dh.stride(0), BLOCK_R=br,
                                   BLOCK_D=bd, num_warps=warps)
         if need_dw and not direct:
             if s0 == 0:
-                _mm_f32(r.T, hs[:nr], dw32)
+                mm_f32(r.T, hs[:nr], dw32)
             else:
-                _addmm_f32(dw32, r.T, hs[:nr])
+                addmm_f32(dw32, r.T, hs[:nr])
         if db is not None:
             db_chunk = torch.empty(v, 1, **f32)
-            _mm_f32(r.T, a.to(r.dtype)[:, None], db_chunk)
+            mm_f32(r.T, a.to(r.dtype)[:, None], db_chunk)
             db += db_chunk[:, 0]
     dw = None
     if direct:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -21,7 +20,9 @@ import torch.nn.functional as F
 
 from .checks import _check_num_items, check_device_values
 from .compiled import check_values, compiling, reduced_loss, token_losses
-from .dispatch import dense_backward, forward_stats
+from .dispatch import forward_stats
+from .paths import (MEMORY_MODES, Options, loss_gradients, notify_training_call, recompute_kept,
+                    statistics_and_gradients, token_loss_terms, training_options, use_train_pass)
 
 _REDUCTIONS = ("mean", "sum", "none")
 _BACKENDS = ("auto", "triton", "torch")
@@ -70,17 +71,8 @@ def _resolve_backend(backend: str, device: torch.device) -> str:
 _INT64 = (-(2 ** 63), 2 ** 63 - 1)
 
 
-def validate_filter_eps(filter_eps) -> None:
-    """``filter_eps``: 'auto' or a finite number >= 0 (the share of each token's gradient mass filtering may drop)."""
-    if filter_eps != "auto":
-        if isinstance(filter_eps, bool) or not isinstance(filter_eps, numbers.Real) or not (
-                math.isfinite(float(filter_eps)) and filter_eps >= 0):
-            raise ValueError(f"filter_eps must be 'auto' or a finite number >= 0 (the share of each token's gradient "
-                             f"mass that gradient filtering may drop, e.g. 2**-6), got {filter_eps!r}.")
-
-
 def _validate(hidden, weight, targets, bias, label_smoothing, ignore_index, reduction, softcap,
-              num_items_in_batch, backend, filter_eps, shift=False, return_stats=False):
+              num_items_in_batch, backend, shift=False, return_stats=False):
     """Check every argument but the values that live on the device (``checks.py``); raise
     ValueError / TypeError naming the argument, before any work."""
     if not isinstance(hidden, torch.Tensor):
@@ -142,7 +134,6 @@ def _validate(hidden, weight, targets, bias, label_smoothing, ignore_index, redu
         if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not (
                 math.isfinite(float(softcap)) and softcap > 0):
             raise ValueError(f"softcap must be None or a finite positive number, got {softcap!r}.")
-    validate_filter_eps(filter_eps)
     if num_items_in_batch is not None:
         if reduction == "none":
             raise ValueError("num_items_in_batch divides the summed loss; it cannot be used with reduction='none'.")
@@ -189,24 +180,6 @@ def divide_summed_loss(total: torch.Tensor, num_items_in_batch, valid_count: tor
     return total / loss_denominator(num_items_in_batch, valid_count, total.dtype)
 
 
-@dataclass(frozen=True)
-class _Options:
-    """How the op runs (resolved by ``linear_cross_entropy``)."""
-
-    softcap: float | None
-    backend: str
-    filter_eps: float = 0.0
-    sort_vocab: bool = False
-    z_loss: float = 0.0
-    memory: str = "fast"
-    accum_dtype: torch.dtype | None = None
-    need_stats: bool = False
-    # training: "one-pass" (train_pass), "two-pass" (_two_pass_gradients) or "fused" (fused_pass)
-    path: str = "one-pass"
-    reduce: bool = False  # the first output is the reduced loss (sum / denom), not per-token losses
-    free_bytes: int | None = None  # CUDA's free memory when memory="auto" resolved (the fused path's layout)
-
-
 class _LinearCrossEntropy(torch.autograd.Function):
     """Smoothed losses of 2-D inputs: the reduced loss ``sum_n loss_n / denom`` (``opts.reduce``; ``denom`` None:
     the plain sum) or the per-token losses.
@@ -221,7 +194,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, smoothing, token_weight, denom, opts: _Options):
+    def forward(ctx, hidden, weight, bias, targets, smoothing, token_weight, denom, opts: Options):
         n, v = hidden.shape[0], weight.shape[0]
         valid = targets >= 0
         ctx.kept = None
@@ -266,8 +239,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if kept_path and kept is None:
             # A second backward through the same graph (retain_graph=True): the first took the gradients the
             # forward kept. Compute them again the same way (deterministic), so every backward agrees.
-            kept = _recompute_kept(hidden, weight, bias, targets, smoothing, token_weight, lse, opts,
-                                   need_dh, need_dw, need_db and bias is not None)
+            kept = recompute_kept(hidden, weight, bias, targets, smoothing, token_weight, lse, opts,
+                                  need_dh, need_dw, need_db and bias is not None)
         if kept_path and opts.reduce:  # grad_loss is the upstream scalar (not None: see above)
             from .train_pass import scale_by
 
@@ -296,127 +269,6 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 db.to(bias.dtype) if need_db and db is not None else None) + none7
 
 
-def statistics_and_gradients(hidden, weight, bias, targets, smoothing, token_weight, opts, need_dh, need_dw,
-                             need_db):
-    """The training paths' forward: (statistics, (dh, dw, db) of ``sum_n token_weight_n loss_n``) by the path
-    ``opts`` names (low-memory, fused, two-pass, or the one-pass ``train_pass``)."""
-    from .train_pass import triton_train_pass
-
-    if opts.path == "fused":
-        return _fused_gradients(hidden, weight, bias, targets, smoothing, token_weight, opts, need_dh, need_dw, need_db)
-    if opts.memory == "low":
-        stats = forward_stats(hidden, weight, bias, targets, opts.softcap, opts.backend, stats=True)
-        return stats, _low_memory_gradients(hidden, weight, bias, targets, smoothing, token_weight, stats, opts,
-                                            need_dh, need_dw, need_db)
-    if opts.path == "two-pass":
-        stats = forward_stats(hidden, weight, bias, targets, opts.softcap, opts.backend, stats=opts.need_stats)
-        return stats, _two_pass_gradients(hidden, weight, bias, targets, smoothing, token_weight, stats[0], opts,
-                                          need_dh, need_dw, need_db, zy=stats[1])
-    stats, dh, dw, db = triton_train_pass(
-        hidden, weight, bias, targets, smoothing, token_weight, opts.softcap, need_dh=need_dh, need_dw=need_dw,
-        need_db=need_db, z_loss=opts.z_loss, filter_eps=opts.filter_eps, sort_vocab=opts.sort_vocab,
-        accum_dtype=opts.accum_dtype)
-    return stats, (dh, dw, db)
-
-
-def token_loss_terms(lse, zy, sz, smoothing, valid, vocab_size: int, z_loss: float):
-    """(per-token smoothed loss, nll) from the forward statistics; 0 where ``valid`` is False."""
-    b = smoothing.to(lse.dtype)
-    per = lse - (1.0 - b) * zy - b * sz / vocab_size
-    if z_loss:
-        per = per + z_loss * lse * lse
-    zero = torch.zeros_like(lse)
-    return torch.where(valid, per, zero), torch.where(valid, lse - zy, zero)
-
-
-def loss_gradients(hidden, weight, bias, targets, lse, smoothing, grad, grad_lse, opts, training_path: bool,
-                   need_dh, need_dw, need_db):
-    """(dh, dw, db) of ``sum_n grad_n loss_n (+ grad_lse_n lse_n)``, exact up to ``opts.filter_eps``:
-    ``training_path`` (and no lse gradient) by the training path ``opts`` names (two-pass, one-pass, low-memory),
-    with ``grad`` as the token weights; otherwise the recomputing dense backward (exact)."""
-    if training_path and grad_lse is None:
-        return _recompute_kept(hidden, weight, bias, targets, smoothing, grad.float(), lse, opts, need_dh, need_dw,
-                               need_db)
-    extra = None
-    if opts.z_loss or grad_lse is not None:  # extra_n p_n on the logits' gradient
-        extra = torch.zeros_like(grad, dtype=torch.float32)
-        if opts.z_loss:
-            extra = extra + grad.float() * (2.0 * opts.z_loss) * lse.float()
-        if grad_lse is not None:
-            extra = extra + grad_lse.float()
-        extra = extra.contiguous()
-    return dense_backward(hidden, weight, bias, targets, lse, grad.float().contiguous(),
-                          smoothing.float().contiguous(), opts.softcap, opts.backend, need_dh=need_dh,
-                          need_dw=need_dw, extra=extra)
-
-
-def _fused_gradients(hidden, weight, bias, targets, smoothing, token_weight, opts, need_dh, need_dw, need_db):
-    """The fused training path (``fused_pass``): statistics and gradients from one logits pass whose kernel stores
-    the shifted exponentials; ``(stats, (dh, dw, db))``."""
-    from .config import forward_config
-    from .fused_pass import triton_fused_pass
-
-    stats, dh, dw, db = triton_fused_pass(hidden, weight, bias, targets, smoothing, token_weight,
-                                          forward_config(hidden.dtype, hidden.device), need_dh=need_dh,
-                                          need_dw=need_dw, need_db=need_db, need_stats=opts.need_stats,
-                                          free_bytes=opts.free_bytes)
-    return stats, (dh, dw, db)
-
-
-def _two_pass_gradients(hidden, weight, bias, targets, smoothing, token_weight, lse, opts, need_dh, need_dw, need_db,
-                        chunk_bytes=None, zy=None):
-    """The two-pass training path's gradients of ``sum_n token_weight_n loss_n``, given the forward kernel's lse:
-    the logits recomputed tile by tile on chip, G = dL/dz written in the input dtype a chunk of vocabulary columns
-    at a time (``chunk_bytes``, default 1 GiB), dW (one rounding) and dh (fp32 accumulator) from cuBLAS
-    (``backward.triton_gradients_by_columns``). One more logits matmul than the one-pass path, but no fp32 logits in
-    memory: where D is small the fp32 traffic, not the matmuls, sets the one-pass path's time."""
-    from .backward import triton_gradients_by_columns
-    from .config import grad_logits_config
-
-    extra = token_weight * (2.0 * opts.z_loss) * lse if opts.z_loss else None
-    return triton_gradients_by_columns(hidden, weight, bias, targets, lse, token_weight, smoothing, opts.softcap,
-                                       grad_logits_config(hidden.dtype, hidden.device), need_dh=need_dh,
-                                       need_dw=need_dw, need_db=need_db, chunk_bytes=chunk_bytes, extra=extra,
-                                       filter_eps=opts.filter_eps, sort_vocab=opts.sort_vocab, zy=zy)
-
-
-def _low_memory_gradients(hidden, weight, bias, targets, smoothing, token_weight, stats, opts, need_dh, need_dw,
-                          need_db):
-    """``memory="low"``: vocabulary-column chunks of ``LOW_MEMORY_CHUNK_BYTES``. Where the TMA G kernel runs, the
-    two-pass path's computation with small chunks (logits recomputed on chip, no fp32 logits); elsewhere the
-    cuBLAS fp32-logits chunks of ``train_pass.triton_train_pass_low_memory``."""
-    from .config import LOW_MEMORY_CHUNK_BYTES, grad_logits_config
-    from .forward import tma_ready
-    from .train_pass import triton_train_pass_low_memory
-
-    if tma_ready(grad_logits_config(hidden.dtype, hidden.device), hidden, weight):
-        return _two_pass_gradients(hidden, weight, bias, targets, smoothing, token_weight, stats[0], opts, need_dh,
-                                   need_dw, need_db, chunk_bytes=LOW_MEMORY_CHUNK_BYTES)
-    return triton_train_pass_low_memory(hidden, weight, bias, targets, smoothing, token_weight, opts.softcap, stats,
-                                        need_dh=need_dh, need_dw=need_dw, need_db=need_db, z_loss=opts.z_loss)
-
-
-def _recompute_kept(hidden, weight, bias, targets, smoothing, token_weight, lse, opts, need_dh, need_dw, need_db):
-    """The one-pass gradients again, by the same computation as the forward's (for a second backward)."""
-    from .train_pass import triton_train_pass
-
-    if opts.path == "fused":
-        return _fused_gradients(hidden, weight, bias, targets, smoothing, token_weight, opts, need_dh, need_dw,
-                                need_db)[1]
-    if opts.path == "two-pass":
-        return _two_pass_gradients(hidden, weight, bias, targets, smoothing, token_weight, lse, opts, need_dh, need_dw,
-                                   need_db)
-
-    if opts.memory == "low":
-        return _low_memory_gradients(hidden, weight, bias, targets, smoothing, token_weight, (lse,), opts, need_dh,
-                                     need_dw, need_db)
-    _, dh, dw, db = triton_train_pass(hidden, weight, bias, targets, smoothing, token_weight, opts.softcap,
-                                      need_dh=need_dh, need_dw=need_dw, need_db=need_db, z_loss=opts.z_loss,
-                                      filter_eps=opts.filter_eps, sort_vocab=opts.sort_vocab,
-                                      accum_dtype=opts.accum_dtype)
-    return dh, dw, db
-
-
 def _uniform_ratio(grad: torch.Tensor, token_weight: torch.Tensor) -> float | None:
     """c if ``grad == c * token_weight`` on every token of non-zero weight, else None (one host sync)."""
     sel = token_weight != 0
@@ -430,136 +282,18 @@ def _uniform_ratio(grad: torch.Tensor, token_weight: torch.Tensor) -> float | No
     return lo if lo == hi else None
 
 
-# Gradient filtering chosen by filter_eps="auto" (CUDA, half precision, V >= AUTO_FILTER_MIN_VOCAB, no soft-cap).
-# Off (0) until measured faster than the exact path on real inputs: see docs/how_it_works.md.
-AUTO_FILTER_EPS = 0.0
-AUTO_FILTER_MIN_VOCAB = 16384
-_MEMORY = ("auto", "fast", "low")
-
-
-def _use_train_pass(hidden, weight, bias, backend) -> bool:
-    """The one-pass training path: Triton backend, gradients needed, and fp32 logits obtainable from cuBLAS
-    (see ``train_pass.supported``)."""
-    if backend != "triton" or hidden.shape[0] == 0:
-        return False
-    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))):
-        return False
-    from .train_pass import supported
-
-    return supported(hidden)
-
-
-def _train_path(hidden, weight, softcap, z_loss, filter_eps, accum_dtype, free_bytes=None) -> str:
-    """The training path. On CUDA the fused path where it can run (bf16, the TMA kernel, no soft-cap, z-loss or
-    filtering: ``fused_pass.supported``) and is preferred (``fused_pass.preferred``: up to hidden size
-    ``config.TWO_PASS_MAX_D``, and above it where dW is written by one matmul); else, up to that D, the two-pass path
-    (with dW accumulated in the weight's dtype: it is written once per row there); above it, and off CUDA, the
-    one-pass path. ``free_bytes``: CUDA's free memory (``memory="auto"``), which the direct layout must fit.
-    ``config.TRAIN_PATH`` forces a path where it can run. Measured: see docs/how_it_works.md ("Fused training
-    path")."""
-    from . import config
-    from .fused_pass import preferred
-    from .fused_pass import supported as fused_supported
-
-    cfg = config.forward_config(hidden.dtype, hidden.device) if hidden.is_cuda or config.interpreting() else None
-    can = {"fused": cfg is not None and fused_supported(hidden, weight, softcap, z_loss, filter_eps, cfg),
-           "two-pass": accum_dtype in (None, weight.dtype), "one-pass": True}
-    if config.TRAIN_PATH is not None and can[config.TRAIN_PATH]:
-        return config.TRAIN_PATH
-    if not hidden.is_cuda:
-        return "one-pass"
-    (n, d), v = hidden.shape, weight.shape[0]
-    if can["fused"] and preferred(n, v, d, weight.requires_grad, free_bytes):
-        return "fused"
-    if d <= config.TWO_PASS_MAX_D and can["two-pass"]:
-        return "two-pass"
-    return "one-pass"
-
-
-def _validate_options(z_loss, return_lse, memory, accum_dtype, sort_vocab, weight, process_group) -> None:
+def _validate_options(z_loss, return_lse, memory, accum_dtype, weight, process_group) -> None:
     if isinstance(z_loss, bool) or not isinstance(z_loss, numbers.Real) or not (
             math.isfinite(float(z_loss)) and z_loss >= 0):
         raise ValueError(f"z_loss must be a finite number >= 0 (the coefficient of lse^2), got {z_loss!r}.")
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be True or False, got {return_lse!r}.")
-    if not isinstance(memory, str) or memory not in _MEMORY:
-        raise ValueError(f"memory must be one of {_MEMORY}, got {memory!r}.")
+    if not isinstance(memory, str) or memory not in MEMORY_MODES:
+        raise ValueError(f"memory must be one of {MEMORY_MODES}, got {memory!r}.")
     if accum_dtype is not None and accum_dtype not in (torch.float32, weight.dtype):
         raise ValueError(f"accum_dtype must be None, torch.float32 or the weight's dtype, got {accum_dtype!r}.")
-    if sort_vocab != "auto" and not isinstance(sort_vocab, bool):
-        raise TypeError(f"sort_vocab must be 'auto', True or False, got {sort_vocab!r}.")
-    if process_group is not None and (return_lse or memory == "low" or sort_vocab is True):
-        raise ValueError("return_lse, memory='low' and sort_vocab=True are not available with process_group.")
-
-
-def free_cuda_memory(device) -> int:
-    """Bytes new buffers can take on a CUDA device: the driver's free memory plus what torch's caching allocator holds
-    and does not use (a training loop keeps most of its memory reserved between steps). The allocator's counters come
-    from one nested-dict read: ``torch.cuda.memory_reserved``/``memory_allocated`` each flatten every statistic in
-    Python (together 1.0 ms of a 6.5 ms fused call under cProfile on the H100 machine, against 0.13 ms for this read:
-    benchmarks/experiments/host_overhead.py --cprofile-only --tokens 8192)."""
-    free, _ = torch.cuda.mem_get_info(device)
-    stats = torch.cuda.memory_stats_as_nested_dict(device)
-    if not stats:  # the allocator has not been initialised: nothing reserved
-        return free
-    return free + stats["reserved_bytes"]["all"]["current"] - stats["allocated_bytes"]["all"]["current"]
-
-
-def training_options(hidden, weight, softcap, backend, z_loss, filter_eps, sort_vocab, memory, accum_dtype,
-                     one_pass, need_stats=False, reduce=False) -> _Options:
-    """How a call runs, from the validated arguments (``filter_eps`` a number; ``sort_vocab`` resolved): the memory
-    mode (``"auto"`` resolved against CUDA's free memory, read once here) and, for training, the fused, two-pass or
-    one-pass path (the one-pass name also where the low-memory mode runs instead)."""
-    filter_eps = float(filter_eps)
-    free = None
-    if memory == "auto" and one_pass and hidden.device.type == "cuda":
-        free = free_cuda_memory(hidden.device)
-    path = _train_path(hidden, weight, softcap, z_loss, filter_eps, accum_dtype, free) if one_pass else "one-pass"
-    mem = _resolve_memory(memory, one_pass, hidden, weight, accum_dtype, sort_vocab, path, free)
-    return _Options(softcap=softcap, backend=backend, filter_eps=filter_eps if mem != "low" else 0.0,
-                    sort_vocab=sort_vocab and mem != "low", z_loss=float(z_loss), memory=mem, accum_dtype=accum_dtype,
-                    need_stats=need_stats, path=path if mem == "fast" else "one-pass", reduce=reduce, free_bytes=free)
-
-
-# Functions called with the smoothing factor (a float; None when per-token) by every call of the op that trains
-# (gradients wanted), when it runs: eagerly, and from the compiled graph's operator under torch.compile. The
-# patching's engagement record subscribes here, so a training step proves that the op itself ran.
-_TRAINING_CALL_OBSERVERS: list = []
-
-
-def observe_training_calls(fn) -> None:
-    """Call ``fn(label_smoothing)`` at every training call of the op (idempotent)."""
-    if fn not in _TRAINING_CALL_OBSERVERS:
-        _TRAINING_CALL_OBSERVERS.append(fn)
-
-
-def notify_training_call(label_smoothing) -> None:
-    for fn in list(_TRAINING_CALL_OBSERVERS):
-        fn(label_smoothing)
-
-
-def _resolve_memory(memory, one_pass, hidden, weight, accum_dtype, sort, path="one-pass", free=None) -> str:
-    """'auto': the low-memory path when CUDA's free memory (``free``, read by ``training_options``) cannot hold the
-    fast path's buffers."""
-    if memory != "auto":
-        return memory
-    if not one_pass or hidden.device.type != "cuda":
-        return "fast"
-    from .config import MEMORY_HEADROOM, TRAIN_CHUNK_BYTES
-    from .fused_pass import extra_memory
-
-    n, (v, d) = hidden.shape[0], weight.shape
-    if path == "fused":  # R (every row, if it fits; else a chunk and dW's fp32 accumulator)
-        need = extra_memory(n, v, d, weight.requires_grad, free)
-    else:
-        need = min(n, max(1, TRAIN_CHUNK_BYTES // (v * 4))) * v * 4  # one chunk of fp32 logits
-    if sort:
-        need += v * d * weight.element_size()  # the sorted copy of W
-    if accum_dtype == torch.float32 and weight.dtype != torch.float32 and path != "fused":
-        need += v * d * 4
-    if free is None:
-        free = free_cuda_memory(hidden.device)
-    return "low" if free < MEMORY_HEADROOM * need else "fast"
+    if process_group is not None and (return_lse or memory == "low"):
+        raise ValueError("return_lse and memory='low' are not available with process_group.")
 
 
 def linear_cross_entropy(
@@ -576,13 +310,11 @@ def linear_cross_entropy(
     num_items_in_batch: int | torch.Tensor | None = None,
     return_stats: bool = False,
     backend: str = "auto",
-    filter_eps: float | str = "auto",
     process_group=None,
     z_loss: float = 0.0,
     return_lse: bool = False,
     memory: str = "auto",
     accum_dtype: torch.dtype | None = None,
-    sort_vocab: bool | str = "auto",
 ):
     """Label-smoothed cross-entropy of ``hidden @ weight.T (+ bias)`` without materialising logits.
 
@@ -607,19 +339,13 @@ def linear_cross_entropy(
         return_stats: also return :class:`LCEStats` (per-token lse, argmax, nll, entropy, valid; no gradient).
         backend: ``"auto"`` (Triton kernels on CUDA, chunked torch elsewhere), ``"triton"``
             (also on CPU under ``TRITON_INTERPRET=1``) or ``"torch"``.
-        filter_eps: gradient filtering in training, with a per-row bound: each token's gradient with respect to
-            the logits (its softmax and target terms; the smoothing's uniform term stays exact) may lose at most
-            ``filter_eps`` of its L1 mass, in tiles of 64 rows x 128 vocabulary columns skipped by the products
-            that give dh and dW. ``"auto"``: ``AUTO_FILTER_EPS`` (currently 0: off, exact gradients). Not with
-            soft-cap. Measured errors and skip fractions: docs/how_it_works.md. The Triton training paths only;
-            the torch backend and the recomputing backward ignore it.
         process_group: vocabulary-parallel (tensor-parallel) LM head. ``weight`` (and ``bias``) is
             this rank's contiguous shard of the vocabulary, shards in rank order (what
             ``ColwiseParallel`` / ``torch.chunk(dim=0)`` gives); ``hidden`` and ``targets`` (full
             vocabulary ids) are the same on every rank. The log-sum-exp, target logit and sum of
             logits are reduced across the group (max and sum all-reduces); every rank returns the
             full loss, ``dW`` is its shard's, and ``dhidden`` is all-reduced. ``return_stats``,
-            ``return_lse``, ``memory="low"`` and ``filter_eps > 0`` are not available with it.
+            ``return_lse`` and ``memory="low"`` are not available with it.
         z_loss: coefficient lam of the z-loss ``lam * lse^2`` added to each token's loss (PaLM; Liger's
             ``lse_square_scale``), with its gradient ``2 lam lse p``.
         return_lse: also return the per-token log-sum-exp (shape of targets, fp32), differentiable: a loss
@@ -634,8 +360,6 @@ def linear_cross_entropy(
             hold the fast path's buffers.
         accum_dtype: dtype of dW's accumulation across the training path's row chunks (``torch.float32``: an
             fp32 buffer of V x D, cast once at the end; default: the weight's dtype, one rounding per chunk).
-        sort_vocab: with filtering, sort the vocabulary by mean logit first (tokens likely everywhere share
-            tiles; more tiles are skippable). ``"auto"``: when filtering.
 
     Returns:
         The loss (float32; float64 for float64 inputs), then the stats if ``return_stats``, then the lse if
@@ -653,10 +377,10 @@ def linear_cross_entropy(
     if process_group is not None:
         from .vocab_parallel import vocab_shard
 
-        shard = vocab_shard(weight, process_group, return_stats, filter_eps)
+        shard = vocab_shard(weight, process_group, return_stats)
     _validate(hidden, weight, targets, bias, label_smoothing, ignore_index, reduction, softcap,
-              num_items_in_batch, backend, filter_eps, shift, return_stats)
-    _validate_options(z_loss, return_lse, memory, accum_dtype, sort_vocab, weight, process_group)
+              num_items_in_batch, backend, shift, return_stats)
+    _validate_options(z_loss, return_lse, memory, accum_dtype, weight, process_group)
     backend = _resolve_backend(backend, hidden.device)
     targets_given = targets
     v, d = weight.shape
@@ -694,20 +418,12 @@ def linear_cross_entropy(
     if bad is not None and torch.is_tensor(smoothing):
         b1 = b1.nan_to_num(0.0).clamp(0.0, 1.0)
 
-    one_pass = shard is None and _use_train_pass(h2, weight, bias, backend)
-    if filter_eps == "auto":
-        filter_eps = AUTO_FILTER_EPS if (one_pass and h2.device.type == "cuda" and v >= AUTO_FILTER_MIN_VOCAB
-                                         and softcap is None and h2.dtype in (torch.float16, torch.bfloat16)) else 0.0
-    filter_eps = float(filter_eps)
-    if softcap is not None and filter_eps > 0:
-        raise ValueError("filter_eps > 0 (gradient filtering) is not available with softcap: the row budget is "
-                         "computed without the cap. Leave filter_eps at 'auto' (off with softcap) or 0.")
-    sort = bool(filter_eps > 0 and (sort_vocab is True or sort_vocab == "auto"))
+    one_pass = shard is None and use_train_pass(h2, weight, bias, backend)
     reduce = reduction != "none"
     traced = compiling()
     if not traced:  # (traced: resolved by the operator when the graph runs)
-        opts = training_options(h2, weight, softcap, backend, z_loss, filter_eps, sort, memory, accum_dtype,
-                                one_pass, need_stats=return_stats, reduce=reduce)
+        opts = training_options(h2, weight, softcap, backend, z_loss, memory, accum_dtype, one_pass,
+                                need_stats=return_stats, reduce=reduce)
     training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (h2, weight, bias))
     observed_b = None if torch.is_tensor(label_smoothing) else float(label_smoothing)
 
@@ -729,11 +445,11 @@ def linear_cross_entropy(
             token_weight = valid1.float() if denom is None else valid1.float() / denom
             loss, lse, argmax, nll, entropy = reduced_loss(
                 h2, weight, bias, t1, b1, token_weight, denom, softcap, backend, float(z_loss), return_stats,
-                filter_eps, sort, memory, accum_dtype, observed_b)
+                memory, accum_dtype, observed_b)
         elif traced:
             loss, lse, argmax, nll, entropy = token_losses(
-                h2, weight, bias, t1, b1, softcap, backend, float(z_loss), return_stats, filter_eps, sort, memory,
-                accum_dtype, one_pass, training, observed_b)
+                h2, weight, bias, t1, b1, softcap, backend, float(z_loss), return_stats, memory, accum_dtype,
+                one_pass, training, observed_b)
             if reduce:
                 loss = loss.sum() if denom is None else loss.sum() / denom
             else:

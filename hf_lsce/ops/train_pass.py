@@ -16,10 +16,7 @@ with N):
    (1/#valid for the mean, 0 where ignored). G is stored in the input dtype *in place over Z*: element v of row
    n goes to byte ``4 V n + size * v``, which only overwrites values of that row already read by every warp
    (a barrier per block makes sure). A 2-byte G is then a (rows, V) view of row stride 2V.
-3. cuBLAS: ``dh_chunk = G @ W`` and ``dW += G^T h_chunk`` (and ``db += sum_n G``); with gradient filtering
-   (``filter_eps > 0``) the two products run over the tiles of G that matter instead (``sparse.py``), G is
-   written without the uniform term ``-s_n b_n / V`` (applied exactly as a rank-one correction), and the
-   vocabulary may be sorted by mean logit first so that negligible tiles are more often entirely negligible.
+3. cuBLAS: ``dh_chunk = G @ W`` and ``dW += G^T h_chunk`` (and ``db += sum_n G``).
 
 The autograd function keeps dh and dW until backward, which only scales them by the upstream
 gradient (a no-op for the usual 1). The statistics are those of the forward kernel.
@@ -38,7 +35,7 @@ import triton.language as tl
 from .backward import add_chunk_gradients, add_column_chunk_gradients
 from .config import LOW_MEMORY_CHUNK_BYTES, TRAIN_CHUNK_BYTES, interpreting
 from .forward import _tanh
-from .sparse import TILE_N, TILE_V, FilterStats, filter_active, sorted_vocabulary, sparse_dh, sparse_dw, uniform_terms
+from .matmul import addmm_f32, mm_f32
 
 
 @triton.jit
@@ -56,11 +53,11 @@ def _logit_grad(z, is_target, lse, p_mult, uniform, b, softcap, SOFTCAP: tl.cons
 
 @triton.jit
 def _lce_rows_kernel(
-    Z, BIAS, Y, SMOOTH, SCALE, G, MASS,
+    Z, BIAS, Y, SMOOTH, SCALE, G,
     LSE_OUT, ZY_OUT, SZ_OUT, AM_OUT, ENT_OUT,
-    V, stride_z, stride_g, stride_t, softcap, inv_v, z_loss,
-    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, WRITE_G: tl.constexpr, SPARSE: tl.constexpr,
-    HAS_ZLOSS: tl.constexpr, TV: tl.constexpr, BLOCK: tl.constexpr,
+    V, stride_z, stride_g, softcap, inv_v, z_loss,
+    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, WRITE_G: tl.constexpr, HAS_ZLOSS: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
     y = tl.load(Y + row)
@@ -121,10 +118,7 @@ def _lce_rows_kernel(
         if HAS_ZLOSS:  # d(lam lse^2)/dz = 2 lam lse p
             p_mult = 1.0 + 2.0 * z_loss * lse
         uniform = b * inv_v
-        if SPARSE:  # the uniform term leaves G: a rank-one correction applied exactly by the products
-            uniform = 0.0
         g_row = G + row.to(tl.int64) * stride_g
-        m_row = MASS + row.to(tl.int64) * stride_t
         for v0 in range(0, V, BLOCK):
             offs = v0 + tl.arange(0, BLOCK)
             mask = offs < V
@@ -136,12 +130,6 @@ def _lce_rows_kernel(
                 z += tl.load(BIAS + offs, mask=mask, other=0.0).to(tl.float32)
             g = _logit_grad(z, offs == y, lse, p_mult, uniform, b, softcap, SOFTCAP)
             tl.store(g_row + offs, (g * scale).to(G.dtype.element_ty), mask=mask)
-            if SPARSE:
-                # per TV columns, the mass sum |g| before the token weight (0 for a row without weight)
-                gm = tl.where(mask, tl.abs(g), 0.0) * tl.where(scale != 0.0, 1.0, 0.0)
-                seg = tl.sum(tl.reshape(gm, (BLOCK // TV, TV)), axis=1)
-                t_offs = v0 // TV + tl.arange(0, BLOCK // TV)
-                tl.store(m_row + t_offs, seg, mask=t_offs * TV < V)
 
 
 @triton.jit
@@ -187,55 +175,27 @@ def supported(hidden: torch.Tensor) -> bool:
 _MM_OUT_DTYPE = "dtype_out" in torch.ops.aten.mm.overloads()
 
 
-def _rows_launch_config(v: int, sparse: bool = False) -> tuple[int, int]:
-    """(BLOCK, num_warps) of the row kernel (a sparse pass needs whole TILE_V segments per block)."""
+def _rows_launch_config(v: int) -> tuple[int, int]:
+    """(BLOCK, num_warps) of the row kernel."""
     if interpreting():
-        return max(TILE_V if sparse else 1, min(64, triton.next_power_of_2(v))), 1
-    return max(TILE_V if sparse else 1, min(4096, triton.next_power_of_2(v))), 8
-
-
-def _mm_f32(a, b, out):
-    """out (fp32) = a @ b from half or fp32 operands: cuBLAS with fp32 output on CUDA, fp32 math elsewhere."""
-    if a.device.type != "cuda":
-        torch.mm(a.float(), b.float(), out=out)
-    elif a.dtype == torch.float32:
-        torch.mm(a, b, out=out)
-    else:
-        torch.mm(a, b, out_dtype=torch.float32, out=out)
-
-
-def _addmm_f32(acc, a, b):
-    """acc (fp32) += a @ b for half operands, without a temporary where cuBLAS can accumulate into fp32."""
-    if a.device.type == "cuda" and a.dtype != torch.float32 and "dtype_out" in torch.ops.aten.addmm.overloads():
-        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-    else:
-        acc += a.float() @ b.float()
+        return min(64, triton.next_power_of_2(v)), 1
+    return min(4096, triton.next_power_of_2(v)), 8
 
 
 def triton_train_pass(hidden, weight, bias, targets, smoothing, scale, softcap,
                       need_dh=True, need_dw=True, need_db=True, chunk_bytes: int | None = None,
-                      z_loss: float = 0.0, filter_eps: float = 0.0, sort_vocab: bool = False,
-                      accum_dtype: torch.dtype | None = None, info: dict | None = None):
+                      z_loss: float = 0.0, accum_dtype: torch.dtype | None = None):
     """Statistics and gradients of ``sum_n scale_n loss_n`` for 2-D ``hidden`` (N, D).
 
     Returns ``(lse, zy, sz, argmax, entropy), dh, dw, db``; dh in hidden's dtype, dw in weight's,
     db fp32 (None where not needed). ``targets``: ids with -1 for ignored tokens; ``smoothing`` and
     ``scale``: fp32 per token. ``z_loss``: the coefficient of ``lse^2`` in each token's loss.
-    ``filter_eps > 0``: gradient filtering with a per-row bound (``sparse.py``: each row loses at most
-    ``filter_eps`` of the L1 mass of its G without the uniform term; not with soft-cap), on the vocabulary sorted by
-    mean logit when ``sort_vocab``. ``accum_dtype``: the dtype dW is accumulated in across chunks (default: the
-    weight's). ``info`` (a dict) receives the filter's statistics as device tensors (``sparse.FilterStats``).
+    ``accum_dtype``: the dtype dW is accumulated in across chunks (default: the weight's).
     """
     n, d = hidden.shape
     v = weight.shape[0]
     dev = hidden.device
-    sparse = filter_eps > 0
-    if sparse and softcap is not None:
-        raise ValueError("gradient filtering is not available with soft-cap; use filter_eps=0")
     bias = bias.contiguous() if bias is not None else None  # the row kernel reads it with unit stride
-    order, w_mm, b_mm, t_mm = None, weight, bias, targets
-    if sparse and sort_vocab:
-        order, w_mm, b_mm, t_mm = sorted_vocabulary(hidden, weight, bias, targets)
     f32 = dict(dtype=torch.float32, device=dev)
     lse, zy, sz, ent = (torch.empty(n, **f32) for _ in range(4))
     am = torch.empty(n, dtype=torch.int32, device=dev)
@@ -245,66 +205,37 @@ def triton_train_pass(hidden, weight, bias, targets, smoothing, scale, softcap,
     # G in hidden's dtype, in place over the fp32 logits (row stride 4V bytes).
     g_all = buf.view(hidden.dtype)[:, :v]
     on_cpu = dev.type != "cuda"
-    w_cpu = w_mm.float() if on_cpu and w_mm.dtype != torch.float32 else w_mm
+    w_cpu = weight.float() if on_cpu and weight.dtype != torch.float32 else weight
     dh = torch.empty(n, d, dtype=hidden.dtype, device=dev) if need_dh else None
     acc_dt = accum_dtype or weight.dtype
     dw = torch.empty(v, d, dtype=acc_dt, device=dev) if need_dw else None
     db = torch.zeros(v, **f32) if need_db else None
-    n_vt = triton.cdiv(v, TILE_V)
-    tile_mass = torch.empty(rows, n_vt, **f32) if sparse else buf
-    colsum = w_mm.sum(0, dtype=torch.float32) if sparse and need_dh else None
-    block, warps = _rows_launch_config(v, sparse)
-    if sparse:
-        u, rvec = uniform_terms(scale, smoothing, v, hidden, need_dw)  # rvec of all rows: dW's first chunk writes it
-        stats = FilterStats(n, dev) if info is not None else None
-        budgets = []
+    block, warps = _rows_launch_config(v)
     for s in range(0, n, rows):
         e = min(n, s + rows)
         z, g, h = buf[: e - s], g_all[: e - s], hidden[s:e]
         if on_cpu:
             torch.mm(h.to(w_cpu.dtype), w_cpu.T, out=z)
         elif hidden.dtype == torch.float32:
-            torch.mm(h, w_mm.T, out=z)
+            torch.mm(h, weight.T, out=z)
         else:
-            torch.mm(h, w_mm.T, out_dtype=torch.float32, out=z)
+            torch.mm(h, weight.T, out_dtype=torch.float32, out=z)
         _lce_rows_kernel[(e - s,)](
-            z, b_mm if b_mm is not None else z, t_mm[s:e], smoothing[s:e], scale[s:e], g, tile_mass,
+            z, bias if bias is not None else z, targets[s:e], smoothing[s:e], scale[s:e], g,
             lse[s:e], zy[s:e], sz[s:e], am[s:e], ent[s:e],
-            v, z.stride(0), g.stride(0), tile_mass.stride(0), float(softcap) if softcap is not None else 1.0, 1.0 / v,
-            float(z_loss), HAS_BIAS=b_mm is not None, SOFTCAP=softcap is not None, WRITE_G=write_g,
-            SPARSE=sparse and write_g, HAS_ZLOSS=z_loss != 0, TV=TILE_V, BLOCK=block, num_warps=warps)
+            v, z.stride(0), g.stride(0), float(softcap) if softcap is not None else 1.0, 1.0 / v,
+            float(z_loss), HAS_BIAS=bias is not None, SOFTCAP=softcap is not None, WRITE_G=write_g,
+            HAS_ZLOSS=z_loss != 0, BLOCK=block, num_warps=warps)
         if not write_g:
             continue
-        if not sparse:
-            if acc_dt != weight.dtype and dw is not None:  # fp32 accumulation across chunks
-                if s == 0:
-                    _mm_f32(g.T, h, dw)
-                else:
-                    _addmm_f32(dw, g.T, h)
-                add_chunk_gradients(g, h, w_mm, dh[s:e] if need_dh else None, None, db, first=s == 0)
+        if acc_dt != weight.dtype and dw is not None:  # fp32 accumulation across chunks
+            if s == 0:
+                mm_f32(g.T, h, dw)
             else:
-                add_chunk_gradients(g, h, w_mm, dh[s:e] if need_dh else None, dw, db, first=s == 0)
-            continue
-        mass = tile_mass[: e - s]
-        budget = filter_eps * mass.sum(1)  # the row's whole mass: this chunk holds every column
-        if stats is not None:
-            budgets.append(budget)
-        plan = filter_active(mass, torch.div(t_mm[s:e], TILE_V, rounding_mode="floor"), budget, TILE_N, stats,
-                             row0=s)
-        c = u[s:e]
-        if need_dh:
-            sparse_dh(g, w_mm, plan, dh[s:e], rank1=c, colsum=colsum)
-        if need_dw:
-            sparse_dw(g, h, plan, dw, first=s == 0, rvec=rvec if s == 0 else None, perm=order)
-        if need_db:
-            db += g.sum(0, dtype=torch.float32)
-            db -= c.sum()
-    if order is not None:
-        am = order[am.long()].to(torch.int32)
-        if db is not None:
-            db = torch.empty_like(db).index_copy_(0, order, db)
-    if sparse and stats is not None:
-        info.update(stats.finish(torch.cat(budgets), filter_eps, sorted=order is not None))
+                addmm_f32(dw, g.T, h)
+            add_chunk_gradients(g, h, weight, dh[s:e] if need_dh else None, None, db, first=s == 0)
+        else:
+            add_chunk_gradients(g, h, weight, dh[s:e] if need_dh else None, dw, db, first=s == 0)
     if dw is not None and dw.dtype != weight.dtype:
         dw = dw.to(weight.dtype)
     return (lse, zy, sz, am.long(), ent), dh, dw, db
@@ -333,7 +264,7 @@ def triton_train_pass_low_memory(hidden, weight, bias, targets, smoothing, scale
         c1 = min(v, c0 + cols)
         w_c = weight[c0:c1]
         z = buf[:, : c1 - c0]
-        _mm_f32(hidden, w_c.T, z)
+        mm_f32(hidden, w_c.T, z)
         g = buf.view(hidden.dtype)[:, : c1 - c0] if hidden.dtype != torch.float32 else z
         _lce_grad_rows_kernel[(n,)](
             z, bias if bias is not None else z, targets, smoothing, scale, lse, g,

@@ -34,7 +34,7 @@ class VocabShard:
     vocab_size: int  # the full vocabulary
 
 
-def vocab_shard(weight: torch.Tensor, group, return_stats: bool, filter_eps) -> VocabShard:
+def vocab_shard(weight: torch.Tensor, group, return_stats: bool) -> VocabShard:
     """Where this rank's shard sits in the vocabulary (one all-gather of the shard sizes)."""
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("process_group was given but torch.distributed is not initialised; call "
@@ -42,8 +42,6 @@ def vocab_shard(weight: torch.Tensor, group, return_stats: bool, filter_eps) -> 
     if return_stats:
         raise ValueError("return_stats=True is not available with process_group (the per-token stats would need "
                          "more all-reduces); compute them on an unsharded head.")
-    if filter_eps not in ("auto", 0, 0.0):
-        raise ValueError("filter_eps > 0 (gradient filtering) is not available with process_group; leave it at 'auto'.")
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         raise ValueError("weight must be this rank's (V_r, D) shard of the LM head.")
     sizes = [torch.zeros(1, dtype=torch.int64, device=weight.device) for _ in range(dist.get_world_size(group))]

@@ -14,13 +14,11 @@ import types
 import torch
 
 from .forward import ENGAGEMENT, ORIGINAL_CLASS_FORWARDS, is_ours, make_patched_forward
-from ..ops.linear_cross_entropy import validate_filter_eps
-from .models import (MODEL_TABLE, check_supported, family_classes, softcap_of, supported_message, table_spec,
-                     unwrap_model, verify_generic)
+from .models import (MODEL_TABLE, check_supported, family_classes, supported_message, table_spec, unwrap_model,
+                     verify_generic)
 from .trainer import install_trainer_hooks, remove_trainer_hooks, route_smoothing
 
-_SETTINGS = ("_lsce_label_smoothing", "_lsce_explicit_smoothing", "_lsce_fused_eval_loss", "_lsce_filter_eps",
-             "_lsce_generic_spec")
+_SETTINGS = ("_lsce_label_smoothing", "_lsce_explicit_smoothing", "_lsce_fused_eval_loss", "_lsce_generic_spec")
 
 
 def _class_patched(cls: type) -> bool:
@@ -71,7 +69,7 @@ def _validate_smoothing(label_smoothing):
 
 
 def apply_lsce_patch(model=None, *, model_type: str | None = None, label_smoothing: float | None = None,
-                     fused_eval_loss: bool = False, filter_eps: float | str = "auto"):
+                     fused_eval_loss: bool = False):
     """Make supported causal LMs compute their training loss with the fused op.
 
     Args:
@@ -86,14 +84,11 @@ def apply_lsce_patch(model=None, *, model_type: str | None = None, label_smoothi
             ``SFTTrainer`` without its deprecated ``label_smoothing_factor``.
         fused_eval_loss: also compute the evaluation loss (model in eval mode, labels given) with the
             fused op; the outputs then carry no logits.
-        filter_eps: the op's gradient filtering with a per-row bound (each token's gradient may lose at most this
-            share of its L1 mass; ``"auto"``: the op's default, off). Not for soft-capped heads (Gemma-2).
 
     Returns the model (or None for a class patch). Raises ValueError for unsupported models, TypeError for
     arguments of the wrong kind.
     """
     b = _validate_smoothing(label_smoothing)
-    validate_filter_eps(filter_eps)
     if not isinstance(fused_eval_loss, bool):
         raise TypeError(f"fused_eval_loss must be True or False, got {fused_eval_loss!r}.")
     if model_type is not None and not isinstance(model_type, str):
@@ -111,10 +106,6 @@ def apply_lsce_patch(model=None, *, model_type: str | None = None, label_smoothi
         if table_spec(target) is None and "_lsce_generic_spec" not in target.__dict__:
             target._lsce_generic_spec = verify_generic(target)  # a family outside the table: checked on the model
         check_supported(target)
-        if filter_eps not in ("auto", 0, 0.0) and softcap_of(target) is not None:
-            raise ValueError(f"filter_eps={filter_eps!r}: gradient filtering is not available for a soft-capped head "
-                             f"({type(target).__name__}, final_logit_softcapping={softcap_of(target)}); leave it at "
-                             "'auto'.")
         if "_lsce_original_forward" not in target.__dict__:
             target._lsce_had_instance_forward = "forward" in target.__dict__
             target._lsce_original_forward = target.forward
@@ -123,7 +114,6 @@ def apply_lsce_patch(model=None, *, model_type: str | None = None, label_smoothi
             target._lsce_label_smoothing = b
             target._lsce_explicit_smoothing = b
         target._lsce_fused_eval_loss = fused_eval_loss
-        target._lsce_filter_eps = filter_eps
     else:
         types_ = [model_type] if model_type is not None else list(MODEL_TABLE)
         for mt in types_:
@@ -136,8 +126,6 @@ def apply_lsce_patch(model=None, *, model_type: str | None = None, label_smoothi
                     cls._lsce_explicit_smoothing = b
                 if fused_eval_loss:
                     cls._lsce_fused_eval_loss = True
-                if filter_eps != "auto":
-                    cls._lsce_filter_eps = filter_eps
     install_trainer_hooks()
     return model
 

@@ -23,7 +23,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOut
 from transformers.utils import ModelOutput
 
 from ..ops import divide_summed_loss, linear_cross_entropy
-from ..ops.linear_cross_entropy import observe_training_calls
+from ..ops.paths import observe_training_calls
 from ..ops.checks import check_now
 from .models import check_supported, logit_scale_of, output_head, router_aux_loss, softcap_of, table_spec
 
@@ -237,8 +237,7 @@ def lsce_forward(self, *args, **kwargs):
     backbone_out = getattr(self, spec.backbone)(**kwargs, return_dict=True)
     head = output_head(self)
     targets, shift = (shift_labels, False) if shift_labels is not None else (labels, True)
-    op_kwargs = dict(label_smoothing=b, softcap=softcap_of(self), shift=shift,
-                     filter_eps=getattr(self, "_lsce_filter_eps", "auto"))
+    op_kwargs = dict(label_smoothing=b, softcap=softcap_of(self), shift=shift)
     scale = logit_scale_of(self, spec)
 
     def head_loss(weight, bias, hidden, targets):

@@ -1,0 +1,255 @@
+"""The training paths: which one a call takes, and the statistics and gradients each computes.
+
+Shared by the eager op (``linear_cross_entropy._LinearCrossEntropy``) and the compiled one (``compiled.py``), so
+that neither imports the other for them. Every path is exact:
+
+* fused (``fused_pass.py``): one logits pass whose kernel stores ``exp(z - c)`` in bf16, the gradients from it by
+  cuBLAS; bf16 on a GPU with TMA, no soft-cap or z-loss;
+* two-pass (``backward.triton_gradients_by_columns``): the forward kernel's lse, then the logits recomputed on chip
+  and G written a chunk of vocabulary columns at a time; also ``memory="low"`` with small chunks;
+* one-pass (``train_pass.py``): fp32 logits from cuBLAS a chunk of rows at a time, read twice; every other case
+  (soft-cap, fp16, z-loss above D = 1,024, the interpreter's CPU runs), and the low-memory mode without TMA.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .dispatch import dense_backward, forward_stats
+
+
+@dataclass(frozen=True)
+class Options:
+    """How the op runs (resolved by ``training_options``)."""
+
+    softcap: float | None
+    backend: str
+    z_loss: float = 0.0
+    memory: str = "fast"
+    accum_dtype: torch.dtype | None = None
+    need_stats: bool = False
+    # training: "one-pass" (train_pass), "two-pass" (two_pass_gradients) or "fused" (fused_pass)
+    path: str = "one-pass"
+    reduce: bool = False  # the first output is the reduced loss (sum / denom), not per-token losses
+    free_bytes: int | None = None  # CUDA's free memory when memory="auto" resolved (the fused path's layout)
+
+
+MEMORY_MODES = ("auto", "fast", "low")
+
+# Functions called with the smoothing factor (a float; None when per-token) by every call of the op that trains
+# (gradients wanted), when it runs: eagerly, and from the compiled graph's operator under torch.compile. The
+# patching's engagement record subscribes here, so a training step proves that the op itself ran.
+_TRAINING_CALL_OBSERVERS: list = []
+
+
+def observe_training_calls(fn) -> None:
+    """Call ``fn(label_smoothing)`` at every training call of the op (idempotent)."""
+    if fn not in _TRAINING_CALL_OBSERVERS:
+        _TRAINING_CALL_OBSERVERS.append(fn)
+
+
+def notify_training_call(label_smoothing) -> None:
+    for fn in list(_TRAINING_CALL_OBSERVERS):
+        fn(label_smoothing)
+
+
+def token_loss_terms(lse, zy, sz, smoothing, valid, vocab_size: int, z_loss: float):
+    """(per-token smoothed loss, nll) from the forward statistics; 0 where ``valid`` is False."""
+    b = smoothing.to(lse.dtype)
+    per = lse - (1.0 - b) * zy - b * sz / vocab_size
+    if z_loss:
+        per = per + z_loss * lse * lse
+    zero = torch.zeros_like(lse)
+    return torch.where(valid, per, zero), torch.where(valid, lse - zy, zero)
+
+
+def use_train_pass(hidden, weight, bias, backend) -> bool:
+    """A training path runs (gradients computed in the forward): Triton backend, gradients needed, and fp32 logits
+    obtainable from cuBLAS (see ``train_pass.supported``)."""
+    if backend != "triton" or hidden.shape[0] == 0:
+        return False
+    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))):
+        return False
+    from .train_pass import supported
+
+    return supported(hidden)
+
+
+def _train_path(hidden, weight, softcap, z_loss, accum_dtype, free_bytes=None) -> str:
+    """The training path. On CUDA the fused path where it can run (bf16, the TMA kernel, no soft-cap or z-loss:
+    ``fused_pass.supported``) and is preferred (``fused_pass.preferred``); else, up to hidden size
+    ``config.TWO_PASS_MAX_D``, the two-pass path (with dW accumulated in the weight's dtype: it is written once per
+    row there); above it, and off CUDA, the one-pass path. ``free_bytes``: CUDA's free memory (``memory="auto"``),
+    which the fused path's every-row layout must fit. ``config.TRAIN_PATH`` forces a path where it can run.
+    Measured: see docs/how_it_works.md ("Fused training path")."""
+    from . import config
+    from .fused_pass import preferred
+    from .fused_pass import supported as fused_supported
+
+    cfg = config.forward_config(hidden.dtype, hidden.device) if hidden.is_cuda or config.interpreting() else None
+    can = {"fused": cfg is not None and fused_supported(hidden, weight, softcap, z_loss, cfg),
+           "two-pass": accum_dtype in (None, weight.dtype), "one-pass": True}
+    if config.TRAIN_PATH is not None and can[config.TRAIN_PATH]:
+        return config.TRAIN_PATH
+    if not hidden.is_cuda:
+        return "one-pass"
+    (n, d), v = hidden.shape, weight.shape[0]
+    if can["fused"] and preferred(n, v, d, weight.requires_grad, free_bytes):
+        return "fused"
+    if d <= config.TWO_PASS_MAX_D and can["two-pass"]:
+        return "two-pass"
+    return "one-pass"
+
+
+def free_cuda_memory(device) -> int:
+    """Bytes new buffers can take on a CUDA device: the driver's free memory plus what torch's caching allocator holds
+    and does not use (a training loop keeps most of its memory reserved between steps). The allocator's counters come
+    from one nested-dict read: ``torch.cuda.memory_reserved``/``memory_allocated`` each flatten every statistic in
+    Python (together 1.0 ms of a 6.5 ms fused call under cProfile on the H100 machine, against 0.13 ms for this read:
+    benchmarks/host_overhead.py --cprofile-only --tokens 8192)."""
+    free, _ = torch.cuda.mem_get_info(device)
+    stats = torch.cuda.memory_stats_as_nested_dict(device)
+    if not stats:  # the allocator has not been initialised: nothing reserved
+        return free
+    return free + stats["reserved_bytes"]["all"]["current"] - stats["allocated_bytes"]["all"]["current"]
+
+
+def training_options(hidden, weight, softcap, backend, z_loss, memory, accum_dtype, one_pass, need_stats=False,
+                     reduce=False) -> Options:
+    """How a call runs, from the validated arguments: the memory mode (``"auto"`` resolved against CUDA's free
+    memory, read once here) and, for training, the fused, two-pass or one-pass path (the one-pass name also where
+    the low-memory mode runs instead)."""
+    free = None
+    if memory == "auto" and one_pass and hidden.device.type == "cuda":
+        free = free_cuda_memory(hidden.device)
+    path = _train_path(hidden, weight, softcap, z_loss, accum_dtype, free) if one_pass else "one-pass"
+    mem = _resolve_memory(memory, one_pass, hidden, weight, accum_dtype, path, free)
+    return Options(softcap=softcap, backend=backend, z_loss=float(z_loss), memory=mem, accum_dtype=accum_dtype,
+                   need_stats=need_stats, path=path if mem == "fast" else "one-pass", reduce=reduce, free_bytes=free)
+
+
+def _resolve_memory(memory, one_pass, hidden, weight, accum_dtype, path="one-pass", free=None) -> str:
+    """'auto': the low-memory path when CUDA's free memory (``free``, read by ``training_options``) cannot hold the
+    fast path's buffers."""
+    if memory != "auto":
+        return memory
+    if not one_pass or hidden.device.type != "cuda":
+        return "fast"
+    from .config import MEMORY_HEADROOM, TRAIN_CHUNK_BYTES
+    from .fused_pass import extra_memory
+
+    n, (v, d) = hidden.shape[0], weight.shape
+    if path == "fused":  # R (every row, if it fits; else a chunk and dW's fp32 accumulator)
+        need = extra_memory(n, v, d, weight.requires_grad, free)
+    else:
+        need = min(n, max(1, TRAIN_CHUNK_BYTES // (v * 4))) * v * 4  # one chunk of fp32 logits
+    if accum_dtype == torch.float32 and weight.dtype != torch.float32 and path != "fused":
+        need += v * d * 4
+    if free is None:
+        free = free_cuda_memory(hidden.device)
+    return "low" if free < MEMORY_HEADROOM * need else "fast"
+
+
+def statistics_and_gradients(hidden, weight, bias, targets, smoothing, token_weight, opts, need_dh, need_dw,
+                             need_db):
+    """The training paths' forward: (statistics, (dh, dw, db) of ``sum_n token_weight_n loss_n``) by the path
+    ``opts`` names (low-memory, fused, two-pass, or the one-pass ``train_pass``)."""
+    if opts.path == "fused":
+        return _fused_gradients(hidden, weight, bias, targets, smoothing, token_weight, opts, need_dh, need_dw, need_db)
+    if opts.memory == "low":
+        stats = forward_stats(hidden, weight, bias, targets, opts.softcap, opts.backend, stats=True)
+        return stats, _low_memory_gradients(hidden, weight, bias, targets, smoothing, token_weight, stats, opts,
+                                            need_dh, need_dw, need_db)
+    if opts.path == "two-pass":
+        stats = forward_stats(hidden, weight, bias, targets, opts.softcap, opts.backend, stats=opts.need_stats)
+        return stats, two_pass_gradients(hidden, weight, bias, targets, smoothing, token_weight, stats[0], opts,
+                                         need_dh, need_dw, need_db)
+    from .train_pass import triton_train_pass
+
+    stats, dh, dw, db = triton_train_pass(
+        hidden, weight, bias, targets, smoothing, token_weight, opts.softcap, need_dh=need_dh, need_dw=need_dw,
+        need_db=need_db, z_loss=opts.z_loss, accum_dtype=opts.accum_dtype)
+    return stats, (dh, dw, db)
+
+
+def recompute_kept(hidden, weight, bias, targets, smoothing, token_weight, lse, opts, need_dh, need_dw, need_db):
+    """The training path's gradients again, by the same computation as the forward's (a second backward, or the
+    compiled backward of per-token losses)."""
+    if opts.path == "fused":
+        return _fused_gradients(hidden, weight, bias, targets, smoothing, token_weight, opts, need_dh, need_dw,
+                                need_db)[1]
+    if opts.path == "two-pass":
+        return two_pass_gradients(hidden, weight, bias, targets, smoothing, token_weight, lse, opts, need_dh, need_dw,
+                                  need_db)
+    if opts.memory == "low":
+        return _low_memory_gradients(hidden, weight, bias, targets, smoothing, token_weight, (lse,), opts, need_dh,
+                                     need_dw, need_db)
+    return statistics_and_gradients(hidden, weight, bias, targets, smoothing, token_weight, opts, need_dh, need_dw,
+                                    need_db)[1]
+
+
+def loss_gradients(hidden, weight, bias, targets, lse, smoothing, grad, grad_lse, opts, training_path: bool,
+                   need_dh, need_dw, need_db):
+    """(dh, dw, db) of ``sum_n grad_n loss_n (+ grad_lse_n lse_n)``, exact: ``training_path`` (and no lse gradient)
+    by the training path ``opts`` names, with ``grad`` as the token weights; otherwise the recomputing dense
+    backward."""
+    if training_path and grad_lse is None:
+        return recompute_kept(hidden, weight, bias, targets, smoothing, grad.float(), lse, opts, need_dh, need_dw,
+                              need_db)
+    extra = None
+    if opts.z_loss or grad_lse is not None:  # extra_n p_n on the logits' gradient
+        extra = torch.zeros_like(grad, dtype=torch.float32)
+        if opts.z_loss:
+            extra = extra + grad.float() * (2.0 * opts.z_loss) * lse.float()
+        if grad_lse is not None:
+            extra = extra + grad_lse.float()
+        extra = extra.contiguous()
+    return dense_backward(hidden, weight, bias, targets, lse, grad.float().contiguous(),
+                          smoothing.float().contiguous(), opts.softcap, opts.backend, need_dh=need_dh,
+                          need_dw=need_dw, extra=extra)
+
+
+def _fused_gradients(hidden, weight, bias, targets, smoothing, token_weight, opts, need_dh, need_dw, need_db):
+    """The fused training path (``fused_pass``): statistics and gradients from one logits pass whose kernel stores
+    the shifted exponentials; ``(stats, (dh, dw, db))``."""
+    from .config import forward_config
+    from .fused_pass import triton_fused_pass
+
+    stats, dh, dw, db = triton_fused_pass(hidden, weight, bias, targets, smoothing, token_weight,
+                                          forward_config(hidden.dtype, hidden.device), need_dh=need_dh,
+                                          need_dw=need_dw, need_db=need_db, need_stats=opts.need_stats,
+                                          free_bytes=opts.free_bytes)
+    return stats, (dh, dw, db)
+
+
+def two_pass_gradients(hidden, weight, bias, targets, smoothing, token_weight, lse, opts, need_dh, need_dw, need_db,
+                       chunk_bytes=None):
+    """The two-pass training path's gradients of ``sum_n token_weight_n loss_n``, given the forward kernel's lse:
+    the logits recomputed tile by tile on chip, G = dL/dz written in the input dtype a chunk of vocabulary columns
+    at a time (``chunk_bytes``, default 1 GiB), dW (one rounding) and dh (fp32 accumulator) from cuBLAS
+    (``backward.triton_gradients_by_columns``). One more logits matmul than the one-pass path, but no fp32 logits in
+    memory: where D is small the fp32 traffic, not the matmuls, sets the one-pass path's time."""
+    from .backward import triton_gradients_by_columns
+    from .config import grad_logits_config
+
+    extra = token_weight * (2.0 * opts.z_loss) * lse if opts.z_loss else None
+    return triton_gradients_by_columns(hidden, weight, bias, targets, lse, token_weight, smoothing, opts.softcap,
+                                       grad_logits_config(hidden.dtype, hidden.device), need_dh=need_dh,
+                                       need_dw=need_dw, need_db=need_db, chunk_bytes=chunk_bytes, extra=extra)
+
+
+def _low_memory_gradients(hidden, weight, bias, targets, smoothing, token_weight, stats, opts, need_dh, need_dw,
+                          need_db):
+    """``memory="low"``: vocabulary-column chunks of ``LOW_MEMORY_CHUNK_BYTES``. Where the TMA G kernel runs, the
+    two-pass path's computation with small chunks (logits recomputed on chip, no fp32 logits); elsewhere the
+    cuBLAS fp32-logits chunks of ``train_pass.triton_train_pass_low_memory``."""
+    from .config import LOW_MEMORY_CHUNK_BYTES, grad_logits_config
+    from .forward import tma_ready
+    from .train_pass import triton_train_pass_low_memory
+
+    if tma_ready(grad_logits_config(hidden.dtype, hidden.device), hidden, weight):
+        return two_pass_gradients(hidden, weight, bias, targets, smoothing, token_weight, stats[0], opts, need_dh,
+                                  need_dw, need_db, chunk_bytes=LOW_MEMORY_CHUNK_BYTES)
+    return triton_train_pass_low_memory(hidden, weight, bias, targets, smoothing, token_weight, opts.softcap, stats,
+                                        need_dh=need_dh, need_dw=need_dw, need_db=need_db, z_loss=opts.z_loss)

@@ -1,0 +1,176 @@
+"""The training paths' options under Triton's interpreter, against fp64 torch on materialised logits: z-loss, the
+differentiable lse, the low-memory mode, fp32 accumulation of dW, and the automatic choices."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hf_lsce import linear_cross_entropy
+
+
+def _ref(h, w, y, b=0.0, z_loss=0.0, softcap=None, bias=None, weights=None):
+    """Loss (sum of per-token losses times weights) and fp64 gradients through materialised logits."""
+    h = h.detach().double().requires_grad_()
+    w = w.detach().double().requires_grad_()
+    bb = bias.detach().double().requires_grad_() if bias is not None else None
+    z = h @ w.T + (bb if bb is not None else 0)
+    if softcap:
+        z = softcap * torch.tanh(z / softcap)
+    tok = F.cross_entropy(z, y, label_smoothing=b, reduction="none", ignore_index=-100)
+    lse = torch.logsumexp(z, -1)
+    tok = tok + z_loss * torch.where(y != -100, lse * lse, torch.zeros_like(lse))
+    wts = weights if weights is not None else (y != -100).double() / max(int((y != -100).sum()), 1)
+    loss = (tok * wts).sum()
+    loss.backward()
+    return loss.detach(), h.grad, w.grad, (bb.grad if bb is not None else None)
+
+
+def rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+# ------------------------------------------------------------------------------------------------- z-loss
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_z_loss_against_torch(backend, reduction, softcap):
+    """z_loss * lse^2 per token and its gradient 2 z_loss lse p: the one-pass path (mean) and the recomputing
+    backward (reduction='none' with uneven upstream weights), with smoothing."""
+    g = torch.Generator().manual_seed(5)
+    n, d, v = 41, 16, 150
+    h, w = torch.randn(n, d, generator=g) * 2, torch.randn(v, d, generator=g) / 4
+    y = torch.randint(0, v, (n,), generator=g)
+    y[::6] = -100
+    weights = torch.rand(n, generator=g, dtype=torch.float64) if reduction == "none" else None
+    ref = _ref(h, w, y, b=0.1, z_loss=1e-2, softcap=softcap, weights=weights)
+    hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+    out = linear_cross_entropy(hh, ww, y, label_smoothing=0.1, z_loss=1e-2, softcap=softcap, backend=backend,
+                               reduction=reduction)
+    (out if reduction == "mean" else (out.double() * weights).sum()).backward()
+    got = float(out) if reduction == "mean" else float((out.double() * weights).sum())
+    assert math.isclose(got, float(ref[0]), rel_tol=1e-5)
+    assert rel(hh.grad, ref[1]) < 1e-5 and rel(ww.grad, ref[2]) < 1e-5
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_differentiable_lse_output(backend):
+    """return_lse: the per-token log-sum-exp, and a loss built on it (with the smoothed loss) back-propagates."""
+    g = torch.Generator().manual_seed(6)
+    n, d, v = 23, 12, 90
+    h, w = torch.randn(n, d, generator=g), torch.randn(v, d, generator=g) / 3
+    y = torch.randint(0, v, (n,), generator=g)
+    hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+    loss, lse = linear_cross_entropy(hh, ww, y, label_smoothing=0.1, return_lse=True, backend=backend)
+    (loss + 0.3 * (lse ** 2).mean()).backward()
+    h64, w64 = h.double().requires_grad_(), w.double().requires_grad_()
+    z = h64 @ w64.T
+    ref = F.cross_entropy(z, y, label_smoothing=0.1) + 0.3 * (torch.logsumexp(z, -1) ** 2).mean()
+    ref.backward()
+    assert torch.allclose(lse.detach().double(), torch.logsumexp(z, -1).detach(), atol=1e-5)
+    assert rel(hh.grad, h64.grad) < 1e-5 and rel(ww.grad, w64.grad) < 1e-5
+
+
+# ------------------------------------------------------------------------------------------ low memory
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", ["plain", "smoothing+bias", "softcap+z_loss"])
+def test_low_memory_mode_equals_the_default_path(dtype, case, monkeypatch):
+    """memory='low' (vocabulary chunks, fp32 dh accumulator) against the default one-pass path and fp64."""
+    from hf_lsce.ops import config
+
+    monkeypatch.setattr(config, "LOW_MEMORY_CHUNK_BYTES", 37 * 4 * 60)  # several vocabulary chunks here
+    import hf_lsce.ops.train_pass as tp
+
+    monkeypatch.setattr(tp, "LOW_MEMORY_CHUNK_BYTES", 37 * 4 * 60)
+    g = torch.Generator().manual_seed(7)
+    n, d, v = 37, 20, 333
+    h, w = torch.randn(n, d, generator=g) * 2, torch.randn(v, d, generator=g) / 4
+    y = torch.randint(0, v, (n,), generator=g)
+    y[::5] = -100
+    kw = dict(plain={}, **{"smoothing+bias": dict(label_smoothing=0.2), "softcap+z_loss": dict(softcap=3.0,
+                                                                                                 z_loss=1e-3)})[case]
+    bias = torch.randn(v, generator=g) * 0.2 if case == "smoothing+bias" else None
+    grads = {}
+    for mode in ("fast", "low"):
+        hh, ww = h.to(dtype).clone().requires_grad_(), w.to(dtype).clone().requires_grad_()
+        bb = bias.to(dtype).clone().requires_grad_() if bias is not None else None
+        loss = linear_cross_entropy(hh, ww, y, bias=bb, backend="triton", memory=mode, **kw)
+        loss.backward()
+        grads[mode] = (loss.detach(), hh.grad, ww.grad, bb.grad if bb is not None else None)
+    ref = _ref(h.to(dtype).float(), w.to(dtype).float(), y, b=kw.get("label_smoothing", 0.0),
+               z_loss=kw.get("z_loss", 0.0), softcap=kw.get("softcap"),
+               bias=bias.to(dtype).float() if bias is not None else None)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for k in range(4):
+        if grads["low"][k] is None:
+            continue
+        assert rel(grads["low"][k], ref[k]) < tol, k
+        assert rel(grads["low"][k], grads["fast"][k]) < tol, k
+
+
+def test_low_memory_mode_allocates_no_chunk_of_rows_by_vocabulary(monkeypatch):
+    """The largest tensor the low-memory path creates (in bytes) is the weight's gradient, the fp32 dh accumulator
+    or a vocabulary chunk, never an N x V buffer (the fast path's chunk of rows is N x V here). Bytes, because
+    Triton's interpreter copies each kernel argument's storage as bytes."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import hf_lsce.ops.train_pass as tp
+
+    monkeypatch.setattr(tp, "LOW_MEMORY_CHUNK_BYTES", 64 * 4 * 100)
+
+    class Biggest(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.biggest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor):
+                    self.biggest = max(self.biggest, t.numel() * t.element_size())
+            return out
+
+    n, d, v = 64, 16, 2000
+    g = torch.Generator().manual_seed(8)
+    h = torch.randn(n, d, generator=g).requires_grad_()
+    w = (torch.randn(v, d, generator=g) / 4).requires_grad_()
+    y = torch.randint(0, v, (n,), generator=g)
+    with Biggest() as mode:
+        linear_cross_entropy(h, w, y, backend="triton", memory="low").backward()
+    assert mode.biggest <= 4 * max(v * d, n * 100, n * d), mode.biggest  # the weight's own gradient is V x D
+    assert mode.biggest < 4 * n * v
+
+
+def test_fp32_accumulation_of_dw_across_chunks(monkeypatch):
+    """accum_dtype=float32: bf16 dW accumulated in fp32 over many row chunks is closer to fp64 than one bf16
+    rounding per chunk."""
+    import hf_lsce.ops.train_pass as tp
+
+    g = torch.Generator().manual_seed(9)
+    n, d, v = 96, 16, 130
+    h, w = torch.randn(n, d, generator=g) * 2, torch.randn(v, d, generator=g) / 4
+    y = torch.randint(0, v, (n,), generator=g)
+    ref = _ref(h.bfloat16().float(), w.bfloat16().float(), y)
+    errs = {}
+    for acc in (None, torch.float32):
+        hh, ww = h.bfloat16().requires_grad_(), w.bfloat16().requires_grad_()
+        monkeypatch.setattr(tp, "TRAIN_CHUNK_BYTES", 8 * v * 4)  # 12 chunks of 8 rows
+        linear_cross_entropy(hh, ww, y, backend="triton", accum_dtype=acc).backward()
+        errs[acc] = rel(ww.grad, ref[2])
+    assert errs[torch.float32] < errs[None] and errs[torch.float32] < 5e-3
+
+
+def test_auto_policies_on_this_machine():
+    """On a CPU the automatic choice is the fast memory mode; bad options are refused."""
+    from hf_lsce.ops.paths import _resolve_memory
+
+    h, w = torch.randn(4, 8), torch.randn(20000, 8)
+    assert _resolve_memory("auto", True, h, w, None) == "fast"
+    with pytest.raises(ValueError, match="memory"):
+        linear_cross_entropy(h, w, torch.zeros(4, dtype=torch.long), memory="tiny")
+    with pytest.raises(ValueError, match="z_loss"):
+        linear_cross_entropy(h, w, torch.zeros(4, dtype=torch.long), z_loss=-1.0)
+    with pytest.raises(ValueError, match="accum_dtype"):
+        linear_cross_entropy(h, w, torch.zeros(4, dtype=torch.long), accum_dtype=torch.float16)
