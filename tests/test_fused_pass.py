@@ -2,7 +2,7 @@
 stored tiles), under Triton's interpreter, against fp64 torch on materialised logits and against the two-pass path.
 
 The interpreter rounds fp32 to bf16 by truncation (the GPU rounds to nearest), so bf16 tolerances here are about
-twice what the GPU gives (benchmarks/check_v2_gpu.py measures those)."""
+twice what the GPU gives (benchmarks/check_gpu.py measures those)."""
 from __future__ import annotations
 
 import dataclasses
@@ -147,7 +147,7 @@ def test_fused_layout_and_its_memory():
     assert fp.layout(n, v, d, True) == (256000, n, True)
     assert fp.extra_memory(n, v, d) == (n + 2) * v * 2  # N rows and the rank-one term's two
     assert fp.preferred(n, v, d, True)
-    assert not fp.preferred(n, v, d, False)  # frozen head: no dW, the one-pass path
+    assert fp.preferred(n, v, d, False)  # frozen head (LoRA): no dW, R read by dh's matmul a chunk at a time
     assert not fp.preferred(4 * n, v, d, True)  # R for 32,768 rows (16.8 GB) would cost far more: chunked
     v_pad, rows, direct = fp.layout(4 * n, v, d, True)
     assert not direct and rows * v_pad * 2 <= gib and fp.extra_memory(4 * n, v, d) == rows * v_pad * 2 + v * d * 4

@@ -276,13 +276,14 @@ def layout(n: int, v: int, d: int, need_dw: bool, chunk_bytes: int | None = None
 
 def preferred(n: int, v: int, d: int, need_dw: bool, free_bytes: int | None = None) -> bool:
     """Whether the fused path is the training path of choice where it can run (``supported``): up to hidden size
-    ``config.TWO_PASS_MAX_D`` always; above it where dW is needed and written directly (``layout``). Measured on an
-    H100 (docs/how_it_works.md): with chunks and the fp32 accumulator the fused path took the one-pass path's time at
-    D = 2304 and 4096, with more memory; written directly it is faster. Without dW (a frozen head, LoRA), or without
-    the free memory for every row's R, the one-pass path is kept there."""
+    ``config.TWO_PASS_MAX_D`` always; above it for a frozen head (LoRA: no dW, so R is read by dh's matmul alone, a
+    chunk at a time), and where dW is needed and written directly (``layout``). Measured on an H100
+    (docs/how_it_works.md): with chunks and the fp32 accumulator for dW the fused path took the one-pass path's time
+    at D = 2304 and 4096, with more memory; written directly it is faster. Where dW is needed without the free memory
+    for every row's R, the one-pass path is kept there."""
     from .config import TWO_PASS_MAX_D
 
-    return d <= TWO_PASS_MAX_D or layout(n, v, d, need_dw, free_bytes=free_bytes)[2]
+    return d <= TWO_PASS_MAX_D or not need_dw or layout(n, v, d, need_dw, free_bytes=free_bytes)[2]
 
 
 def extra_memory(n: int, v: int, d: int, need_dw: bool = True, free_bytes: int | None = None) -> int:
@@ -311,7 +312,7 @@ class _ExactBf16Reduction:
 def _direct_dw(r_buf, hs, u_all, hidden, n: int, v: int, weight) -> torch.Tensor:
     """dW = R'^T (a o h) - 1 (u^T h)^T in the weight's dtype by one matmul: R's rows n and n + 1 are ones and hs's the
     hi and lo halves of ``-u^T h`` (so the rank-one term enters the fp32 accumulation to about 2^-16). (A K padded to
-    a multiple of 8 was no faster: benchmarks/experiments/direct_dw.py.)"""
+    a multiple of 8 was no faster: docs/benchmarks.md, settled experiments: direct_dw.py.)"""
     rvec = -(u_all @ hidden.float())
     hi = rvec.to(hs.dtype)
     r_buf[n:n + 2, :v].fill_(1.0)
