@@ -1,31 +1,24 @@
-"""Side-by-side benchmark of label-smoothed linear cross-entropy implementations, one process.
+"""The op against its peers, in one process: forward+backward time, extra memory and (``--errors``) gradient errors.
 
-Methods: hf_lsce (Triton kernels); torch eager (fp32 logits + F.cross_entropy(label_smoothing=b));
-torch.compile of the same; Liger-Kernel's LigerFusedLinearCrossEntropyLoss(label_smoothing=b);
-Cut Cross-Entropy's linear_cross_entropy (b = 0 only: it has no smoothing); and a floor of three
-bf16 cuBLAS matmuls (logits, dH, dW) with no softmax. A peer that cannot be imported is reported
-as missing in the table and the JSON.
+Methods (each on the same inputs):
+  hf_lsce                the default (the training path the op picks: fused on Hopper in bf16)
+  hf_lsce (low memory)   memory="low"
+  hf_lsce (fused / one-pass / two-pass)   a path forced (``--methods``), to compare the paths at one shape
+  torch.compile          fp32 logits + F.cross_entropy(label_smoothing=b), compiled afresh for each configuration
+  torch eager            the same, not compiled
+  liger                  Liger-Kernel's LigerFusedLinearCrossEntropyLoss(label_smoothing=b)
+  cce                    Cut Cross-Entropy's linear_cross_entropy (b = 0 only: it has no smoothing)
+  floor                  the bare bf16 cuBLAS matmuls of the same work, no softmax: logits, dh (and dW for a trainable
+                         head): three matmuls, or two for a frozen one
 
-Inputs. "peaked" and "flat" as ../shared/ANCHORS.md: W ~ N(0,1)/sqrt(D); h ~ N(0, 9); Zipf-distributed
-targets; "peaked" moves each hidden state along its target row until the target logit is +18, which leaves
-no tile of the softmax negligible; "flat": h left as drawn. "realistic": the generator of
-benchmarks/real_inputs.py with its parameters fitted to the real softmax of Gemma-3-270m on real text
-(entropy, top-1 and target probability, fractions of negligible tiles), at the given shape. "real": the
-real Gemma-3-270m's hidden states on real text and its real LM head (D = 640, V = 262,144), captured on the
-device (``--real-inputs FILE`` from ``real_inputs.py capture``).
+Heads: ``trainable`` (dh and dW) and ``frozen`` (``W.requires_grad = False``: LoRA's case, dh only).
+Inputs: bf16, N = 8,192 tokens, the generator of benchmarks/real_inputs.py fitted to the real softmax of Gemma-3-270m on
+real text. Time: the median of ``triton.testing.do_bench``; memory: the peak allocated during the call minus what was
+allocated before it and the inputs' gradients. Errors: relative to an fp64 computation on materialised logits.
 
-Methods beyond the peers: "hf_lsce" is the default (exact: no gradient filtering); "hf_lsce (filter 2^-k)"
-(filter_eps=2**-k: each row may lose at most that share of its gradient's L1 mass; the vocabulary sorted by mean
-logit), "hf_lsce (low memory)" (memory="low").
-For realistic and real inputs each method's loss and gradients are also compared with an fp64 computation
-(relative errors), beside torch in bf16.
-
-Figures: median time of `triton.testing.do_bench` for the forward and forward+backward; peak
-memory allocated during the op minus what was allocated before it, less the inputs' gradients
-(so: the op's own extra memory); effective TFLOP/s = 8 N D V / fwd+bwd time, the same count for
-every method (the three matmuls of fwd+bwd plus the recomputation of the logits that fused methods do).
-
-    python benchmarks/bench_linear_cross_entropy.py --suite main --out-dir results
+    python benchmarks/bench_linear_cross_entropy.py --out-dir results
+    python benchmarks/bench_linear_cross_entropy.py --shapes gemma2-2b --b 0.1 --heads frozen --methods hf_lsce,floor
+    python benchmarks/bench_linear_cross_entropy.py --smoke   (CPU, a tiny shape: the code path, not the figures)
 """
 from __future__ import annotations
 
@@ -35,24 +28,24 @@ import json
 import math
 import os
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from check_correctness_gpu import make_inputs  # noqa: E402
-
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from hf_lsce import linear_cross_entropy  # noqa: E402
 
-SHAPES = {
+SHAPES = {  # (N, D, V)
+    "smollm2-135m": (8192, 576, 49152),
+    "gemma3-270m": (8192, 640, 262144),
     "gemma2-2b": (8192, 2304, 256000),
     "llama3-8b": (8192, 4096, 128256),
-    "llama3.2-1b": (16384, 2048, 128256),
-    "gemma3-270m": (8192, 640, 262144),
-    "smollm2-135m": (8192, 576, 49152),
-    "qwen2.5-0.5b": (8192, 896, 151936),
-    "qwen2.5-1.5b": (8192, 1536, 151936),
+    "smoke": (96, 48, 1000),
 }
+DEFAULT_METHODS = ["hf_lsce", "hf_lsce (low memory)", "torch.compile", "liger", "cce", "floor"]
+SOFTCAP = {"gemma2-2b": 30.0}  # the soft-capped configuration run beside the plain one (Gemma 2's head)
 
 
 def torch_loss(h, w, y, b, cap):
@@ -62,92 +55,46 @@ def torch_loss(h, w, y, b, cap):
     return F.cross_entropy(z, y, label_smoothing=b)
 
 
-_compiled = None
-FILTER_EXPONENTS = (6, 8, 10)
+def _forced(path):
+    def fn(h, w, y, b, cap):
+        import hf_lsce.ops.config as config
 
-
-def method_fns(compile_: bool = True):
-    """name -> (callable(h, w, y, b, cap) -> loss, or an error string if unavailable)."""
-    global _compiled
-    fns = {}
-    fns["hf_lsce"] = lambda h, w, y, b, cap: linear_cross_entropy(h, w, y, label_smoothing=b, softcap=cap)
-
-    def recompute(h, w, y, b, cap):
-        # The same loss with the one-pass training path switched off: fused forward, then the recomputing
-        # backward (Triton logits again, G chunks, two cuBLAS matmuls), the previous version, for comparison
-        # (and what vocabulary-parallel heads use).
-        import hf_lsce.ops.train_pass as tp
-
-        real, tp.supported = tp.supported, (lambda hidden: False)
+        saved, config.TRAIN_PATH = config.TRAIN_PATH, path
         try:
             return linear_cross_entropy(h, w, y, label_smoothing=b, softcap=cap)
         finally:
-            tp.supported = real
-    fns["hf_lsce (recompute bwd)"] = recompute
-    def forced(path):
-        def fn(h, w, y, b, cap):
-            # the training path forced (hf_lsce.ops.config.TRAIN_PATH), to compare the two at one shape
-            import hf_lsce.ops.config as config
+            config.TRAIN_PATH = saved
+    return fn
 
-            real, config.TRAIN_PATH = config.TRAIN_PATH, path
-            try:
-                return linear_cross_entropy(h, w, y, label_smoothing=b, softcap=cap)
-            finally:
-                config.TRAIN_PATH = real
-        return fn
-    fns["hf_lsce (one-pass)"] = forced("one-pass")
-    fns["hf_lsce (two-pass)"] = forced("two-pass")
-    fns["hf_lsce (fused)"] = forced("fused")
-    for k in FILTER_EXPONENTS:  # gradient filtering with a per-row bound, the vocabulary sorted
-        fns[f"hf_lsce (filter 2^-{k})"] = (lambda e: lambda h, w, y, b, cap: linear_cross_entropy(
-            h, w, y, label_smoothing=b, softcap=cap, filter_eps=e, sort_vocab=True))(2.0 ** -k)
-    fns["hf_lsce (low memory)"] = lambda h, w, y, b, cap: linear_cross_entropy(h, w, y, label_smoothing=b,
-                                                                              softcap=cap, memory="low")
-    fns["torch eager"] = torch_loss
-    if compile_:
-        _compiled = _compiled or torch.compile(torch_loss, dynamic=False)
-        fns["torch.compile"] = _compiled
-    else:
-        fns["torch.compile"] = "not in the smoke run"
+
+def method_fns():
+    """name -> callable(h, w, y, b, cap) -> loss, or a string saying why it is unavailable."""
+    fns = {"hf_lsce": lambda h, w, y, b, cap: linear_cross_entropy(h, w, y, label_smoothing=b, softcap=cap),
+           "hf_lsce (low memory)": lambda h, w, y, b, cap: linear_cross_entropy(h, w, y, label_smoothing=b,
+                                                                               softcap=cap, memory="low"),
+           "torch eager": torch_loss, "torch.compile": torch_loss}  # compiled per configuration in run_config
+    for path in ("fused", "one-pass", "two-pass"):
+        fns[f"hf_lsce ({path})"] = _forced(path)
     try:
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
-        def liger(h, w, y, b, cap):
-            return LigerFusedLinearCrossEntropyLoss(label_smoothing=b, softcap=cap)(w, h, y)
-        fns["liger"] = liger
-    except Exception as e:  # noqa: BLE001
-        fns["liger"] = f"missing: {type(e).__name__}: {e}"
+        fns["liger"] = lambda h, w, y, b, cap: LigerFusedLinearCrossEntropyLoss(label_smoothing=b, softcap=cap)(w, h, y)
+    except Exception as e:  # noqa: BLE001 - a missing peer is a row saying so
+        fns["liger"] = f"missing: {type(e).__name__}"
     try:
         from cut_cross_entropy import linear_cross_entropy as cce
 
         def cce_fn(h, w, y, b, cap):
             if b:
-                raise NotImplementedError("no label smoothing in Cut Cross-Entropy")
+                raise NotImplementedError("Cut Cross-Entropy has no label smoothing")
             return cce(h, w, y, softcap=cap)
         fns["cce"] = cce_fn
     except Exception as e:  # noqa: BLE001
-        fns["cce"] = f"missing: {type(e).__name__}: {e}"
+        fns["cce"] = f"missing: {type(e).__name__}"
     return fns
 
 
-def floor_fns(h, w):
-    n, v = h.shape[0], w.shape[0]
-    g = torch.randn(n, v, device=h.device, dtype=h.dtype)
-
-    def fwd():
-        return h @ w.T
-
-    def fwd_bwd():
-        _ = h @ w.T
-        _ = g @ w
-        _ = g.T @ h
-    return fwd, fwd_bwd, g
-
-
-def _timer(fn, warmup=3, rep=10, return_mode="median"):
-    """A CPU stand-in for triton.testing.do_bench (the smoke mode): median wall time in ms."""
-    import time
-
+def _cpu_bench(fn, warmup=1, rep=3, return_mode="median"):
     for _ in range(warmup):
         fn()
     ts = []
@@ -158,415 +105,213 @@ def _timer(fn, warmup=3, rep=10, return_mode="median"):
     return sorted(ts)[len(ts) // 2]
 
 
-def measure(fn, h, w, y, b, cap, do_bench, reps=(300, 600)):
-    hh, ww = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
-    cuda = h.device.type == "cuda"
+def measure(fn, h, w, y, b, cap, frozen, do_bench, cuda):
+    """fwd+bwd median ms and extra MB of one method; dh (and dW) are what backward computes."""
+    hh = h.detach().clone().requires_grad_()
+    ww = w.detach().clone().requires_grad_(not frozen)
 
-    def f():
-        with torch.no_grad():
-            return fn(hh, ww, y, b, cap)
-
-    def fb():
-        hh.grad = None
-        ww.grad = None
+    def step():
+        hh.grad = ww.grad = None
         fn(hh, ww, y, b, cap).backward()
-    out = {}
-    fb()  # compile / autotune / warm
+    step()  # compile, autotune, warm
+    out = dict(fwdbwd_ms=do_bench(step, warmup=50 if cuda else 1, rep=400 if cuda else 3, return_mode="median"))
+    hh.grad = ww.grad = None
+    gc.collect()
     if cuda:
-        torch.cuda.synchronize()
-    out["fwd_ms"] = do_bench(f, warmup=50 if cuda else 1, rep=reps[0] if cuda else 3, return_mode="median")
-    out["fwdbwd_ms"] = do_bench(fb, warmup=50 if cuda else 1, rep=reps[1] if cuda else 3, return_mode="median")
-    for key, fun in (("fwd_mb", f), ("fwdbwd_mb", fb)):
-        hh.grad = None
-        ww.grad = None
-        gc.collect()
-        if not cuda:
-            out[key] = float("nan")
-            continue
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        fun()
+        step()
         torch.cuda.synchronize()
         grads = sum(t.grad.numel() * t.grad.element_size() for t in (hh, ww) if t.grad is not None)
-        out[key] = (torch.cuda.max_memory_allocated() - base - grads) / 1e6
+        out["extra_mb"] = (torch.cuda.max_memory_allocated() - base - grads) / 1e6
     return out
+
+
+def floor_ms(h, w, frozen, do_bench):
+    """The bf16 matmuls of the same work without a softmax: logits, dh = G W (and dW = G^T h)."""
+    g = torch.randn(h.shape[0], w.shape[0], device=h.device, dtype=h.dtype)
+
+    def run():
+        _ = h @ w.T
+        _ = g @ w
+        if not frozen:
+            _ = g.T @ h
+    ms = do_bench(run, warmup=50, rep=400, return_mode="median")
+    del g
+    return ms
 
 
 @torch.no_grad()
 def fp64_reference(h, w, y, b, cap, chunk=512):
-    """Loss and gradients in fp64 through materialised logits, a chunk of rows at a time (for the errors)."""
-    n, v = h.shape[0], w.shape[0]
+    """dh and dW of the mean smoothed loss in fp64 through materialised logits, a chunk of rows at a time."""
+    v = w.shape[0]
     w64 = w.double()
     dh = torch.empty(h.shape, dtype=torch.float64, device=h.device)
     dw = torch.zeros(w.shape, dtype=torch.float64, device=h.device)
-    valid = y >= 0
-    count = max(int(valid.sum()), 1)
-    total = 0.0
-    for s in range(0, n, chunk):
-        h64 = h[s:s + chunk].double()
+    count = max(int((y >= 0).sum()), 1)
+    for s in range(0, h.shape[0], chunk):
+        h64, yc = h[s:s + chunk].double(), y[s:s + chunk]
         z = h64 @ w64.T
-        t = None
-        if cap is not None:
-            t = torch.tanh(z / cap)
+        t = torch.tanh(z / cap) if cap is not None else None
+        if t is not None:
             z = cap * t
-        lse = torch.logsumexp(z, -1)
-        yc = y[s:s + chunk]
-        vc = yc >= 0
-        zy = z.gather(1, yc.clamp(min=0)[:, None])[:, 0]
-        tok = lse - (1 - b) * zy - b * z.mean(-1)
-        total += float(tok[vc].sum())
-        g = torch.exp(z - lse[:, None]) - b / v
-        g[vc.nonzero()[:, 0], yc[vc]] -= 1 - b
+        g = torch.softmax(z, -1) - b / v
+        valid = yc >= 0
+        g[valid.nonzero()[:, 0], yc[valid]] -= 1 - b
         if t is not None:
             g *= 1 - t * t
-        g *= (vc.double() / count)[:, None]
+        g *= (valid.double() / count)[:, None]
         dh[s:s + chunk] = g @ w64
         dw += g.T @ h64
-        del z, g
-    return total / count, dh, dw
+    return dh, dw
 
 
-def errors(fn, h, w, y, b, cap, ref):
-    """Relative errors of one method's loss, dh and dW against the fp64 reference."""
-    hh, ww = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
-    loss = fn(hh, ww, y, b, cap)
-    loss.backward()
+def errors(fn, h, w, y, b, cap, frozen, ref):
+    hh, ww = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_(not frozen)
+    fn(hh, ww, y, b, cap).backward()
 
     def rel(a, r):
         return float((a.double() - r).norm() / r.norm().clamp_min(1e-300))
-    return dict(loss_err=abs(float(loss) - ref[0]) / abs(ref[0]), dh_err=rel(hh.grad, ref[1]),
-                dw_err=rel(ww.grad, ref[2]))
+    return dict(dh_err=rel(hh.grad, ref[0]), dw_err=None if frozen else rel(ww.grad, ref[1]))
 
 
-def make_regime_inputs(regime, n, d, v, dev, real_inputs=None, params=None):
-    """(h, w, y) for a regime (see the module docstring); bf16."""
-    if regime in ("peaked", "flat"):
-        h, w, y, _ = make_inputs(n, d, v, peaked=regime == "peaked", bias=False, ignore_frac=0.0, seed=0, dev=dev)
-        return h, w, y
-    if regime == "realistic":
-        from real_inputs import fitted_params, realistic_batch
+def run_config(rows, fns, shape, head, b, cap, methods, with_errors, cuda, do_bench):
+    from real_inputs import fitted_params, realistic_batch
 
-        return realistic_batch(n, d, v, seed=0, device=dev, **(fitted_params() if params is None else params))
-    if regime == "real":
-        data = torch.load(real_inputs, map_location=dev)
-        h = data["hidden"][:n].to(dev, torch.bfloat16)
-        return h, data["weight"].to(dev, torch.bfloat16), data["targets"][:n].to(dev)
-    raise ValueError(f"unknown regime {regime!r}")
-
-
-def run_config(rows, fns, shape, n, d, v, b, cap, regime, methods, do_bench, dev="cuda", real_inputs=None,
-               with_errors=False, params=None):
-    h, w, y = make_regime_inputs(regime, n, d, v, dev, real_inputs, params)
-    n, d = h.shape
-    v = w.shape[0]
-    flops = 8 * n * d * v
+    n, d, v = SHAPES[shape]
+    frozen = head == "frozen"
+    dev = "cuda" if cuda else "cpu"
+    h, w, y = realistic_batch(n, d, v, seed=0, device=dev, **(fitted_params() if cuda else {}))
     ref = fp64_reference(h, w, y, b, cap) if with_errors else None
+    if cuda:  # compiled afresh per configuration: one compiled function reused across shapes recompiles
+        torch._dynamo.reset()
+        fns = dict(fns, **{"torch.compile": torch.compile(torch_loss, dynamic=False)})
     for name in methods:
-        row = dict(shape=shape, N=n, D=d, V=v, b=b, softcap=cap, regime=regime, method=name)
-        if name == "floor (3 matmuls)":
-            fwd, fwd_bwd, g = floor_fns(h, w)
-            row["fwd_ms"] = do_bench(fwd, warmup=50, rep=300, return_mode="median")
-            row["fwdbwd_ms"] = do_bench(fwd_bwd, warmup=50, rep=600, return_mode="median")
-            row["fwd_mb"] = n * v * h.element_size() / 1e6
-            row["fwdbwd_mb"] = n * v * h.element_size() / 1e6 + (n * d + v * d) * h.element_size() / 1e6
-            del g
-        else:
-            fn = fns[name]
-            if isinstance(fn, str):
+        row = dict(shape=shape, N=n, D=d, V=v, head=head, b=b, softcap=cap, method=name)
+        fn = fns.get(name, f"unknown method {name!r}")
+        try:
+            if name == "floor":
+                if not cuda:
+                    continue
+                row["fwdbwd_ms"] = floor_ms(h, w, frozen, do_bench)
+            elif isinstance(fn, str):
                 row["error"] = fn
             else:
-                try:
-                    row.update(measure(fn, h, w, y, b, cap, do_bench))
-                    if ref is not None:
-                        row.update(errors(fn, h, w, y, b, cap, ref))
-                except NotImplementedError:
-                    continue
-                except Exception as e:  # noqa: BLE001
-                    row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-        if "fwdbwd_ms" in row:
-            row["tflops"] = flops / (row["fwdbwd_ms"] * 1e-3) / 1e12
+                row.update(measure(fn, h, w, y, b, cap, frozen, do_bench, cuda))
+                if ref is not None:
+                    row.update(errors(fn, h, w, y, b, cap, frozen, ref))
+        except NotImplementedError:
+            continue
+        except Exception as e:  # noqa: BLE001 - a failing peer is a row, not a crash
+            row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
         rows.append(row)
         print(json.dumps(row), flush=True)
         gc.collect()
-        if dev == "cuda":
+        if cuda:
             torch.cuda.empty_cache()
-    del h, w, y, ref
-
-
-ALL = ["hf_lsce", "torch eager", "torch.compile", "liger", "cce", "floor (3 matmuls)"]
-OURS = ["hf_lsce", "hf_lsce (filter 2^-8)", "hf_lsce (low memory)"]
-FILTERS = [f"hf_lsce (filter 2^-{k})" for k in FILTER_EXPONENTS]
-
-# Targets: (description, numerator row, denominator row, value key, bound, "<=" or ">=").
-# A row is named by (shape, b, softcap, regime, method, N or None for the shape's own N).
-_G = ("gemma2-2b", 0.1, None, "peaked")
-_R = ("gemma2-2b", 0.1, None, "realistic")
-_L = ("llama3-8b", 0.1, None, "realistic")
-_E = ("gemma3-270m", 0.1, None, "real")
-TARGETS = [
-    # issue 20, realistic inputs (the generator fitted to Gemma-3-270m's real softmax) and the real Gemma head
-    ("realistic: fwd+bwd time vs torch.compile", _R + ("hf_lsce", None), _R + ("torch.compile", None), "fwdbwd_ms", 0.80,
-     "<="),
-    ("realistic: Liger fwd+bwd time / ours", _R + ("liger", None), _R + ("hf_lsce", None), "fwdbwd_ms", 3.0, ">="),
-    ("realistic: low-memory extra memory vs torch.compile", _R + ("hf_lsce (low memory)", None),
-     _R + ("torch.compile", None), "fwdbwd_mb", 0.01, "<="),
-    ("realistic: low-memory fwd+bwd time vs torch.compile", _R + ("hf_lsce (low memory)", None),
-     _R + ("torch.compile", None), "fwdbwd_ms", None, "report"),
-    ("realistic: dh error vs torch in bf16", _R + ("hf_lsce", None), _R + ("torch eager", None), "dh_err", 1.0, "<="),
-    ("realistic: dW error vs torch in bf16", _R + ("hf_lsce", None), _R + ("torch eager", None), "dw_err", 1.0, "<="),
-    ("realistic b=0: fwd+bwd vs Cut Cross-Entropy", ("gemma2-2b", 0.0, None, "realistic", "hf_lsce", None),
-     ("gemma2-2b", 0.0, None, "realistic", "cce", None), "fwdbwd_ms", None, "report"),
-    ("Llama-3-8B realistic: fwd+bwd vs torch.compile", _L + ("hf_lsce", None), _L + ("torch.compile", None),
-     "fwdbwd_ms", 0.80, "<="),
-    ("Llama-3-8B realistic: Liger / ours", _L + ("liger", None), _L + ("hf_lsce", None), "fwdbwd_ms", 3.0, ">="),
-    ("Gemma-3-270m real: fwd+bwd vs torch.compile", _E + ("hf_lsce", None), _E + ("torch.compile", None),
-     "fwdbwd_ms", 0.80, "<="),
-    ("Gemma-3-270m real: Liger / ours", _E + ("liger", None), _E + ("hf_lsce", None), "fwdbwd_ms", 3.0, ">="),
-    ("Gemma-3-270m real: low-memory extra memory vs torch.compile", _E + ("hf_lsce (low memory)", None),
-     _E + ("torch.compile", None), "fwdbwd_mb", 0.01, "<="),
-    ("Gemma-3-270m real: dh error vs torch in bf16", _E + ("hf_lsce", None), _E + ("torch eager", None), "dh_err",
-     1.0, "<="),
-    ("Gemma-3-270m real b=0: fwd+bwd vs Cut Cross-Entropy", ("gemma3-270m", 0.0, None, "real", "hf_lsce", None),
-     ("gemma3-270m", 0.0, None, "real", "cce", None), "fwdbwd_ms", None, "report"),
-    # issue 27 (suite v2): at most 0.70 x torch.compile at Gemma-3-270m, 0.85 x at Gemma2-2B and Llama-3-8B (b = 0.1);
-    # at b = 0 no slower than CCE; gradients no worse than torch's own bf16 path
-    ("v2 Gemma-3-270m realistic: fwd+bwd vs torch.compile", ("gemma3-270m", 0.1, None, "realistic", "hf_lsce", None),
-     ("gemma3-270m", 0.1, None, "realistic", "torch.compile", None), "fwdbwd_ms", 0.70, "<="),
-    ("v2 Gemma2-2B realistic: fwd+bwd vs torch.compile", _R + ("hf_lsce", None), _R + ("torch.compile", None),
-     "fwdbwd_ms", 0.85, "<="),
-    ("v2 Llama-3-8B realistic: fwd+bwd vs torch.compile", _L + ("hf_lsce", None), _L + ("torch.compile", None),
-     "fwdbwd_ms", 0.85, "<="),
-    ("v2 Gemma-3-270m b=0: fwd+bwd vs CCE", ("gemma3-270m", 0.0, None, "realistic", "hf_lsce", None),
-     ("gemma3-270m", 0.0, None, "realistic", "cce", None), "fwdbwd_ms", 1.0, "<="),
-    ("v2 Gemma2-2B b=0: fwd+bwd vs CCE", ("gemma2-2b", 0.0, None, "realistic", "hf_lsce", None),
-     ("gemma2-2b", 0.0, None, "realistic", "cce", None), "fwdbwd_ms", 1.0, "<="),
-    ("v2 Llama-3-8B b=0: fwd+bwd vs CCE", ("llama3-8b", 0.0, None, "realistic", "hf_lsce", None),
-     ("llama3-8b", 0.0, None, "realistic", "cce", None), "fwdbwd_ms", 1.0, "<="),
-    ("v2 Gemma-3-270m realistic: dh error vs torch in bf16", ("gemma3-270m", 0.1, None, "realistic", "hf_lsce", None),
-     ("gemma3-270m", 0.1, None, "realistic", "torch eager", None), "dh_err", 1.0, "<="),
-    ("v2 Gemma-3-270m realistic: dW error vs torch in bf16", ("gemma3-270m", 0.1, None, "realistic", "hf_lsce", None),
-     ("gemma3-270m", 0.1, None, "realistic", "torch eager", None), "dw_err", 1.0, "<="),
-    ("v2 low memory, Gemma2-2B: extra memory vs torch.compile", _R + ("hf_lsce (low memory)", None),
-     _R + ("torch.compile", None), "fwdbwd_mb", 0.01, "<="),
-    ("v2 low memory, Gemma2-2B: fwd+bwd vs the default", _R + ("hf_lsce (low memory)", None), _R + ("hf_lsce", None),
-     "fwdbwd_ms", 1.25, "<="),
-    ("v2 low memory, Gemma-3-270m: fwd+bwd vs the default", ("gemma3-270m", 0.1, None, "realistic",
-                                                              "hf_lsce (low memory)", None),
-     ("gemma3-270m", 0.1, None, "realistic", "hf_lsce", None), "fwdbwd_ms", 1.25, "<="),
-    ("v2 SmolLM2 realistic: fwd+bwd vs torch.compile", ("smollm2-135m", 0.1, None, "realistic", "hf_lsce", None),
-     ("smollm2-135m", 0.1, None, "realistic", "torch.compile", None), "fwdbwd_ms", None, "report"),
-    # issue 3's, on the peaked inputs where nothing is skippable
-    ("peaked: fwd+bwd time vs torch.compile", _G + ("hf_lsce", None), _G + ("torch.compile", None), "fwdbwd_ms", 0.80,
-     "<="),
-    ("peaked: fwd+bwd, filter 2^-8 vs none", _G + ("hf_lsce (filter 2^-8)", None), _G + ("hf_lsce", None),
-     "fwdbwd_ms", None, "report"),
-    # issue 27, gradient filtering with a per-row bound on Gemma-3-270m's real hidden states and head (suite filter)
-    ("filter: Gemma-3-270m real, filter 2^-8 vs torch.compile", _E + ("hf_lsce (filter 2^-8)", None),
-     _E + ("torch.compile", None), "fwdbwd_ms", 0.70, "<="),
-    ("filter: Gemma-3-270m real, filter 2^-6 vs torch.compile", _E + ("hf_lsce (filter 2^-6)", None),
-     _E + ("torch.compile", None), "fwdbwd_ms", 0.70, "<="),
-    ("filter: Gemma-3-270m real, filter 2^-8: dh error vs torch in bf16", _E + ("hf_lsce (filter 2^-8)", None),
-     _E + ("torch eager", None), "dh_err", 1.0, "<="),
-    ("filter: Gemma-3-270m real, filter 2^-8: dW error vs torch in bf16", _E + ("hf_lsce (filter 2^-8)", None),
-     _E + ("torch eager", None), "dw_err", 1.0, "<="),
-    ("filter: Gemma-3-270m real b=0, filter 2^-8 vs CCE", ("gemma3-270m", 0.0, None, "real", "hf_lsce (filter 2^-8)",
-                                                           None), ("gemma3-270m", 0.0, None, "real", "cce", None),
-     "fwdbwd_ms", 1.0, "<="),
-    ("filter: Gemma-3-270m realistic (nothing to skip), filter 2^-8 vs none",
-     ("gemma3-270m", 0.1, None, "realistic", "hf_lsce (filter 2^-8)", None),
-     ("gemma3-270m", 0.1, None, "realistic", "hf_lsce", None), "fwdbwd_ms", None, "report"),
-    ("peaked: Liger fwd+bwd time / ours", _G + ("liger", None), _G + ("hf_lsce", None), "fwdbwd_ms", 3.0, ">="),
-]
-
-
-def _find(rows, key):
-    shape, b, cap, regime, method, n = key
-    n = n or SHAPES[shape][0]
-    for r in rows:
-        if (r["shape"], r["b"], r["softcap"], r["regime"], r["method"], r["N"]) == (shape, b, cap, regime, method, n):
-            return r if "error" not in r else None
-    return None
-
-
-def target_rows(rows):
-    """The ratios above, each from rows of this one run (None where a row is missing)."""
-    out = []
-    for desc, num, den, key, bound, op in TARGETS:
-        a, c = _find(rows, num), _find(rows, den)
-        ratio = a[key] / c[key] if a and c and c.get(key) else None
-        met = None if ratio is None or bound is None else (ratio <= bound if op == "<=" else ratio >= bound)
-        out.append(dict(target=desc, key=key, ratio=ratio, bound=f"{op} {bound}" if bound else op, met=met))
-    return out
-
-
-def suite(name):
-    """(shape, b, softcap, regime, methods, N override, with fp64 errors) tuples."""
-    if name == "smoke":  # CPU, tiny: the code paths, not the figures
-        return [("smoke", 0.1, None, "realistic", OURS + ["torch eager"], None, True),
-                ("smoke", 0.1, None, "peaked", ["hf_lsce", "torch eager"], None, False)]
-    if name == "quick":
-        return [("gemma2-2b", 0.1, None, "realistic", ["hf_lsce", "torch.compile", "floor (3 matmuls)"], None, False)]
-    if name == "v2":  # issue 27: the two training paths against torch.compile and CCE, and where they cross
-        both = ["hf_lsce", "hf_lsce (one-pass)", "hf_lsce (two-pass)"]
-        return [("gemma3-270m", 0.1, None, "realistic", both + ["torch eager", "torch.compile", "liger",
-                                                                "floor (3 matmuls)"], None, True),
-                ("gemma3-270m", 0.0, None, "realistic", ["hf_lsce", "cce", "torch.compile"], None, False),
-                ("smollm2-135m", 0.1, None, "realistic", both + ["torch.compile", "floor (3 matmuls)"], None, False),
-                ("qwen2.5-0.5b", 0.1, None, "realistic", both[1:], None, False),
-                ("qwen2.5-1.5b", 0.1, None, "realistic", both[1:], None, False),
-                ("gemma2-2b", 0.1, None, "realistic", both + ["torch eager", "torch.compile", "floor (3 matmuls)"], None,
-                 True),
-                ("llama3-8b", 0.1, None, "realistic", both + ["torch.compile", "floor (3 matmuls)"], None, False),
-                ("llama3-8b", 0.0, None, "realistic", ["hf_lsce", "cce"], None, False),
-                ("gemma2-2b", 0.0, None, "realistic", ["hf_lsce", "cce"], None, False)]
-    if name == "v3":  # issue 27: the fused training path (one logits pass storing exp(z - c)) against the others
-        paths = ["hf_lsce", "hf_lsce (fused)", "hf_lsce (one-pass)", "hf_lsce (two-pass)"]
-        return [("gemma3-270m", 0.1, None, "realistic", paths + ["torch eager", "torch.compile", "floor (3 matmuls)"], None,
-                 True),
-                ("gemma3-270m", 0.0, None, "realistic", ["hf_lsce", "cce", "torch.compile"], None, False),
-                ("smollm2-135m", 0.1, None, "realistic", paths + ["torch.compile", "floor (3 matmuls)"], None, False),
-                ("qwen2.5-0.5b", 0.1, None, "realistic", paths[1:], None, False),
-                ("gemma2-2b", 0.1, None, "realistic", paths + ["torch.compile", "floor (3 matmuls)"], None, True),
-                ("gemma2-2b", 0.0, None, "realistic", ["hf_lsce", "cce"], None, False),
-                ("llama3-8b", 0.1, None, "realistic", paths + ["torch.compile", "floor (3 matmuls)"], None, True),
-                ("llama3-8b", 0.0, None, "realistic", ["hf_lsce", "cce"], None, False)]
-    if name == "v2-low":  # issue 27: memory="low" (two-pass computation in 32 MiB column chunks) against the default
-        low = ["hf_lsce", "hf_lsce (low memory)", "torch.compile"]
-        return [("gemma2-2b", 0.1, None, "realistic", low, None, True),
-                ("gemma3-270m", 0.1, None, "realistic", low, None, True),
-                ("llama3-8b", 0.1, None, "realistic", low, None, False)]
-    if name == "filter":  # issue 27: gradient filtering with a per-row bound, real Gemma-3 inputs (and the generator)
-        return [("gemma3-270m", 0.1, None, "real", ["hf_lsce"] + FILTERS + ["torch eager", "torch.compile",
-                                                                            "floor (3 matmuls)"], None, True),
-                ("gemma3-270m", 0.0, None, "real", ["hf_lsce", "hf_lsce (filter 2^-8)", "cce"], None, False),
-                ("gemma3-270m", 0.1, None, "realistic", ["hf_lsce", "hf_lsce (filter 2^-8)"], None, False)]
-    if name == "real":
-        return [("gemma3-270m", 0.1, None, "real", OURS + ["torch eager", "torch.compile", "liger", "floor (3 matmuls)"],
-                 None, True),
-                ("gemma3-270m", 0.0, None, "real", ["hf_lsce", "cce", "liger"], None, False)]
-    out = [
-        ("gemma2-2b", 0.1, None, "realistic", OURS + ["torch eager", "torch.compile", "liger", "floor (3 matmuls)"],
-         None, True),
-        ("gemma2-2b", 0.0, None, "realistic", ["hf_lsce", "cce", "liger", "torch.compile"], None, False),
-        ("gemma2-2b", 0.1, None, "peaked", ["hf_lsce", "hf_lsce (filter 2^-8)", "torch.compile", "liger"], None, False),
-        ("llama3-8b", 0.1, None, "realistic", OURS + ["torch.compile", "liger", "floor (3 matmuls)"], None, True),
-        ("llama3-8b", 0.0, None, "realistic", ["hf_lsce", "cce"], None, False),
-    ]
-    if name == "full":
-        out += [
-            ("gemma2-2b", 0.1, 30.0, "realistic", ["hf_lsce", "torch.compile"], None, False),
-            ("gemma2-2b", 0.1, None, "realistic", ["hf_lsce", "hf_lsce (low memory)"], 32768, False),
-            ("llama3.2-1b", 0.1, None, "realistic", ["hf_lsce", "torch.compile", "liger"], None, False),
-        ]
-    return out
 
 
 def _fmt(x, spec):
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
-def write_outputs(rows, out_dir, meta, stem="bench_linear_cross_entropy"):
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, f"{stem}.json"), "w") as f:
-        json.dump(dict(meta, rows=rows, targets=target_rows(rows)), f, indent=1)
-    lines = [f"Device: {meta['device']}; torch {meta['torch']}, triton {meta['triton']}; "
-             f"peers: {meta['peers']}.", "",
-             "| shape (N, D, V) | b | inputs | method | fwd ms | fwd extra MB | fwd+bwd ms | fwd+bwd extra MB | "
-             "TFLOP/s | loss err | dh err | dW err |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+def table(rows) -> str:
+    """One line per method, with its time over torch.compile's and over the floor's of the same configuration."""
+    def same(r, method):
+        return next((x for x in rows if x["method"] == method and "fwdbwd_ms" in x and all(
+            x[k] == r[k] for k in ("shape", "head", "b", "softcap"))), None)
+    lines = ["| shape (N, D, V) | head | b | soft-cap | method | fwd+bwd ms | / torch.compile | / floor | extra MB | "
+             "dh err | dW err |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        shp = f"{r['shape']} ({r['N']}, {r['D']}, {r['V']})" + (f", cap {r['softcap']:g}" if r["softcap"] else "")
+        shp = f"{r['shape']} ({r['N']}, {r['D']}, {r['V']})"
+        cells = [shp, r["head"], str(r["b"]), _fmt(r["softcap"], "g"), r["method"]]
         if "error" in r:
-            lines.append(f"| {shp} | {r['b']} | {r['regime']} | {r['method']} | {r['error']} |||||||")
+            lines.append("| " + " | ".join(cells) + f" | {r['error']} ||||||")
             continue
-        lines.append(f"| {shp} | {r['b']} | {r['regime']} | {r['method']} | {_fmt(r['fwd_ms'], '.1f')} | "
-                     f"{_fmt(r['fwd_mb'], ',.0f')} | {_fmt(r['fwdbwd_ms'], '.1f')} | {_fmt(r['fwdbwd_mb'], ',.0f')} | "
-                     f"{_fmt(r.get('tflops'), '.0f')} | {_fmt(r.get('loss_err'), '.1e')} | "
-                     f"{_fmt(r.get('dh_err'), '.1e')} | {_fmt(r.get('dw_err'), '.1e')} |")
-    tgt = target_rows(rows)
-    lines += ["", "Targets, ratios of rows above (numerator / denominator of the named rows):", "",
-              "| target | ratio | bound | met |", "|---|---|---|---|"]
-    for t in tgt:
-        lines.append(f"| {t['target']} ({t['key']}) | {_fmt(t['ratio'], '.3f')} | {t['bound']} | "
-                     f"{'-' if t['met'] is None else t['met']} |")
-    table = "\n".join(lines)
-    with open(os.path.join(out_dir, f"{stem}.md"), "w") as f:
-        f.write(table + "\n")
-    print("\n" + table)
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        sel = [r for r in rows if "error" not in r and r["softcap"] is None and r["shape"] in SHAPES
-               and r["N"] == SHAPES[r["shape"]][0] and not math.isnan(r.get("fwdbwd_ms", float("nan")))]
-        if not sel:
-            return
-        labels = [f"{r['shape']} {r['regime']}\nb={r['b']} {r['method']}" for r in sel]
-        fig, ax = plt.subplots(1, 2, figsize=(max(9, len(sel) * 0.55), 5.5))
-        colors = {"peaked": "C0", "realistic": "C1", "real": "C2", "flat": "C3"}
-        ax[0].bar(range(len(sel)), [r["fwdbwd_ms"] for r in sel], color=[colors.get(r["regime"], "C4") for r in sel])
-        ax[0].set_ylabel("fwd+bwd ms (median)")
-        ax[1].bar(range(len(sel)), [max(r["fwdbwd_mb"], 0.1) if not math.isnan(r["fwdbwd_mb"]) else 0.1 for r in sel],
-                  color=[colors.get(r["regime"], "C4") for r in sel])
-        ax[1].set_yscale("log")
-        ax[1].set_ylabel("fwd+bwd extra MB (log)")
-        for a in ax:
-            a.set_xticks(range(len(sel)))
-            a.set_xticklabels(labels, rotation=90, fontsize=6)
-        fig.suptitle(f"Linear + label-smoothed CE, {meta['device']} (colour: inputs: peaked / realistic / real)")
-        fig.tight_layout()
-        fig.savefig(os.path.join(out_dir, f"{stem}.png"), dpi=110)
-        plt.close(fig)
-    except Exception as e:  # noqa: BLE001
-        print("plot skipped:", e)
+        comp, flo = same(r, "torch.compile"), same(r, "floor")
+        ratio = lambda ref: _fmt(r["fwdbwd_ms"] / ref["fwdbwd_ms"] if ref else None, ".2f")  # noqa: E731
+        lines.append("| " + " | ".join(cells + [_fmt(r["fwdbwd_ms"], ".2f"), ratio(comp), ratio(flo),
+                                                _fmt(r.get("extra_mb"), ",.0f"), _fmt(r.get("dh_err"), ".1e"),
+                                                _fmt(r.get("dw_err"), ".1e")]) + " |")
+    return "\n".join(lines)
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if "fwdbwd_ms" in r]
+    configs = list(dict.fromkeys((r["shape"], r["head"], r["b"], r["softcap"]) for r in ok))
+    methods = list(dict.fromkeys(r["method"] for r in ok))
+    if not configs:
+        return
+    fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(configs)), 4.5))
+    width = 0.8 / len(methods)
+    for j, m in enumerate(methods):
+        for i, c in enumerate(configs):
+            r = next((x for x in ok if (x["shape"], x["head"], x["b"], x["softcap"]) == c and x["method"] == m), None)
+            if r is not None:
+                ax.bar(i + j * width, r["fwdbwd_ms"], width, color=f"C{j}", label=m if i == 0 else None)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(configs))])
+    ax.set_xticklabels([f"{s}\n{h}, b={b}" + (f", cap {c:g}" if c else "") for s, h, b, c in configs], fontsize=7)
+    ax.set_ylabel("forward + backward, ms (median)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--suite", choices=["smoke", "quick", "main", "full", "real", "v2", "v3", "v2-low", "filter"], default="main")
-    ap.add_argument("--out-dir", default="benchmarks/results")
-    ap.add_argument("--real-inputs", default=None, help="for --suite real: the capture file (real_inputs.py)")
-    ap.add_argument("--deadline-s", type=float, default=None, help="stop starting new configurations after this")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", default="smollm2-135m,gemma3-270m,gemma2-2b,llama3-8b")
+    ap.add_argument("--heads", default="trainable,frozen")
+    ap.add_argument("--b", default="0.1,0", help="label smoothing values")
+    ap.add_argument("--methods", default=",".join(DEFAULT_METHODS))
+    ap.add_argument("--no-softcap", action="store_true", help="skip the soft-capped Gemma2-2B configuration")
+    ap.add_argument("--errors", action="store_true", help="gradient errors against fp64 (slow: fp64 logits)")
+    ap.add_argument("--out-dir", default="bench_out")
     ap.add_argument("--stem", default="bench_linear_cross_entropy")
-    ap.add_argument("--only", default=None, help="comma-separated shapes: run only the suite's configurations of these")
+    ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
-    import time
-
+    cuda = not args.smoke
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit("bench_linear_cross_entropy.py needs a CUDA GPU (or --smoke for the CPU code path)")
+    shapes = ["smoke"] if args.smoke else args.shapes.split(",")
+    for s in shapes:
+        if s not in SHAPES:
+            raise SystemExit(f"--shapes: unknown shape {s!r}; known: {', '.join(SHAPES)}")
+    if cuda:
+        from triton.testing import do_bench
+    else:
+        do_bench = _cpu_bench
+    fns = method_fns()
+    methods = args.methods.split(",")
+    rows = []
+    for shape in shapes:
+        caps = [None] + ([SOFTCAP[shape]] if shape in SOFTCAP and not args.no_softcap else [])
+        for head in args.heads.split(","):
+            for b in (float(x) for x in args.b.split(",")):
+                for cap in caps:
+                    if cap is not None and b == 0:
+                        continue
+                    ms = [m for m in methods if cap is None or m not in ("cce",)]
+                    run_config(rows, fns, shape, head, b, cap, ms, args.errors or args.smoke, cuda, do_bench)
+    os.makedirs(args.out_dir, exist_ok=True)
     import triton
 
-    start = time.time()
-    smoke = args.suite == "smoke"
-    dev = "cpu" if smoke else "cuda"
-    if smoke:
-        SHAPES["smoke"] = (192, 48, 3000)
-        do_bench = _timer
-    else:
-        from triton.testing import do_bench
-    fns = method_fns(compile_=not smoke)
-    peers = ", ".join(f"{k}: {'ok' if not isinstance(v, str) else v}" for k, v in fns.items() if k in ("liger", "cce"))
-    meta = dict(device=torch.cuda.get_device_name() if dev == "cuda" else "cpu (smoke)", torch=torch.__version__,
-                triton=triton.__version__, peers=peers)
-    path = os.path.join(args.out_dir, f"{args.stem}.json")
-    rows = json.load(open(path))["rows"] if os.path.exists(path) and args.suite in ("real", "filter") else []
-    for shape, b, cap, regime, methods, n_over, with_err in suite(args.suite):
-        if args.only and shape not in args.only.split(","):
-            continue
-        if args.deadline_s is not None and time.time() - start > args.deadline_s:
-            print(f"deadline: skipping {shape} b={b} {regime}", flush=True)
-            continue
-        n, d, v = SHAPES[shape]
-        if not smoke:
-            # compiled afresh per configuration (dynamo's caches reset: they live on the function's code object, so a
-            # new torch.compile wrapper alone would not do): one reused across shapes (and values of b) recompiles
-            # with dynamic shapes, and past the cache limit falls back to eager
-            torch._dynamo.reset()
-            fns["torch.compile"] = torch.compile(torch_loss, dynamic=False)
-        run_config(rows, fns, shape, n_over or n, d, v, b, cap, regime, methods, do_bench, dev=dev,
-                   real_inputs=args.real_inputs, with_errors=with_err,
-                   params={} if smoke else None)  # smoke: the generator's defaults (the code path, not the fit)
-        write_outputs(rows, args.out_dir, meta, args.stem)
+    meta = dict(device=torch.cuda.get_device_name() if cuda else "cpu (smoke)", torch=torch.__version__,
+                triton=triton.__version__, inputs="realistic (real_inputs.fitted_params)", timing="do_bench median")
+    with open(os.path.join(args.out_dir, f"{args.stem}.json"), "w") as f:
+        json.dump(dict(meta, rows=rows), f, indent=1)
+    md = f"{meta['device']}; torch {meta['torch']}, triton {meta['triton']}\n\n{table(rows)}"
+    with open(os.path.join(args.out_dir, f"{args.stem}.md"), "w") as f:
+        f.write(md + "\n")
+    plot(rows, os.path.join(args.out_dir, f"{args.stem}.png"))
+    print("\n" + md)
 
 
 if __name__ == "__main__":

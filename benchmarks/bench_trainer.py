@@ -1,28 +1,31 @@
-"""Fine-tuning throughput through the Hugging Face Trainer with bf16=True (the set-up users run), one process.
+"""Fine-tuning through the Hugging Face Trainer with bf16=True (the set-up users run), one process: tokens/s, peak
+memory, the largest batch that fits, and evidence that the patch engaged.
 
 For each model, the same data (real instruction text packed into sequences) and the same Trainer arguments
-(bf16 mixed precision, AdamW fused, no gradient checkpointing unless it runs out of memory):
+(bf16 mixed precision, AdamW fused, gradient checkpointing with ``--checkpointing`` or where a run ran out of memory):
 
   hf        b=0.1  the unpatched model, the Trainer's --label_smoothing_factor 0.1 (its LabelSmoother on logits)
   hf_lsce   b=0.1  apply_lsce_patch(model), the same flag
   hf        b=0    the unpatched model
   hf_lsce   b=0
-  hf_lsce_fK       apply_lsce_patch(model, filter_eps=2**-K): gradient filtering with a per-row bound (only with
-                   --methods, e.g. hf_lsce_f6:0.1)
   M+compile        method M with the Trainer's torch_compile=True (inductor; the patched forward compiles whole,
                    the op as custom operators), compared with hf+compile (only with --methods); M+compile-cg the
                    same with torch_compile_mode="reduce-overhead" (CUDA graphs), compared with hf+compile-cg
   liger     b=0    the Trainer's own use_liger_kernel=True (Liger-Kernel's fused linear cross-entropy; it drops
                    the Trainer's smoothing, so only b = 0)
 
-Every row records tokens/s (steps after two warm-up steps, timed by a callback), peak memory, the number of
-lm_head calls and of fused calls (evidence that the patch engaged: 0 and one per micro-batch), and, with
---search, the largest batch that fits (doubling then bisection, one step each).
+``--lora``: PEFT LoRA (r = 16 on q, k, v, o projections) on bf16 base weights, the head frozen: the single-GPU
+fine-tuning most users run. Every row records tokens/s (steps after two warm-up steps, timed by a callback), peak
+memory, the lm_head calls and fused calls (0 and one per micro-batch when the patch engaged), for a patched run the
+first batch's loss against the model's own (the unpatched forward's logits, smoothed as the Trainer's LabelSmoother
+does, plus a mixture of experts' router term), and with --search the largest batch that fits (doubling then
+bisection, one step each; a size that does not fit is reported, never a crash).
 
-Models: gemma-3-270m and smollm2-135m-instruct (real weights, by name or a .gguf file: hf_lsce.checkpoints),
-and the Llama-3.2-1B / Gemma2-2B configurations with random weights.
+Models: gemma-3-270m and smollm2-135m-instruct (real weights, by name or a .gguf file: hf_lsce.checkpoints), and the
+configurations in CONFIGS with random weights (Llama-3.2-1B, Gemma2-2B, Qwen3-1.7B, Llama-3-8B, a small Qwen3-MoE).
 
-    python benchmarks/bench_trainer.py --models gemma-3-270m,llama3.2-1b --out-dir results [--search]
+    python benchmarks/bench_trainer.py --models gemma-3-270m,llama3.2-1b --out-dir results [--search M]
+    python benchmarks/bench_trainer.py --models llama3-8b --lora --checkpointing --seq 4096 --search llama3-8b
     python benchmarks/bench_trainer.py --smoke   (CPU, a tiny model: the code path)
 """
 from __future__ import annotations
@@ -36,12 +39,29 @@ import time
 
 import torch
 
-from bench_training_step import MODELS
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# the random-weight configurations shared with the full-step benchmark (Llama-3.2-1B, Gemma2-2B, ...), and more
+# Real models' configurations with random weights (no checkpoint to stage). distributed_matrix.py uses "llama3-8b".
 CONFIGS = {
-    **MODELS,
+    "llama3.2-1b": dict(model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                        num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                        tie_word_embeddings=True, rope_theta=500000.0, max_position_embeddings=8192),
+    "gemma2-2b": dict(model_type="gemma2", vocab_size=256000, hidden_size=2304, intermediate_size=9216,
+                      num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                      final_logit_softcapping=30.0, attn_logit_softcapping=50.0, query_pre_attn_scalar=256,
+                      sliding_window=4096, tie_word_embeddings=True, max_position_embeddings=8192),
+    "qwen3-1.7b": dict(model_type="qwen3", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                       tie_word_embeddings=True, max_position_embeddings=8192),
+    "llama3-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                      num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                      tie_word_embeddings=False, rope_theta=500000.0, max_position_embeddings=8192),
+    # a small mixture of experts of Qwen3-MoE's shape (Qwen3-30B-A3B's vocabulary and expert width, fewer and
+    # narrower layers), its router's auxiliary loss on as TRL turns it on
+    "qwen3-moe-small": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                            moe_intermediate_size=768, num_hidden_layers=12, num_attention_heads=16,
+                            num_key_value_heads=4, head_dim=64, num_experts=32, num_experts_per_tok=4,
+                            output_router_logits=True, router_aux_loss_coef=0.001, tie_word_embeddings=False,
+                            max_position_embeddings=8192),
     # the real models' configurations with random weights (no checkpoint to stage)
     "smollm2-135m-config": dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
                                 num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
@@ -54,6 +74,7 @@ CONFIGS = {
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512),
 }
 METHODS = [("hf", 0.1), ("hf_lsce", 0.1), ("hf", 0.0), ("hf_lsce", 0.0), ("liger", 0.0)]
+OPTIMIZER = "adamw_torch_fused"  # the Trainer's optimizer on CUDA (every table says so)
 
 
 def _text_ids(tok, n_tokens):
@@ -73,19 +94,53 @@ def _text_ids(tok, n_tokens):
     return torch.tensor(ids[:n_tokens])
 
 
-def load(name, device):
-    """(model in fp32 on device, tokenizer or None)."""
+def load(name, device, dtype=torch.float32):
+    """(model in ``dtype`` on device, tokenizer or None). A configuration is built on the device in that dtype (an 8B
+    model's fp32 initialisation on the host would take minutes)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if name in CONFIGS:
         spec = dict(CONFIGS[name])
         cfg = AutoConfig.for_model(spec.pop("model_type"), **spec)
         torch.manual_seed(0)
-        return AutoModelForCausalLM.from_config(cfg).to(device), None
+        with torch.device(device):
+            return AutoModelForCausalLM.from_config(cfg, dtype=dtype), None
     sys.path.insert(0, ROOT)
     from hf_lsce.checkpoints import load_model_and_tokenizer
 
-    return load_model_and_tokenizer(name, dtype="fp32", device=device)
+    return load_model_and_tokenizer(name, dtype="bf16" if dtype == torch.bfloat16 else "fp32", device=device)
+
+
+def with_lora(model):
+    """PEFT LoRA, r = 16 on the attention projections; the base (and the head) frozen."""
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
+                                            target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+
+
+@torch.no_grad()
+def first_batch_losses(model, batch, b, device):
+    """(the model's own loss, the patched loss) on one batch under bf16 autocast (CUDA): the unpatched forward's
+    logits smoothed as the Trainer's LabelSmoother does, plus a mixture of experts' router term (what its forward
+    adds to its loss), against the patched forward's fused loss on the same weights. Train mode, as in a step."""
+    from transformers.trainer_pt_utils import LabelSmoother
+
+    from hf_lsce.patching import unwrap_model
+    from hf_lsce.patching.forward import original_forward
+
+    lm = unwrap_model(model)
+    lm.train()
+    ids, labels = batch["input_ids"].to(device), batch["labels"].to(device)
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+        out = original_forward(lm)(input_ids=ids, return_dict=True)
+        own = LabelSmoother(b)(out, labels, shift_labels=True) if b else torch.nn.functional.cross_entropy(
+            out.logits[:, :-1].float().flatten(0, 1), labels[:, 1:].flatten())
+        if getattr(out, "aux_loss", None) is not None:
+            own = own + lm.router_aux_loss_coef * out.aux_loss
+        del out
+        ours = lm(input_ids=ids, labels=labels, label_smoothing=b).loss
+    return float(own), float(ours)
 
 
 class _Data(torch.utils.data.Dataset):
@@ -139,9 +194,10 @@ class _Timer:
         self.syncs = None
 
 
-def run_one(name, method, b, batch, seq, steps, out_dir, device, warmup=2, checkpointing=False, callbacks=()):
+def run_one(name, method, b, batch, seq, steps, out_dir, device, warmup=2, checkpointing=False, callbacks=(),
+            lora=False, check=True):
     """One Trainer run; returns a row (tokens/s, peak memory, lm_head calls, fused calls). ``callbacks``: more
-    TrainerCallbacks (a profiler's, benchmarks/experiments/profile_trainer_step.py)."""
+    TrainerCallbacks (a profiler's, for instance)."""
     from transformers import Trainer, TrainingArguments
 
     from hf_lsce import apply_lsce_patch
@@ -152,12 +208,21 @@ def run_one(name, method, b, batch, seq, steps, out_dir, device, warmup=2, check
     compiled = compile_kind in ("compile", "compile-cg")
     if compile_kind and not compiled:
         raise ValueError(f"unknown method suffix +{compile_kind} (use +compile or +compile-cg)")
-    model, tok = load(name, device)
+    model, tok = load(name, device, torch.bfloat16 if lora else torch.float32)
     v = model.config.get_text_config().vocab_size
     ids = _text_ids(tok, batch * seq * (steps + warmup) + 1) if tok is not None else \
         torch.randint(0, v, (batch * seq * (steps + warmup) + 1,), generator=torch.Generator().manual_seed(0))
-    if method.startswith("hf_lsce"):  # hf_lsce, or hf_lsce_fK: filter_eps = 2**-K
-        apply_lsce_patch(model, filter_eps=2.0 ** -int(method_base[9:]) if method.startswith("hf_lsce_f") else "auto")
+    if lora:
+        model = with_lora(model)
+    data = _Data(ids, seq)
+    losses = None
+    if method_base == "hf_lsce":
+        apply_lsce_patch(model)
+        if check:  # up to 2 rows: the check's full logits must fit beside the step
+            rows = [data[i] for i in range(min(batch, 2))]
+            losses = first_batch_losses(model, {k: torch.stack([r[k] for r in rows]) for k in rows[0]}, b, device)
+            if device == "cuda":
+                torch.cuda.empty_cache()
     calls = []
     if not compiled:  # under torch.compile a hook that counts would be traced (its guard recompiles every step)
         model.get_output_embeddings().register_forward_hook(lambda *a: calls.append(1))
@@ -165,12 +230,12 @@ def run_one(name, method, b, batch, seq, steps, out_dir, device, warmup=2, check
     args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=batch, max_steps=steps + warmup,
                              learning_rate=1e-5, lr_scheduler_type="constant", label_smoothing_factor=b,
                              bf16=cuda, use_cpu=not cuda, report_to=[], save_strategy="no", logging_steps=10 ** 6,
-                             optim="adamw_torch_fused" if cuda else "adamw_torch", seed=0, disable_tqdm=True,
+                             optim=OPTIMIZER if cuda else "adamw_torch", seed=0, disable_tqdm=True,
                              dataloader_drop_last=True, gradient_checkpointing=checkpointing,
                              use_liger_kernel=method_base == "liger", torch_compile=compiled,
                              **({"torch_compile_mode": "reduce-overhead"} if compile_kind == "compile-cg" else {}))
     timer = _Timer(warmup)
-    trainer = Trainer(model=model, args=args, train_dataset=_Data(ids, seq), callbacks=[timer.cb, *callbacks])
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[timer.cb, *callbacks])
     before = ENGAGEMENT.fused_calls
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -182,8 +247,10 @@ def run_one(name, method, b, batch, seq, steps, out_dir, device, warmup=2, check
     row = dict(model=name, method=method, label_smoothing=b, batch=batch, seq=seq, tokens_per_s=batch * seq / dt,
                step_s=dt, peak_gib=torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None,
                lm_head_calls=None if compiled else len(calls), fused_calls=ENGAGEMENT.fused_calls - before,
-               checkpointing=checkpointing,
+               checkpointing=checkpointing, lora=lora,
                loss=trainer.state.log_history[-1].get("train_loss"), host_syncs_per_step=timer.syncs)
+    if losses is not None:
+        row["first_batch_own_loss"], row["first_batch_patched_loss"] = losses
     if compiled:  # what Dynamo did: graphs compiled and graph breaks (a break or a recompile costs each step)
         c = torch._dynamo.utils.counters
         row["compiled_graphs"] = int(c["stats"].get("unique_graphs", 0))
@@ -200,9 +267,10 @@ def run_one(name, method, b, batch, seq, steps, out_dir, device, warmup=2, check
     return row
 
 
-def fits(name, method, b, batch, seq, out_dir, device):
+def fits(name, method, b, batch, seq, out_dir, device, **kw):
+    """Whether one step at this batch runs; out of memory (in the step or the check) is an answer, not a crash."""
     try:
-        run_one(name, method, b, batch, seq, 1, out_dir, device, warmup=0)
+        run_one(name, method, b, batch, seq, 1, out_dir, device, warmup=0, check=False, **kw)
         return True
     except torch.OutOfMemoryError:
         gc.collect()
@@ -210,10 +278,11 @@ def fits(name, method, b, batch, seq, out_dir, device):
         return False
 
 
-def largest_batch(name, method, b, seq, out_dir, device, start=8, cap=512):
+def largest_batch(name, method, b, seq, out_dir, device, start=8, cap=512, **kw):
+    """(largest batch that ran, capped): doubling from ``start``, then bisection to within 1/8."""
     lo, hi, bs = 0, None, start
     while bs <= cap:
-        if fits(name, method, b, bs, seq, out_dir, device):
+        if fits(name, method, b, bs, seq, out_dir, device, **kw):
             lo, bs = bs, bs * 2
         else:
             hi = bs
@@ -222,7 +291,7 @@ def largest_batch(name, method, b, seq, out_dir, device, start=8, cap=512):
         return lo, True
     while hi - lo > max(1, lo // 8):
         mid = (lo + hi) // 2
-        if fits(name, method, b, mid, seq, out_dir, device):
+        if fits(name, method, b, mid, seq, out_dir, device, **kw):
             lo = mid
         else:
             hi = mid
@@ -249,16 +318,13 @@ def merge_repeats(runs):
     return rows
 
 
-def _or_dash(x):
-    return "-" if x is None else x
-
-
 def table(rows):
     lines = ["| model | method | b | batch x seq | tokens/s | vs HF (same b) | peak GiB | lm_head calls | fused calls | "
-             "host syncs / step | largest batch |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "host syncs / step | first batch: own / patched loss | largest batch |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['model']} | {r['method']} | {r['label_smoothing']} | {r.get('batch')} | {r['error']} ||||||")
+            lines.append(f"| {r['model']} | {r['method']} | {r['label_smoothing']} | {r.get('batch')} | {r['error']} |||||||")
             continue
         ref = next((x for x in rows if x["model"] == r["model"] and "error" not in x
                     and x["method"] == "+".join(["hf", *r["method"].split("+")[1:]])
@@ -267,16 +333,19 @@ def table(rows):
         runs = r.get("tokens_per_s_runs", [])
         tps = f"{r['tokens_per_s']:,.0f}" + (f" ({runs[0]:,.0f}-{runs[-1]:,.0f}, {len(runs)} runs)" if len(runs) > 1 else "")
         mb = f"{r['max_batch']}{'+' if r.get('max_batch_capped') else ''}" if "max_batch" in r else "-"
+        fb = (f"{r['first_batch_own_loss']:.4f} / {r['first_batch_patched_loss']:.4f}"
+              if "first_batch_own_loss" in r else "-")
         pk = f"{r['peak_gib']:.1f}" if r.get("peak_gib") is not None else "-"
         method = r["method"] + (f" ({r['compiled_graphs']} graphs, {r['graph_breaks']} breaks)"
                                 if "compiled_graphs" in r else "")
         lines.append(f"| {r['model']} | {method} | {r['label_smoothing']} | {r['batch']} x {r['seq']} | "
-                     f"{tps} | {sp} | {pk} | {_or_dash(r['lm_head_calls'])} | {r['fused_calls']} | "
-                     f"{r.get('host_syncs_per_step', '-')} | {mb} |")
+                     f"{tps} | {sp} | {pk} | {'-' if r['lm_head_calls'] is None else r['lm_head_calls']} | {r['fused_calls']} | "
+                     f"{r.get('host_syncs_per_step', '-')} | {fb} | {mb} |")
     return "\n".join(lines)
 
 
 def plot(rows, path):
+    """tokens/s of every row, grouped by (model, batch)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -284,20 +353,19 @@ def plot(rows, path):
 
     ok = [r for r in rows if "error" not in r]
     groups = list(dict.fromkeys((r["model"], r["batch"]) for r in ok))
+    kinds = list(dict.fromkeys((r["method"], r["label_smoothing"]) for r in ok))
     if not groups:
         return
     fig, ax = plt.subplots(figsize=(max(8, 2.2 * len(groups)), 4.5))
-    w = 0.8 / len(METHODS)
-    for j, (m, b) in enumerate(METHODS):
-        for i, (mo, bs) in enumerate(groups):
-            r = next((x for x in ok if x["model"] == mo and x["batch"] == bs and x["method"] == m
-                      and x["label_smoothing"] == b), None)
-            if r is not None:
-                ax.bar(i + j * w, r["tokens_per_s"], width=w, color=f"C{j}", label=f"{m} b={b}" if i == 0 else None)
+    w = 0.8 / len(kinds)
+    for r in ok:
+        i, j = groups.index((r["model"], r["batch"])), kinds.index((r["method"], r["label_smoothing"]))
+        ax.bar(i + j * w, r["tokens_per_s"], width=w, color=f"C{j}", label=f"{r['method']} b={r['label_smoothing']}")
+    unique = dict(zip(*ax.get_legend_handles_labels()[::-1]))  # one legend entry per method
+    ax.legend(unique.values(), unique.keys(), fontsize=7)
     ax.set_xticks([i + 0.4 - w / 2 for i in range(len(groups))])
     ax.set_xticklabels([f"{mo}\nbatch {bs}" for mo, bs in groups], fontsize=8)
     ax.set_ylabel("tokens / s (Trainer, bf16)")
-    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -320,6 +388,8 @@ def main():
     ap.add_argument("--repeats", type=int, default=1,
                     help="run every method this many times, interleaved (hf, hf_lsce, hf, hf_lsce, ...), and report "
                          "the median tokens/s with its range: one short run per method is noisy on a launch-bound step")
+    ap.add_argument("--lora", action="store_true", help="PEFT LoRA r=16 on q/k/v/o over bf16 base weights, head frozen")
+    ap.add_argument("--checkpointing", action="store_true", help="gradient checkpointing from the start")
     ap.add_argument("--smoke", action="store_true", help="CPU, a tiny model, two steps")
     args = ap.parse_args()
     if args.repeats < 1:
@@ -341,17 +411,28 @@ def main():
                 print(f"deadline: skipping {name} {method} b={b}", flush=True)
                 continue
             row = dict(model=name, method=method, label_smoothing=b, batch=args.batch, seq=args.seq)
+            opts = dict(lora=args.lora, checkpointing=args.checkpointing)
             try:
                 try:
-                    row = run_one(name, method, b, args.batch, args.seq, args.steps, args.out_dir, device)
+                    row = run_one(name, method, b, args.batch, args.seq, args.steps, args.out_dir, device, **opts)
                 except torch.OutOfMemoryError:
+                    if args.checkpointing:
+                        raise
                     gc.collect()
                     torch.cuda.empty_cache()
                     row = run_one(name, method, b, args.batch, args.seq, args.steps, args.out_dir, device,
-                                  checkpointing=True)
+                                  **dict(opts, checkpointing=True))
+            except Exception as e:  # noqa: BLE001 - report (out of memory included), never drop silently
+                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                gc.collect()
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+            try:
                 if name in args.search.split(",") and b == 0.1:
-                    row["max_batch"], row["max_batch_capped"] = largest_batch(name, method, b, args.seq,
-                                                                              args.out_dir, device)
+                    row["max_batch"], row["max_batch_capped"] = largest_batch(
+                        name, method, b, args.seq, args.out_dir, device, start=max(1, args.batch), **opts)
+            except Exception as e:  # noqa: BLE001
+                row["search_error"] = f"{type(e).__name__}: {str(e)[:300]}"
             except Exception as e:  # noqa: BLE001 - report, never drop silently
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             row["repeat"] = rep
@@ -360,8 +441,11 @@ def main():
             print(json.dumps(row), flush=True)
             with open(path, "w") as f:
                 json.dump(dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu", torch=torch.__version__,
-                               rows=rows), f, indent=1)
-    md = table(rows)
+                               optimizer=OPTIMIZER if device == "cuda" else "adamw_torch", rows=rows), f, indent=1)
+    md = (f"{torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}; torch {torch.__version__}; the Trainer, "
+          f"bf16={device == 'cuda'}, optim={OPTIMIZER if device == 'cuda' else 'adamw_torch'}"
+          f"{', LoRA r=16 (q, k, v, o), bf16 base' if args.lora else ''}; {args.steps} timed steps after 2 warm-up"
+          f"\n\n{table(rows)}")
     print(md)
     with open(os.path.join(args.out_dir, "bench_trainer.md"), "w") as f:
         f.write(md + "\n")

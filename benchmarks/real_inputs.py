@@ -1,8 +1,7 @@
-"""Real inputs for the loss: capture them from real checkpoints, measure their softmax, fit a generator.
+"""Real inputs for the loss: capture them from real checkpoints, measure their softmax; the generator fitted to them.
 
     python benchmarks/real_inputs.py capture --model gemma-3-270m --tokens 8192 --out .gpu/gemma_h.pt
     python benchmarks/real_inputs.py analyze --model gemma-3-270m --tokens 2048 --json benchmarks/results/real_softmax.json
-    python benchmarks/real_inputs.py fit --json benchmarks/results/real_softmax.json
 
 ``capture`` runs a real checkpoint (installed by name, see hf_lsce.checkpoints) over real instruction text
 (the Alpaca-style records of ../shared/data, else the installed TriviaQA/SciQ/OpenBookQA rendered as
@@ -10,8 +9,9 @@ instructions) and saves the last hidden states (after the final norm: what the L
 targets, and where the head comes from. ``analyze`` measures what makes tiles of the softmax gradient
 skippable: for tile shapes and thresholds eps, the fraction of (rows x vocabulary) tiles whose every entry of
 |p - onehot(y)| is below eps, in the vocabulary's own order and sorted by mean logit; plus the entropy, the
-top-1 and target probabilities. ``fit`` fits the parameters of :func:`realistic_batch` (a synthetic
-generator for other shapes) to those statistics and writes them beside the measurement.
+top-1 and target probabilities. :func:`realistic_batch` is a synthetic generator for other shapes whose
+parameters were fitted to those statistics (a random search, then a local refinement; the fit is stored in
+``results/real_softmax.json``, and the code that made it in commit 41062fb).
 """
 from __future__ import annotations
 
@@ -164,57 +164,8 @@ def fitted_params(path: str | None = None, model: str = "gemma-3-270m") -> dict:
     with open(path) as f:
         data = json.load(f)
     if "generator_fit" not in data.get(model, {}):
-        raise KeyError(f"no fitted generator for {model} in {path}: run `python benchmarks/real_inputs.py fit`")
+        raise KeyError(f"no fitted generator for {model} in {path} (the fit's code: real_inputs.py at commit 41062fb)")
     return data[model]["generator_fit"]["params"]
-
-
-PARAM_RANGES = dict(prior=(0.2, 2.0), zipf=(0.6, 1.6), peak=(4.0, 20.0), candidates=(1, 12), noise=(0.3, 3.0),
-                    shuffle=(0.0, 1.0))
-FIT_KEYS = [("128x256", o, e) for o in ("natural", "sorted") for e in ("2^-12", "2^-16")] + \
-           [("64x128", o, e) for o in ("natural", "sorted") for e in ("2^-12", "2^-16")]
-
-
-def _features(stats):
-    f = [stats["entropy_mean"] / 4, stats["top1_mean"], stats["target_p_mean"]]
-    return torch.tensor(f + [stats["skippable_tiles"][t][o][e] for t, o, e in FIT_KEYS])
-
-
-def fit(target: dict, n: int = 512, d: int = 128, trials: int = 40, refine: int = 24, seed: int = 0,
-        start: dict | None = None) -> dict:
-    """Random search, then a local refinement around the best point, for realistic_batch's parameters matching a
-    measurement's entropy, top-1 and target probabilities and skippable-tile fractions (128x256 and 64x128, eps
-    2^-12 and 2^-16, both orders), at the measurement's vocabulary size and a reduced N and D (the statistics do
-    not depend on D by construction, up to the small overlap of the random rows)."""
-    v = target["vocab"]
-    want = _features(target)
-    g = torch.Generator().manual_seed(seed)
-    best = None
-
-    def clip(k, x):
-        lo, hi = PARAM_RANGES[k]
-        x = min(max(x, lo), hi)
-        return int(round(x)) if k == "candidates" else x
-
-    def trial(i, params):
-        nonlocal best
-        h, w, y = realistic_batch(n, d, v, dtype=torch.float32, seed=i, **params)
-        got = _features(softmax_statistics(h, w, y, tiles=[(128, 256), (64, 128)], eps=[2.0 ** -12, 2.0 ** -16]))
-        err = float((got - want).abs().mean())
-        print(f"trial {i}: mean abs error {err:.3f} {params}", flush=True)
-        if best is None or err < best[0]:
-            best = (err, params, got.tolist())
-
-    if start is not None:
-        trial(-1, {k: clip(k, start[k]) for k in PARAM_RANGES})
-    for i in range(trials):
-        trial(i, {k: clip(k, lo + (hi - lo) * float(torch.rand(1, generator=g))) for k, (lo, hi) in PARAM_RANGES.items()})
-    for i in range(refine):
-        scale = 0.25 * (1 - i / max(refine, 1)) + 0.05
-        trial(trials + i, {k: clip(k, best[1][k] + scale * (hi - lo) * float(torch.randn(1, generator=g)))
-                           for k, (lo, hi) in PARAM_RANGES.items()})
-    return {"params": best[1], "mean_abs_error": best[0], "features": best[2], "target": want.tolist(),
-            "feature_names": ["entropy/4", "top1", "target_p"] + [f"{t} {o} {e}" for t, o, e in FIT_KEYS],
-            "fitted_at": dict(n=n, d=d, v=v)}
 
 
 def main(argv=None):
@@ -229,11 +180,6 @@ def main(argv=None):
     a.add_argument("--model", default="gemma-3-270m")
     a.add_argument("--tokens", type=int, default=2048)
     a.add_argument("--json", default=None)
-    f = sub.add_parser("fit")
-    f.add_argument("--json", required=True, help="the analyze output; the fit is added to it")
-    f.add_argument("--trials", type=int, default=40)
-    f.add_argument("--refine", type=int, default=24)
-    f.add_argument("--start", default=None, help="a JSON dict of parameters to start from")
     args = p.parse_args(argv)
     if args.cmd == "capture":
         h, y, w = capture(args.model, args.tokens, device="cuda" if torch.cuda.is_available() else "cpu")
@@ -243,7 +189,7 @@ def main(argv=None):
             data["weight"] = w.to(torch.bfloat16)
         torch.save(data, args.out)
         print(f"captured {h.shape[0]} tokens of {args.model} (D = {h.shape[1]}) to {args.out}")
-    elif args.cmd == "analyze":
+    else:
         t0 = time.time()
         h, y, w = capture(args.model, args.tokens)
         stats = softmax_statistics(h, w, y)
@@ -251,18 +197,11 @@ def main(argv=None):
         print(json.dumps(stats, indent=1))
         if args.json:
             old = json.load(open(args.json)) if os.path.exists(args.json) else {}
+            if "generator_fit" in old.get(args.model, {}):  # a new measurement keeps the stored fit
+                stats["generator_fit"] = old[args.model]["generator_fit"]
             old[args.model] = stats
             with open(args.json, "w") as fh:
                 json.dump(old, fh, indent=1)
-    else:
-        data = json.load(open(args.json))
-        for name, stats in list(data.items()):
-            if "skippable_tiles" in stats:
-                stats["generator_fit"] = fit(stats, trials=args.trials, refine=args.refine,
-                                             start=json.loads(args.start) if args.start else None)
-                print(name, json.dumps(stats["generator_fit"], indent=1))
-        with open(args.json, "w") as fh:
-            json.dump(data, fh, indent=1)
 
 
 if __name__ == "__main__":

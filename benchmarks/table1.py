@@ -465,61 +465,6 @@ def token_table(runs) -> list:
     return lines
 
 
-def run_token_check(args):
-    """The diagnosis asked of the model one would smooth: each (model, data) is trained at b = 0 exactly as its
-    Table 1 run (first lr and seed), then ``token_state`` gives the diagnosis' next-token prediction for b = 0.1.
-    Written beside the measured effect of the b = 0.1 run of the same seed (``table1.json`` in ``--out-dir``):
-    ``table1_token_check.{json,md}``."""
-    from hf_lsce.checkpoints import resolve_model_path
-    from hf_lsce.diagnosis import gap_verdict
-
-    start = time.time()
-    table = os.path.join(args.out_dir, "table1.json")
-    runs = json.load(open(table))["runs"] if os.path.exists(table) else []
-    out_path = os.path.join(args.out_dir, "table1_token_check.json")
-    rows = json.load(open(out_path)) if os.path.exists(out_path) and args.resume else []
-    done = {(r["model"], r["dataset"]) for r in rows}
-    lr, seed = args.lrs[0], args.seeds[0]
-    for model_name in args.models:
-        for dataset in args.datasets:
-            if (model_name, dataset) in done:
-                continue
-            measured = {r["b"]: r for r in runs if (r["model"], r["dataset"], r["lr"], r["seed"]) ==
-                        (model_name, dataset, lr, seed) and r["b"] in (0.0, 0.1)}
-            expected = measured[0.0]["seconds"] if 0.0 in measured else 0.0
-            if args.deadline_s is not None and time.time() - start + expected > args.deadline_s:
-                print(f"deadline: not run: {model_name} {dataset}", flush=True)
-                continue
-            t0 = time.time()
-            model, tok, _ = sft(resolve_model_path(model_name), instruction_data(dataset, args.records), 0.0, lr, seed,
-                                os.path.join(args.out_dir, "sft_tmp"), max_steps=args.max_steps, batch=args.batch)
-            row = dict(model=model_name, dataset=dataset, lr=lr, seed=seed, b0=token_state(model, tok),
-                       seconds=round(time.time() - t0, 1))
-            if len(measured) == 2:
-                g0, g1 = measured[0.0]["tokens"]["signed_gap"], measured[0.1]["tokens"]["signed_gap"]
-                row["measured"] = dict(gap_b0=g0, gap_b01=g1, effect=gap_verdict(g0, g1))
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-            _write(out_path, rows)
-            del model
-            _release()
-    lines = ["The diagnosis' next-token prediction (b = 0.1) asked of the b = 0 SFT model, against the measured "
-             "effect of the b = 0.1 run of the same data, lr and seed:", "",
-             "| model | SFT data | lr | seed | b = 0 gap (retrained / table) | predicted gap at 0.1 | prediction | "
-             "measured gap at 0.1 | measured effect |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        m = r.get("measured", {})
-        lines.append(f"| {os.path.basename(r['model'])} | {r['dataset']} | {r['lr']} | {r['seed']} | "
-                     f"{r['b0']['signed_gap']:+.3f} / {m.get('gap_b0', float('nan')):+.3f} | "
-                     f"{r['b0']['predicted_gap']:+.3f} | {r['b0']['prediction']} | {m.get('gap_b01', float('nan')):+.3f} | "
-                     f"{m.get('effect', '-')} |")
-    md = "\n".join(lines)
-    with open(os.path.join(args.out_dir, "table1_token_check.md"), "w") as f:
-        f.write(md + "\n")
-    print(md)
-    return rows
-
-
 # ------------------------------------------------------------------------------------------------ ATS
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 
@@ -705,9 +650,6 @@ def main():
     ap.add_argument("--resume", action="store_true", help="keep the runs already in table1.json")
     ap.add_argument("--out-dir", default="table1_out")
     ap.add_argument("--smoke", action="store_true", help="CPU, a tiny model, two steps, a few items")
-    ap.add_argument("--token-check", action="store_true",
-                    help="retrain the b = 0 runs (first lr and seed, each --datasets) and ask the diagnosis' "
-                         "next-token prediction of each, against the measured b = 0.1 effect in table1.json")
     ap.add_argument("--report-only", action="store_true", help="rebuild the tables and pictures from --out-dir")
     args = ap.parse_args()
     os.makedirs(args.out_dir, exist_ok=True)
@@ -729,8 +671,6 @@ def main():
         return report(json.load(open(os.path.join(args.out_dir, "table1.json"))), args.out_dir)
     if args.ats:
         return run_ats(args)
-    if args.token_check:
-        return run_token_check(args)
     return run_table(args)
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The device calls of one GPU session, one step per call (each carries what it needs: see docs/benchmarks.md).
-#   bash tools/gpu/gpu_session.sh STEP [STAGE_PART]      (STEP: sanity, trainer-config, stage-only, real, table1, token-check, ats, sweep, probe)
+#   bash tools/gpu/gpu_session.sh STEP [STAGE_PART]      (STEP: trainer-config, stage-only, real, table1, ats, sweep, probe)
 # STAGE_PART (a file under .gpu/stage): checked and moved to /tmp/stage first (tools/gpu/gpu_stage.py).
 # Every step writes under $OUT/STEP and packs it into $OUT/STEP.tar.gz (one file comes back).
 set -uo pipefail
@@ -28,14 +28,6 @@ both_checkpoints() {
   python3 -c "from hf_lsce.checkpoints import resolve_model_path as r; r('$G')" >/dev/null 2>&1; fix_gemma_tokenizer
 }
 case $STEP in
-  sanity)  # versions, the new paths' correctness, the kernel benchmark on synthetic and fitted-realistic inputs
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$R/device.txt"
-    python3 -c "import torch, triton, transformers, pyarrow, fsspec; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'pyarrow', pyarrow.__version__, 'fsspec', fsspec.__version__)" | tee -a "$R/device.txt"
-    python3 -c "import datasets, trl, liger_kernel, cut_cross_entropy, gguf; print('datasets', datasets.__version__, 'trl', trl.__version__)" 2>&1 | tail -1 | tee -a "$R/device.txt"
-    timeout 150 python3 benchmarks/check_correctness_gpu.py --sections new,cases,repeat,edge --case-shapes gemma2-2b \
-      --out "$R/correctness_gpu.json" 2>&1 | tee "$R/correctness_gpu.log"
-    timeout 240 python3 benchmarks/bench_linear_cross_entropy.py --suite main --deadline-s 180 --out-dir "$R" 2>&1 | tee "$R/bench.log"
-    ;;
   trainer-config)  # Trainer bf16 throughput on a real configuration with random weights
     timeout 280 python3 benchmarks/bench_trainer.py --models llama3.2-1b --batch 8 --seq 1024 --steps 6 --deadline-s 200 \
       --out-dir "$R" 2>&1 | tee "$R/trainer.log"
@@ -43,12 +35,9 @@ case $STEP in
   stage-only)
     ls -la /tmp/stage | tee "$R/stage.txt"
     ;;
-  real)  # Gemma-3-270m from the staged GGUF: real hidden states, the kernel benchmark on them; Trainer throughput
+  real)  # the Trainer on the staged real checkpoints (Gemma-3-270m, SmolLM2-135M-Instruct), largest batch of Gemma's
     G=$(python3 tools/gpu/gpu_stage.py join gemma-3-270m-q4_k_m.gguf --to /tmp/stage | tail -1) || exit 3
     S=$(python3 tools/gpu/gpu_stage.py join SmolLM2-135M-Instruct.Q4_1.gguf --to /tmp/stage | tail -1) || S=""
-    python3 benchmarks/real_inputs.py capture --model "$G" --tokens 8192 --out /tmp/gemma_real.pt --with-head 2>&1 | tail -3
-    timeout ${BENCH_S:-170} python3 benchmarks/bench_linear_cross_entropy.py --suite real --real-inputs /tmp/gemma_real.pt \
-      --stem bench_real --out-dir "$R" 2>&1 | tee "$R/bench_real.log"
     timeout ${TRAINER_S:-240} python3 benchmarks/bench_trainer.py --models "$G${S:+,$S}" --batch 8 --seq 1024 --steps 6 \
       --search "$G" --deadline-s $(( ${TRAINER_S:-240} - 50 )) --out-dir "$R" 2>&1 | tee "$R/trainer_real.log"
     ;;
@@ -59,14 +48,6 @@ case $STEP in
     timeout ${TABLE1_S:-540} python3 benchmarks/table1.py --models "$G,$S" --resume ${LIMITS:+--limits "$LIMITS"} ${TABLE1_ARGS:-} \
       --deadline-s $(( ${TABLE1_S:-540} - 25 )) --out-dir /tmp/t1 2>&1 | tee -a /tmp/t1/table1.log
     cp /tmp/t1/table1* "$R"/ 2>/dev/null
-    ;;
-  token-check)  # the diagnosis' next-token prediction of each b = 0 SFT model against Table 1's measured b = 0.1 effect
-    both_checkpoints
-    [ -f .gpu/t1/table1.json ] && cp .gpu/t1/table1.json /tmp/t1/
-    timeout ${TABLE1_S:-540} python3 benchmarks/table1.py --token-check --models "$G,$S" --resume ${TABLE1_ARGS:-} \
-      --deadline-s $(( ${TABLE1_S:-540} - 25 )) --out-dir /tmp/t1 > /tmp/t1/token_check.log 2>&1
-    grep -a "^{\|deadline\|Error" /tmp/t1/token_check.log | cut -c1-300
-    cp /tmp/t1/table1_token_check* /tmp/t1/token_check.log "$R"/ 2>/dev/null
     ;;
   ats)  # ATS and temperature scaling on SmolLM2-135M-Instruct
     S=$(python3 tools/gpu/gpu_stage.py join SmolLM2-135M-Instruct.Q4_1.gguf --to /tmp/stage | tail -1) || exit 3

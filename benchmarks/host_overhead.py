@@ -10,7 +10,7 @@ many forward+backward iterations (one synchronisation at the end) is the host's 
 
 Writes $OUT/host_overhead.json and prints a table (ms of host time per iteration, median of 5 blocks).
 
-    python benchmarks/experiments/host_overhead.py [--device cuda]
+    python benchmarks/host_overhead.py [--device cuda]
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import time
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+sys.path.insert(0, os.path.dirname(HERE))
 
 
 def per_iter_ms(fn, device, iters, blocks=5, warmup=10):
@@ -64,15 +64,10 @@ def loss_only(device, b, iters):
 
     def hf():
         logits = F.linear(h, w)
-        if b:
-            loss = smoother({"logits": logits}, y, shift_labels=True)
-        else:
-            loss = ForCausalLMLoss(logits, y, v)
-        loss.backward()
+        (smoother({"logits": logits}, y, shift_labels=True) if b else ForCausalLMLoss(logits, y, v)).backward()
 
     def ours():
-        loss = linear_cross_entropy(h, w, y, label_smoothing=b, shift=True)
-        loss.backward()
+        linear_cross_entropy(h, w, y, label_smoothing=b, shift=True).backward()
     return {"hf": per_iter_ms(hf, device, iters), "hf_lsce": per_iter_ms(ours, device, iters)}
 
 
@@ -112,8 +107,7 @@ def profile_op(device, iters, n=256, paths=(None,)):
             for key in ("tottime", "cumulative"):
                 buf = io.StringIO()
                 pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(25 if key == "tottime" else 35)
-                print(f"--- {n} tokens, path {path or 'default'}, b = {b}, by {key}, {iters} calls\n"
-                      + buf.getvalue().split("\n", 6)[-1], flush=True)
+                print(f"--- by {key}, {iters} calls\n" + buf.getvalue().split("\n", 6)[-1], flush=True)
     config.TRAIN_PATH = None
 
 
@@ -123,7 +117,7 @@ def whole_step(device, b, iters):
 
     from hf_lsce import apply_lsce_patch
 
-    sys.path.insert(0, os.path.dirname(HERE))
+    sys.path.insert(0, HERE)
     from bench_trainer import CONFIGS
 
     spec = dict(CONFIGS["smollm2-135m-config"], num_hidden_layers=1)

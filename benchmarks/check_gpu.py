@@ -1,0 +1,358 @@
+"""Are the kernels right on this GPU? One process; JSON lines as it goes, ``check_gpu.json`` and a table at the end.
+
+1. paths: every training path (fused, one-pass, two-pass, the default) with a trainable and a frozen head, against
+   fp64 on materialised logits: bf16 (and fp16), ragged and aligned vocabularies (TMA and pointer kernels), soft-cap,
+   bias, per-token b, a tensor ``num_items_in_batch``; each call and its backward under
+   ``torch.cuda.set_sync_debug_mode("error")`` (no host synchronisation).
+2. real sizes: Gemma2-2B and Llama-3-8B heads (N = 8,192) on the realistic generator, the default path and
+   ``memory="low"``, trainable and frozen, beside torch's own bf16 path (bf16 logits, as Hugging Face computes).
+3. evaluation: the forward kernel's loss, lse, entropy and argmax against fp32 logits.
+4. edge shapes: fewer rows than a block, a vocabulary smaller than a tile, odd V, D = 40.
+5. behaviour: a bad target gives a NaN loss and no gradient, the next call raises the ValueError, the one after is
+   exact; repeated runs are bitwise identical; a second backward (retain_graph) doubles the gradients exactly;
+   double backward is refused; ``memory="auto"``'s free-memory reading equals the driver's plus the allocator's
+   unused bytes.
+6. compile: the op under ``torch.compile(fullgraph=True)`` and that compiled call captured in a CUDA graph and
+   replayed, against the eager op (gradients) and with no host synchronisation; a patched model (SmolLM2-135M's
+   configuration, bf16) compiled whole: its loss against Hugging Face's smoothed loss of the unpatched model's logits,
+   its gradients against the eager patched model, one fused call per compiled step. (Compiled throughput:
+   ``bench_trainer.py --methods hf:0.1,hf_lsce:0.1,hf+compile:0.1,hf_lsce+compile:0.1``.)
+
+    python benchmarks/check_gpu.py [--out-dir DIR] [--sections paths,real,eval,edge,behaviour,compile]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import hf_lsce.ops.config as config  # noqa: E402
+from hf_lsce import linear_cross_entropy  # noqa: E402
+from hf_lsce.ops import checks  # noqa: E402
+
+DEV = "cuda"
+
+
+def rel(a, r):
+    if a is None or r is None:
+        return None
+    return float((a.double() - r.double()).norm() / r.double().norm().clamp_min(1e-300))
+
+
+def reference(h, w, bias, y, b, cap, num_items, dtype=torch.float64, chunk=1024, frozen=False):
+    """Loss, dh, dW, db of ``sum_n loss_n / num_items`` through logits materialised in ``dtype`` a chunk of rows at a
+    time (fp64: the truth; bf16: torch's own half-precision path, the logits rounded as Hugging Face's are)."""
+    b = b if torch.is_tensor(b) else torch.full(y.shape, float(b), device=y.device)
+    ww = w.detach().to(dtype, copy=True).requires_grad_(not frozen)  # copies: the inputs stay untouched leaves
+    bb = bias.detach().to(dtype, copy=True).requires_grad_() if bias is not None else None
+    dh, total = torch.empty(h.shape, dtype=torch.float64, device=h.device), 0.0
+    for s in range(0, h.shape[0], chunk):
+        hh = h[s:s + chunk].detach().to(dtype, copy=True).requires_grad_()
+        z = (hh @ ww.T + (bb if bb is not None else 0)).double()
+        if cap is not None:
+            z = cap * torch.tanh(z / cap)
+        logp = torch.log_softmax(z, -1)
+        yc, bc = y[s:s + chunk], b[s:s + chunk].double()
+        tok = -(1 - bc) * logp.gather(1, yc.clamp(min=0)[:, None])[:, 0] - bc * logp.mean(-1)
+        loss = torch.where(yc >= 0, tok, 0.0).sum() / float(num_items)
+        loss.backward()
+        total += float(loss)
+        dh[s:s + chunk] = hh.grad
+    return total, dh, (None if frozen else ww.grad), (bb.grad if bb is not None else None)
+
+
+def run_op(h, w, bias, y, b, cap, num_items, frozen, **kw):
+    """(loss tensor, dh, dW, db) of the op; nothing here reads the device (the paths section checks that)."""
+    hh, ww = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_(not frozen)
+    bb = bias.detach().clone().requires_grad_() if bias is not None else None
+    loss = linear_cross_entropy(hh, ww, y, bias=bb, label_smoothing=b, softcap=cap, reduction="sum",
+                                num_items_in_batch=num_items, **kw)
+    loss.backward()
+    return loss.detach(), hh.grad, ww.grad, (bb.grad if bb is not None else None)
+
+
+def errors(got, ref):
+    return dict(loss_err=abs(float(got[0]) - ref[0]) / abs(ref[0]), dh_err=rel(got[1], ref[1]),
+                dw_err=rel(got[2], ref[2]), db_err=rel(got[3], ref[3]))
+
+
+def paths_section(emit):
+    g = torch.Generator(device=DEV).manual_seed(0)
+    configs = [(1500, 640, 32768, None, False, torch.bfloat16), (1500, 576, 50257, 30.0, True, torch.bfloat16),
+               (777, 2304, 40000, None, False, torch.bfloat16), (1500, 640, 32771, None, True, torch.bfloat16),
+               (900, 1536, 30000, None, False, torch.float16)]
+    for n, d, v, cap, with_bias, dt in configs:
+        w = (torch.randn(v, d, device=DEV, generator=g) / d ** 0.5).to(dt)
+        h = (torch.randn(n, d, device=DEV, generator=g) * 3).to(dt)
+        y = torch.randint(0, v, (n,), device=DEV, generator=g)
+        y[::7] = -100
+        bias = (torch.randn(v, device=DEV, generator=g) * 0.1).to(dt) if with_bias else None
+        b = torch.rand(n, device=DEV, generator=g) * 0.2
+        items = (y >= 0).sum() + 5
+        for frozen in (False, True):
+            ref = reference(h, w, bias, y, b, cap, items, frozen=frozen)
+            base = dict(section="paths", N=n, D=d, V=v, dtype=str(dt)[6:], softcap=cap, bias=with_bias,
+                        head="frozen" if frozen else "trainable")
+            emit(dict(base, path="torch half logits", **errors(
+                reference(h, w, bias, y, b, cap, items, dtype=dt, frozen=frozen), ref)))
+            for path in ("fused", "one-pass", "two-pass", None):
+                config.TRAIN_PATH = path
+                try:
+                    torch.cuda.synchronize()
+                    torch.cuda.set_sync_debug_mode("error")
+                    got = run_op(h, w, bias, y, b, cap, items, frozen)
+                    sync_free = True
+                except RuntimeError as e:
+                    sync_free = f"{type(e).__name__}: {str(e)[:160]}"
+                    torch.cuda.set_sync_debug_mode("default")
+                    got = run_op(h, w, bias, y, b, cap, items, frozen)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+                    config.TRAIN_PATH = None
+                emit(dict(base, path=path or "default", sync_free=sync_free, **errors(got, ref)))
+
+
+def real_section(emit):
+    from real_inputs import fitted_params, realistic_batch
+
+    for shape, (n, d, v) in (("gemma2-2b", (8192, 2304, 256000)), ("llama3-8b", (8192, 4096, 128256))):
+        h, w, y = realistic_batch(n, d, v, seed=3, device=DEV, **fitted_params())
+        y = y.masked_fill(torch.rand(n, device=DEV, generator=torch.Generator(DEV).manual_seed(1)) < 0.2, -100)
+        items = (y >= 0).sum()
+        for frozen in (False, True):
+            ref = reference(h, w, None, y, 0.1, None, items, frozen=frozen)
+            base = dict(section="real", shape=shape, head="frozen" if frozen else "trainable", b=0.1)
+            emit(dict(base, path="torch bf16 logits", **errors(
+                reference(h, w, None, y, 0.1, None, items, dtype=torch.bfloat16, frozen=frozen), ref)))
+            for name, kw in (("default", {}), ("memory=low", dict(memory="low"))):
+                emit(dict(base, path=name, **errors(run_op(h, w, None, y, 0.1, None, items, frozen, **kw), ref)))
+        del h, w, y
+        torch.cuda.empty_cache()
+
+
+def eval_section(emit):
+    g = torch.Generator(device=DEV).manual_seed(7)
+    for n, d, v, cap, dt in ((4096, 2304, 256000, None, torch.bfloat16), (4096, 2304, 256000, 30.0, torch.bfloat16),
+                             (4096, 2048, 128256, None, torch.float16)):
+        h = (torch.randn(n, d, device=DEV, generator=g) * 3).to(dt)
+        w = (torch.randn(v, d, device=DEV, generator=g) / d ** 0.5).to(dt)
+        y = torch.randint(0, v, (n,), device=DEV, generator=g)
+        lse, am, ent, tok = [], [], [], []
+        for s in range(0, n, 1024):
+            z = h[s:s + 1024].float() @ w.float().T
+            if cap is not None:
+                z = cap * torch.tanh(z / cap)
+            logp = torch.log_softmax(z, -1)
+            lse.append(torch.logsumexp(z, -1))
+            am.append(z.argmax(-1))
+            ent.append(-(logp.exp() * logp).sum(-1))
+            tok.append(-0.9 * logp.gather(1, y[s:s + 1024, None])[:, 0] - 0.1 * logp.mean(-1))
+        with torch.no_grad():
+            loss, st = linear_cross_entropy(h, w, y, label_smoothing=0.1, softcap=cap, return_stats=True)
+        emit(dict(section="eval", N=n, D=d, V=v, softcap=cap, dtype=str(dt)[6:],
+                  loss_err=rel(loss.float(), torch.cat(tok).mean()), lse_err=rel(st.lse, torch.cat(lse)),
+                  entropy_err=rel(st.entropy, torch.cat(ent)),
+                  argmax_agree=float((st.argmax == torch.cat(am)).float().mean())))
+
+
+def edge_section(emit):
+    g = torch.Generator(device=DEV).manual_seed(11)
+    for n, d, v in ((1, 64, 100), (7, 2304, 256000), (100, 40, 1000), (300, 4096, 32001), (129, 2048, 257)):
+        h = (torch.randn(n, d, device=DEV, generator=g) * 2).bfloat16()
+        w = (torch.randn(v, d, device=DEV, generator=g) / d ** 0.5).bfloat16()
+        y = torch.randint(0, v, (n,), device=DEV, generator=g)
+        ref = reference(h, w, None, y, 0.1, None, n)
+        with torch.no_grad():
+            ev = float(linear_cross_entropy(h, w, y, label_smoothing=0.1, reduction="sum"))
+        emit(dict(section="edge", N=n, D=d, V=v, eval_loss_err=abs(ev / n - ref[0]) / abs(ref[0]),
+                  **errors(run_op(h, w, None, y, 0.1, None, n, False), ref)))
+
+
+def behaviour_section(emit):
+    from hf_lsce.ops.paths import free_cuda_memory
+
+    g = torch.Generator(device=DEV).manual_seed(5)
+    n, d, v = 1024, 640, 32768
+    w = (torch.randn(v, d, device=DEV, generator=g) / d ** 0.5).bfloat16().requires_grad_()
+    h = (torch.randn(n, d, device=DEV, generator=g) * 3).bfloat16().requires_grad_()
+    y = torch.randint(0, v, (n,), device=DEV, generator=g)
+    bad = y.clone()
+    bad[5] = v + 3
+    loss = linear_cross_entropy(h, w, bad, label_smoothing=0.1)
+    loss.backward()
+    nan_loss, zero_grad = bool(torch.isnan(loss)), float(h.grad.abs().max()) == 0 and float(w.grad.abs().max()) == 0
+    torch.cuda.synchronize()
+    try:
+        linear_cross_entropy(h.detach(), w.detach(), y, label_smoothing=0.1)
+        raised = None
+    except ValueError as e:
+        raised = str(e)[:160]
+    after = bool(torch.isfinite(linear_cross_entropy(h.detach(), w.detach(), y, label_smoothing=0.1)))
+    checks.raise_pending_errors()
+    emit(dict(section="behaviour", check="bad target", nan_loss=nan_loss, zero_grad=zero_grad,
+              next_call_raised=raised, call_after_is_finite=after))
+    outs = [run_op(h.detach(), w.detach(), None, y, 0.1, 30.0, n, False)[1:3] for _ in range(4)]
+    emit(dict(section="behaviour", check="repeated fwd+bwd bitwise identical (soft-cap: the one-pass path)",
+              ok=all(torch.equal(a, b) for o in outs[1:] for a, b in zip(o, outs[0]))))
+    hh, ww = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    loss = linear_cross_entropy(hh, ww, y, label_smoothing=0.1)
+    loss.backward(retain_graph=True)
+    first = (hh.grad.clone(), ww.grad.clone())
+    loss.backward()
+    emit(dict(section="behaviour", check="second backward doubles the gradients",
+              ok=bool(torch.equal(hh.grad, 2 * first[0]) and torch.equal(ww.grad, 2 * first[1]))))
+    try:
+        torch.autograd.grad(linear_cross_entropy(hh, w.detach(), y), hh, create_graph=True)
+        refused = False
+    except RuntimeError as e:
+        refused = "double backward" in str(e)
+    emit(dict(section="behaviour", check="double backward refused", ok=refused))
+    del loss
+    torch.cuda.synchronize()
+    free, _ = torch.cuda.mem_get_info()
+    expected = free + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    emit(dict(section="behaviour", check="free_cuda_memory", ok=free_cuda_memory(h.device) == expected))
+
+
+def compile_section(emit):
+    import torch.nn.functional as F
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hf_lsce.patching import ENGAGEMENT, apply_lsce_patch
+
+    g = torch.Generator(device=DEV).manual_seed(2)
+    n, d, v = 4096, 640, 65536
+    w = (torch.randn(v, d, device=DEV, generator=g) / d ** 0.5).bfloat16()
+    h = (torch.randn(n, d, device=DEV, generator=g) * 3).bfloat16()
+    y = torch.randint(0, v, (n,), device=DEV, generator=g)
+    hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+
+    def op(a, b, t):
+        return linear_cross_entropy(a, b, t, label_smoothing=0.1)
+    op(hh, ww, y).backward()
+    eager = (hh.grad.clone(), ww.grad.clone())
+    torch._dynamo.reset()
+    compiled = torch.compile(op, fullgraph=True)
+
+    def body():
+        hh.grad = ww.grad = None
+        compiled(hh, ww, y).backward()
+    body()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        body()
+        sync_free = True
+    except RuntimeError as e:
+        sync_free = str(e)[:160]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    emit(dict(section="compile", check="op compiled (fullgraph) vs eager", sync_free=sync_free,
+              dh_err=rel(hh.grad, eager[0]), dw_err=rel(ww.grad, eager[1])))
+    gh, gw = torch.zeros_like(h), torch.zeros_like(w)
+
+    def captured():
+        body()
+        gh.copy_(hh.grad)
+        gw.copy_(ww.grad)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        captured()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured()
+    gh.zero_()
+    gw.zero_()
+    graph.replay()
+    emit(dict(section="compile", check="CUDA graph replay vs eager", dh_err=rel(gh, eager[0]), dw_err=rel(gw, eager[1])))
+    del graph
+
+    cfg = AutoConfig.for_model("llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=4,
+                               num_attention_heads=9, num_key_value_heads=3, head_dim=64, tie_word_embeddings=True)
+    ids = torch.randint(0, 49152, (4, 512), device=DEV, generator=g)
+    labels = ids.clone()
+    labels[:, :128] = -100
+    items = (labels[:, 1:] != -100).sum()
+    models = []
+    for _ in range(4):
+        torch.manual_seed(0)
+        with torch.device(DEV):
+            models.append(AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).train())
+    stock, stock_c, eager_m, comp_m = models
+
+    def stock_loss(fwd):
+        logits = fwd(input_ids=ids).logits.float()
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), label_smoothing=0.1,
+                               reduction="sum") / items
+    hf = stock_loss(stock)
+    hf.backward()
+    hf = float(hf)
+    torch._dynamo.reset()
+    stock_loss(torch.compile(stock_c)).backward()  # compiling the bf16 backbone alone moves the gradients this much
+    baseline = max(rel(p.grad, q.grad) for p, q in zip(stock_c.parameters(), stock.parameters()))
+    for m in (eager_m, comp_m):
+        apply_lsce_patch(m, label_smoothing=0.1)
+    eager_m(input_ids=ids, labels=labels, num_items_in_batch=items).loss.backward()
+    torch._dynamo.reset()
+    fwd = torch.compile(comp_m, fullgraph=True)
+    before = ENGAGEMENT.fused_calls
+    for _ in range(2):
+        comp_m.zero_grad(set_to_none=True)
+        out = fwd(input_ids=ids, labels=labels, num_items_in_batch=items)
+        out.loss.backward()
+    emit(dict(section="compile", check="patched model compiled whole", hf_loss=hf, compiled_loss=float(out.loss),
+              loss_err=abs(float(out.loss) - hf) / hf, logits_returned=out.logits is not None,
+              ok=ENGAGEMENT.fused_calls - before == 2 and out.logits is None, stock_compiled_vs_eager=baseline,
+              grad_err_vs_eager=max(rel(p.grad, q.grad) for p, q in zip(comp_m.parameters(), eager_m.parameters()))))
+
+
+SECTIONS = dict(paths=paths_section, real=real_section, eval=eval_section, edge=edge_section,
+                behaviour=behaviour_section, compile=compile_section)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out-dir", default=os.environ.get("OUT", "gpu_out"))
+    ap.add_argument("--sections", default=",".join(SECTIONS))
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("check_gpu.py needs a CUDA GPU; the CPU tests run the kernels in Triton's interpreter")
+    rows = []
+
+    def emit(row):
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    for name in args.sections.split(","):
+        try:
+            SECTIONS[name](emit)
+        except Exception as e:  # noqa: BLE001 - a section that breaks is a failed row; the others still run
+            emit(dict(section=name, check="section ran", ok=False, error=f"{type(e).__name__}: {str(e)[:300]}"))
+        torch.cuda.empty_cache()
+    os.makedirs(args.out_dir, exist_ok=True)
+    import triton
+
+    with open(os.path.join(args.out_dir, "check_gpu.json"), "w") as f:
+        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                       rows=rows), f, indent=1)
+    fmt = lambda x: "-" if x is None else (f"{x:.1e}" if isinstance(x, float) else str(x))  # noqa: E731
+    print("\n| section | case | path | loss err | dh err | dW err | db err | sync-free |\n|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "dh_err" not in r:
+            continue
+        case = " ".join(str(r[k]) for k in ("shape", "N", "D", "V", "dtype", "head") if k in r)
+        case += " cap" if r.get("softcap") else ""
+        print(f"| {r['section']} | {case} | {r.get('path', '-')} | {fmt(r.get('loss_err'))} | {fmt(r['dh_err'])} | "
+              f"{fmt(r['dw_err'])} | {fmt(r['db_err'])} | {r.get('sync_free', '-')} |")
+    bad = [r for r in rows if r.get("ok") is False or r.get("sync_free") not in (None, True)]
+    print(f"\n{len(bad)} failed behaviour / synchronisation checks" + (": " + json.dumps(bad)[:800] if bad else ""))
+
+
+if __name__ == "__main__":
+    main()
