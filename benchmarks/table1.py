@@ -110,7 +110,7 @@ def _public(res):
 
 
 def diagnosis(model, tok, tasks, b=0.1) -> dict:
-    """``hf-lsce diagnose``'s measured prediction for the base model, on the table's own evaluation items."""
+    """``hf-lsce diagnose`` of the base model (its state and counterfactual), on the table's own evaluation items."""
     from hf_lsce.diagnosis import diagnose_model
 
     return diagnose_model(model, tok, label_smoothing=b, tasks=tasks, records=held_out_records(), n_records=HELD_OUT,
@@ -401,11 +401,11 @@ def table_markdown(results) -> str:
         lines.append(f"| {os.path.basename(model)} | {dataset} | {lr} | {len(rs)} | " + " | ".join(cells) + " |")
     lines += ["", "The diagnosis (base model, before training) against what SFT measured (pooled over the tasks the "
               "diagnosis found above chance; b = 0.1 minus b = 0, mean over the paired runs of the first data and lr):", "",
-              "| model | prediction | suggested b | pooled abs. gap now -> predicted | measured ECE change | "
+              "| model | state-based counterfactual | its b | pooled abs. gap now -> predicted | measured ECE change | "
               "measured abs.-gap change | measured verdict |", "|---|---|---|---|---|---|---|"]
     for model, d in results.get("diagnosis", {}).items():
-        if "prediction" not in d:
-            continue
+        if "state_prediction" not in d:  # (results of an earlier version kept the counterfactual as "prediction")
+            d = dict(d, state_prediction=d.get("prediction"), state_suggested_b=d.get("suggested_b"))
         used = [s["name"] for s in d["tasks"] if s["above_chance"]]
         first = next((r for r in runs if r["dataset"] != "base"), None)
         pairs = [(r0, r1) for r1 in runs for r0 in runs if first and r1["model"] == model and r1["b"] == 0.1
@@ -422,7 +422,7 @@ def table_markdown(results) -> str:
         d_gap = sum(pooled(r1, "signed_gap", True) - pooled(r0, "signed_gap", True) for r0, r1 in pairs) / len(pairs)
         m = d["margin"]
         verdict = "helps" if d_gap < -m else "hurts" if d_gap > m else "little-effect"
-        lines.append(f"| {os.path.basename(model)} | {d['prediction']} | {d['suggested_b']:g} | {d['current_gap']:.3f} -> "
+        lines.append(f"| {os.path.basename(model)} | {d['state_prediction']} | {d['state_suggested_b']:g} | {d['current_gap']:.3f} -> "
                      f"{d['predicted_gap']['0.1']:.3f} | {d_ece:+.3f} | {d_gap:+.3f} | {verdict} ({len(pairs)} seeds) |")
     lines += token_table(runs)
     return "\n".join(lines)

@@ -195,12 +195,16 @@ def resolve_model_path(name_or_path: str, cache_dir=None) -> str:
 
 
 def check_model_folder(path: str | os.PathLike) -> None:
-    """For a local model folder: ``config.json`` parses and every ``*.safetensors`` file is whole (its header read,
-    which also checks that the data it declares is there). A ValueError names the broken file and the fix, where
-    transformers would say only "not a valid JSON file" or safetensors "incomplete metadata" without a file name."""
+    """For a local model folder: not left unfinished by an interrupted hf_lsce run, ``config.json`` parses and every
+    ``*.safetensors`` file is whole (its header read, which also checks that the data it declares is there). A
+    ValueError names the broken file and the fix, where transformers would say only "Unterminated string" or
+    safetensors "incomplete metadata" without a file name."""
+    from .outputs import require_complete
+
     folder = Path(path)
     if not folder.is_dir():
         return
+    require_complete(folder)  # a folder an interrupted run left is not a model
     fix = ("The file is truncated or corrupt (an interrupted download or save?): download the model again, or save "
            "it again with model.save_pretrained(folder).")
     config = folder / "config.json"
@@ -221,17 +225,39 @@ def check_model_folder(path: str | os.PathLike) -> None:
                 raise ValueError(f"the weights file {f} cannot be read ({e}). {fix}") from e
 
 
-def load_model_and_tokenizer(name_or_path: str, *, dtype="auto", device=None, cache_dir=None):
-    """``(model, tokenizer)`` for a hub name, a local folder, a ``.gguf`` file or an installed checkpoint's
-    short name; ``dtype`` a torch dtype, "auto", or "bf16"/"fp16"/"fp32"; ``device`` default: CUDA if there
-    is one."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+def checked_model_path(name_or_path: str, cache_dir=None) -> str:
+    """:func:`resolve_model_path`, then :func:`check_model_folder`: the path every command loads a model from."""
     path = resolve_model_path(name_or_path, cache_dir)
     check_model_folder(path)
-    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(dtype, dtype)
+    return path
+
+
+def load_tokenizer(path: str):
+    """The tokenizer of a checked model path, with a pad token (the end-of-sequence one where it has none)."""
+    from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model_and_tokenizer(name_or_path: str, *, dtype="auto", device=None, cache_dir=None):
+    """``(model in eval mode, tokenizer with a pad token)`` for a hub name, a local folder, a ``.gguf`` file or an
+    installed checkpoint's short name: the loader of every command, so a broken file is named with its fix before
+    transformers reads it. ``dtype`` a torch dtype, "auto", or "bf16"/"fp16"/"fp32"; ``device`` default: CUDA if there
+    is one."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = checked_model_path(name_or_path, cache_dir)
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(dtype, dtype)
+    try:
+        tok = load_tokenizer(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+    except OSError as e:
+        raise OSError(f"cannot load model {name_or_path!r}: {' '.join(str(e).split())[:300]}. Give a local folder "
+                      "holding config.json, the weights and the tokenizer, a .gguf file, an installed checkpoint "
+                      f"({', '.join(CHECKPOINTS)}), or a hub name reachable from this machine") from e
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return model.to(dev), tok
+    return model.to(dev).eval(), tok

@@ -84,7 +84,7 @@ def _cmd_check(args) -> int:
         if dev.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
-        peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if dev.type == "cuda" else float("nan")
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if dev.type == "cuda" else None  # CUDA only
         rows.append(dict(method=name, loss=float(loss), seconds=dt, peak_extra_mib=peak,
                          grad_hidden=hh.grad.float(), grad_weight=ww.grad.float()))
     f, m = rows
@@ -93,7 +93,8 @@ def _cmd_check(args) -> int:
     print(f"hf-lsce check: N={n} D={d} V={v} {args.dtype} b={args.label_smoothing} on {dev} [{backend}]")
     print(f"{'method':<14}{'loss':>12}{'time (s)':>11}{'peak extra MiB':>16}")
     for r in rows:
-        print(f"{r['method']:<14}{r['loss']:>12.6f}{r['seconds']:>11.3f}{r['peak_extra_mib']:>16.1f}")
+        peak = "n/a" if r["peak_extra_mib"] is None else f"{r['peak_extra_mib']:.1f}"  # no allocator counters off CUDA
+        print(f"{r['method']:<14}{r['loss']:>12.6f}{r['seconds']:>11.3f}{peak:>16}")
     print(f"relative difference: loss {abs(f['loss'] - m['loss']) / abs(m['loss']):.2e}, "
           f"dL/dh {rel(f['grad_hidden'], m['grad_hidden']):.2e}, dL/dW {rel(f['grad_weight'], m['grad_weight']):.2e}")
     return 0
@@ -107,36 +108,22 @@ def _cmd_run(args) -> int:
 
 
 def _load_causal_lm(name: str, dtype: str, device: str | None):
-    """A causal LM and its tokenizer from a hub name, a local folder, a .gguf file or an installed checkpoint's
-    short name (see hf_lsce.checkpoints), on ``device`` in ``dtype``."""
+    """A causal LM (or an ATS head on its base) and its tokenizer, by the one loader (hf_lsce.checkpoints)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .checkpoints import resolve_model_path
+    from .checkpoints import checked_model_path, load_model_and_tokenizer, load_tokenizer
 
+    ats = _ats_config(checked_model_path(name))  # the folder's files checked before any is read
+    if ats is None:
+        return load_model_and_tokenizer(name, dtype=dtype, device=device)
+    from .ats import ATSCalibrator  # an ATS head: its base (and the base's tokenizer) from the config
+
+    if not ats.base_model_name_or_path:
+        raise ValueError(f"the ATS head in {name} does not name its base model")
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
     torch_dtype = {"auto": "auto", "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
-    ats = _ats_config(name)
-    if ats is not None:  # an ATS head: its base (and the base's tokenizer) from the config
-        from .ats import ATSCalibrator
-
-        base = ats.base_model_name_or_path
-        if not base:
-            raise ValueError(f"the ATS head in {name} does not name its base model")
-        tok = AutoTokenizer.from_pretrained(resolve_model_path(base))
-        return ATSCalibrator.from_pretrained(name, dtype=torch_dtype).to(dev).eval(), tok
-    path = resolve_model_path(name)
-    from .outputs import require_complete
-
-    require_complete(path)  # a folder an interrupted run left is not a model
-    try:
-        tok = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
-    except OSError as e:
-        raise OSError(f"cannot load model {name!r}: {' '.join(str(e).split())[:300]}. Give a local folder holding "
-                      "config.json, the weights and the tokenizer, a .gguf file, an installed checkpoint "
-                      "(smollm2-135m-instruct, gemma-3-270m), or a hub name reachable from this machine") from e
-    return model.to(dev).eval(), tok
+    tok = load_tokenizer(checked_model_path(ats.base_model_name_or_path))
+    return ATSCalibrator.from_pretrained(name, dtype=torch_dtype).to(dev).eval(), tok
 
 
 def _ats_config(name: str):
@@ -291,10 +278,10 @@ def _cmd_diagnose(args) -> int:
     from transformers import AutoConfig
 
     from . import theory
-    from .checkpoints import resolve_model_path
+    from .checkpoints import checked_model_path
     from .outputs import output_folder
 
-    target = args.model if args.model.endswith(".json") else resolve_model_path(args.model)
+    target = args.model if args.model.endswith(".json") else checked_model_path(args.model)
     cfg = AutoConfig.from_pretrained(target)
     text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     d, v = int(text_cfg.hidden_size), int(text_cfg.vocab_size)
@@ -323,7 +310,7 @@ def _cmd_diagnose(args) -> int:
             probe_prediction(probe_report, args.label_smoothing)
         if args.probe:
             from .data import check_disjoint
-            from .demo import choose_budget
+            from .finetune import choose_budget
             from .diagnosis import PROBE_STEPS
 
             probe_steps = args.probe_steps or min(choose_budget(args.probe).sft_steps, PROBE_STEPS)
@@ -335,20 +322,15 @@ def _cmd_diagnose(args) -> int:
     elif is_config_only or args.config_only:
         rho, source = theory.rho_at_init(text_cfg), "at initialisation: std (sqrt V + sqrt D), RMS(h) = 1; no weights given"
     else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from .checkpoints import load_model_and_tokenizer
 
-        dtype = {"auto": "auto", "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
         texts = None
         if args.text_file:  # read before the model loads: a wrong path fails at once
             with open(args.text_file, encoding="utf-8") as f:
                 texts = [t for t in f.read().split("\n\n") if t.strip()]
             if not texts:
                 raise ValueError(f"--text-file {args.text_file} holds no text.")
-        model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).to(args.device or (
-            "cuda" if torch.cuda.is_available() else "cpu")).eval()
-        tok = AutoTokenizer.from_pretrained(target)
-        if tok.pad_token is None:
-            tok.pad_token = tok.eos_token
+        model, tok = load_model_and_tokenizer(target, dtype=args.dtype, device=args.device)
         m = theory.measure_rho(model, tok, texts)
         rho, source = m.pop("rho"), "||W||_2 x max RMS(h) on the sample text"
         observed = m
@@ -516,9 +498,11 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("diagnose", help="will label smoothing help this model's calibration, and with which b?",
                        description="Measures the model on held-out data: its signed calibration gap (mean confidence "
                                    "minus accuracy) per task and on instruction tokens, and what smoothing at b would "
-                                   "do to it (a fitted-temperature counterfactual); predicts helps / little-effect / "
-                                   "hurts and suggests b. Also prints the LM head's entropy lower bound (D, V, rho). "
-                                   "A config.json alone gives the bound only.")
+                                   "do to it (a fitted-temperature counterfactual, not validated: reported, not "
+                                   "predicted). With --probe, two short fine-tunings measure the prediction (helps / "
+                                   "little-effect / hurts) and a suggested b; without it the diagnosis abstains and "
+                                   "says so. Also prints the LM head's entropy lower bound (D, V, rho). A config.json "
+                                   "alone gives the bound only.")
     g.add_argument("model", metavar="MODEL_OR_CONFIG", help="model folder, installed checkpoint, hub name, or config.json")
     g.add_argument("--label-smoothing", type=_unit_float, default=0.1)
     g.add_argument("--tasks", default="arc_easy,sciq,piqa,boolq,openbookqa",
@@ -530,7 +514,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--records", type=_positive_int, default=32, help="how many instruction records (the last N)")
     g.add_argument("--data-dir", default=None, help="local evaluation data (e.g. ../shared/data)")
     g.add_argument("--margin", type=_positive_float, default=0.01,
-                   help="ECE change below which the prediction is little-effect")
+                   help="change below which the probe (and the counterfactual) say little-effect")
     g.add_argument("--batch-size", type=_positive_int, default=16)
     g.add_argument("--bound-only", action="store_true", help="only the entropy bound: no data, no prediction")
     g.add_argument("--rho", type=_positive_float, default=None, help="use this rho (bound only)")
@@ -538,15 +522,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--text-file", default=None, help="sample text for rho (paragraphs separated by blank lines)")
     g.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="fp32")
     g.add_argument("--device", default=None)
-    g.add_argument("--json", default=None, help="write the diagnosis here (its \"prediction\": helps, little-effect, "
-                                                "hurts, or null without weights)")
+    g.add_argument("--json", default=None, help="write the diagnosis here (its \"prediction\": the probe's helps, "
+                                                "little-effect or hurts; null without a probe, with \"abstain_reason\")")
     g.add_argument("--figure", default=None, help="write the measured picture (PNG): signed gaps, predicted ECE vs b")
     g.add_argument("--plot", default=None, help="write the entropy-gap figure (PNG) with this model marked")
     g.add_argument("--probe", nargs="?", const="auto", default=None, choices=["auto", "cpu", "gpu", "tiny"],
-                   metavar="BUDGET", help="also measure: two short fine-tunings from these weights at b = 0 and b "
-                                          "(hf-lsce sweep), whose verdict becomes the prediction; BUDGET as the "
-                                          "sweep's (auto: gpu with CUDA). Minutes on a GPU; about 9 minutes on "
-                                          "2 CPU cores, where only large changes are resolved")
+                   metavar="BUDGET", help="measure the prediction: two short fine-tunings from these weights at b = 0 "
+                                          "and b (hf-lsce sweep), whose verdict is the prediction (without it the "
+                                          "diagnosis abstains); BUDGET as the sweep's (auto: gpu with CUDA). 2-3 "
+                                          "minutes on an H100; about 9 minutes on 2 CPU cores, where only large "
+                                          "changes are resolved")
     g.add_argument("--probe-steps", type=_positive_int, default=None,
                    help="SFT steps per probe run (default: 60, or the budget's if fewer)")
     g.add_argument("--probe-data", default=None, help="the probe's SFT data: your instruction file (JSON/JSONL), "

@@ -3,8 +3,9 @@
 1. The base model (default SmolLM2-135M-Instruct, installed from the package registry) is scored on real
    ARC-Easy, SciQ, PIQA and MMLU items (the installed hub-schema data, or ``--data-dir`` files):
    accuracy, ECE, RMS, NLL.
-2. ``hf-lsce diagnose``'s prediction for this model (:mod:`hf_lsce.diagnosis`): its signed calibration gap per
-   task and on held-out instruction tokens, and whether smoothing at b helps, has little effect or hurts.
+2. ``hf-lsce diagnose`` on this model (:mod:`hf_lsce.diagnosis`): its signed calibration gap per task and on
+   held-out instruction tokens, and the state-based counterfactual of smoothing at b (no prediction: the two
+   fine-tunings below are the measurement, read with the probe's rule).
 3. Full SFT through ``apply_lsce_patch`` with TRL's ``SFTTrainer``, twice from the same weights, data order
    and seed: label smoothing 0 and b. The instruction data is real and disjoint from the evaluation sets:
    TriviaQA and NQ-Open questions rendered as Alpaca-style instructions (or ``--dataset``, e.g.
@@ -26,145 +27,15 @@ import json
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
 import torch
 
+from .finetune import DEFAULT_DATA, DEFAULT_MODEL, choose_budget, device, prepare, sft, token_records
+
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
-DEFAULT_DATA = "trivia_qa,nq_open"
 DEFAULT_TASKS = "arc_easy,sciq,piqa,mmlu"  # three where small models are above chance, and the paper's MMLU
-
-
-@dataclass(frozen=True)
-class Budget:
-    """How much the demo does: SFT steps and batch, ATS steps, items and shots per task."""
-
-    name: str
-    sft_steps: int
-    batch_size: int
-    max_length: int
-    lr: float
-    ats_steps: int
-    limits: dict = field(default_factory=dict)
-    shots: dict = field(default_factory=dict)
-    records: int | None = None  # instruction records used (None: all)
-    calibration_records: int = 256
-    bf16: bool = False
-
-
-BUDGETS = {
-    "tiny": Budget("tiny", sft_steps=2, batch_size=4, max_length=96, lr=5e-5, ats_steps=2,
-                   limits={"mmlu": 8, "arc_easy": 8, "sciq": 8, "piqa": 8}, shots={"mmlu": 0}, records=120,
-                   calibration_records=16),
-    "cpu": Budget("cpu", sft_steps=8, batch_size=8, max_length=128, lr=5e-5, ats_steps=10,
-                  limits={"mmlu": 40, "arc_easy": 60, "sciq": 50, "piqa": 60}, shots={"mmlu": 0}, records=2000,
-                  calibration_records=128),
-    "gpu": Budget("gpu", sft_steps=300, batch_size=32, max_length=256, lr=2e-5, ats_steps=300,
-                  limits={"mmlu": 1000, "arc_easy": None, "sciq": None, "piqa": 1000}, shots={"mmlu": 5}, records=None,
-                  calibration_records=1024, bf16=True),
-}
-
-
-def token_records(records: list, plan: Budget) -> list:
-    """The held-out instruction records whose next tokens the diagnosis, the demo and the sweep measure: the last
-    64 on the GPU budget, 16 elsewhere (a forward pass each)."""
-    return records[-min(len(records), 64 if plan.name == "gpu" else 16):]
-
-
-def _device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def choose_budget(budget: str = "auto", *, steps: int | None = None, ats_steps: int | None = None) -> Budget:
-    """The named budget (``"auto"``: gpu with CUDA, else cpu), with ``steps`` / ``ats_steps`` over its own."""
-    if budget == "auto":
-        budget = "gpu" if torch.cuda.is_available() else "cpu"
-    if budget not in BUDGETS:
-        raise ValueError(f"budget must be 'auto' or one of {sorted(BUDGETS)}, got {budget!r}")
-    plan = BUDGETS[budget]
-    for name, v in (("steps", steps), ("ats_steps", ats_steps)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-            raise ValueError(f"{name} must be a positive integer; got {v!r}")
-    if steps is not None or ats_steps is not None:
-        plan = Budget(**{**asdict(plan), "sft_steps": steps or plan.sft_steps, "ats_steps": ats_steps or plan.ats_steps})
-    return plan
-
-
-def prepare(model: str, plan: Budget, eval_tasks: str, limit, dataset: str | None, data_dir: str | None,
-            command: str = "demo"):
-    """(checkpoint path, tokenizer with a pad token, shots per task, SFT records, held-out records, tasks): what the
-    demo and the sweep start from."""
-    from transformers import AutoTokenizer
-
-    from .calibration.tasks import resolve_tasks
-    from .checkpoints import resolve_model_path
-
-    names, limits, shots = task_plan(eval_tasks, plan, limit)
-    path = resolve_model_path(model)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    train, held_out = instruction_split(dataset, names, data_dir, plan, command=command)
-    return path, tokenizer, shots, train, held_out, resolve_tasks(names, data_dir, shots=shots, limit=limits)
-
-
-def task_plan(eval_tasks: str, plan: Budget, limit=None) -> tuple[list[str], dict, dict]:
-    """(task names, items per task, shots per task): the budget's, with ``limit`` (N, or per task) over it."""
-    from .calibration.tasks import parse_per_task, parse_task_names
-
-    names = parse_task_names(eval_tasks)
-    limits = {n: plan.limits.get(n, 200 if plan.name != "tiny" else 8) for n in names}
-    if limit is not None:
-        limits.update({k: v for k, v in parse_per_task(limit, names, "limit", allow_zero=False).items() if v})
-    return names, limits, {n: plan.shots.get(n, 0) for n in names}
-
-
-def instruction_split(dataset: str | None, task_names: list[str], data_dir: str | None, plan: Budget,
-                      command: str = "demo") -> tuple[list[dict], list[dict]]:
-    """(SFT records, held-out records) of the instruction data (default TriviaQA + NQ-Open as instructions),
-    refused when it overlaps the evaluation tasks, cut to the budget."""
-    from .data import check_disjoint, load_instruction_records
-
-    check_disjoint(dataset or DEFAULT_DATA, task_names)
-    records = load_instruction_records(dataset or DEFAULT_DATA, data_dir=data_dir if dataset else None)
-    if plan.records is not None:
-        records = records[: plan.records + plan.calibration_records]
-    n_cal = min(plan.calibration_records, max(1, len(records) // 5))
-    if len(records) < 2 * n_cal:
-        raise ValueError(f"{dataset or DEFAULT_DATA} gives {len(records)} records; the {command} needs at least "
-                         f"{2 * n_cal} (training and a held-out split)")
-    return records[:-n_cal], records[-n_cal:]
-
-
-def _sft(path, tokenizer, train, eval_records, callback_task, *, label_smoothing, budget: Budget, output_dir, seed):
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, set_seed
-    from trl import SFTConfig, SFTTrainer
-
-    from . import apply_lsce_patch
-    from .calibration import CalibrationCallback
-
-    set_seed(seed)
-    dev = _device()
-    model = apply_lsce_patch(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
-    steps = budget.sft_steps
-    args = SFTConfig(output_dir=output_dir, max_steps=steps, per_device_train_batch_size=budget.batch_size,
-                     per_device_eval_batch_size=budget.batch_size, learning_rate=budget.lr, lr_scheduler_type="constant",
-                     warmup_steps=0, label_smoothing_factor=label_smoothing, logging_steps=max(1, steps // 10),
-                     eval_strategy="steps", eval_steps=max(1, steps // 2), save_strategy="no", report_to="none",
-                     seed=seed, use_cpu=dev.type == "cpu", bf16=budget.bf16 and dev.type == "cuda",
-                     max_length=budget.max_length, completion_only_loss=True, disable_tqdm=False)
-    trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(train),
-                         eval_dataset=Dataset.from_list(eval_records), processing_class=tokenizer)
-    cb = CalibrationCallback([callback_task], n_bins=10, batch_size=16, tokenizer=tokenizer,
-                             save_diagrams=False).attach(trainer)
-    t0 = time.perf_counter()
-    trainer.train()
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    return trainer.model.eval(), {"history": cb.history, "train_loss": losses,
-                                  "seconds": round(time.perf_counter() - t0, 1)}
 
 
 def run_demo(output_dir: str = "hf_lsce_demo", *, model: str = DEFAULT_MODEL, dataset: str | None = None,
@@ -184,7 +55,7 @@ def run_demo(output_dir: str = "hf_lsce_demo", *, model: str = DEFAULT_MODEL, da
     from transformers import AutoModelForCausalLM
 
     path, tokenizer, shots, train, calib, tasks = prepare(model, plan, eval_tasks, limit, dataset, data_dir)
-    dev = _device()
+    dev = device()
     logger.info("demo on %s (%s budget, %s): %d SFT records, %d calibration records, tasks %s", model, plan.name, dev,
                 len(train), len(calib), {t.name: len(t) for t in tasks})
 
@@ -213,15 +84,15 @@ def run_demo(output_dir: str = "hf_lsce_demo", *, model: str = DEFAULT_MODEL, da
     # -------------------------------------------------------------------------- 3: SFT, b = 0 and b
     from .diagnosis import token_report
 
-    sft, trained, tokens = {}, {}, {}
+    runs, trained, tokens = {}, {}, {}
     watch = next((t for t in tasks if t.name == "arc_easy"), tasks[0])  # logged during training: a cheap task
     watch = Task(name=watch.name, kind=watch.kind, items=watch.items[:20], split=watch.split)
     for b in (0.0, label_smoothing):
         key = f"SFT b={b:g}"
         logger.info("fine-tuning with label smoothing %g through the fused op", b)
-        m, info = _sft(path, tokenizer, train, calib[:32], watch, label_smoothing=b, budget=plan,
-                       output_dir=os.path.join(output_dir, f"sft_b{b:g}"), seed=seed)
-        trained[key], sft[key] = m.to(dev), info
+        m, info = sft(path, tokenizer, train, calib[:32], watch, label_smoothing=b, budget=plan,
+                      output_dir=os.path.join(output_dir, f"sft_b{b:g}"), seed=seed)
+        trained[key], runs[key] = m.to(dev), info
         scores[key] = score_all(trained[key], key)
         tokens[key] = token_report(trained[key], tokenizer, tok_records, (label_smoothing,), predict=b == 0.0)
         if b != 0.0:
@@ -267,7 +138,7 @@ def run_demo(output_dir: str = "hf_lsce_demo", *, model: str = DEFAULT_MODEL, da
               "label_smoothing": label_smoothing, "dataset": dataset or DEFAULT_DATA, "sft_records": len(train),
               "calibration_records": len(calib), "tasks": {t.name: {"n": len(t), "split": t.split, "source": t.source,
                                                                      "shots": shots[t.name]} for t in tasks},
-              "diagnosis": diagnosis, "sft": sft, "tokens": tokens, "results": results, "what_moved": moved, "diagrams": diagrams,
+              "diagnosis": diagnosis, "sft": runs, "tokens": tokens, "results": results, "what_moved": moved, "diagrams": diagrams,
               "seconds": round(time.perf_counter() - t_start, 1)}
     report["summary"] = _summary(report, label_smoothing)
     with open(os.path.join(output_dir, "report.json"), "w") as f:
@@ -287,8 +158,9 @@ def _summary(report: dict, b: float) -> list[str]:
                 lines.append(f"{task}: ATS vs none: {d['text'].split(': ', 1)[1]}")
     d = report["diagnosis"]
     used = [t["name"] for t in d["tasks"] if t["above_chance"]]
-    line = (f"diagnosis (before training): smoothing at b = {b:g} {d['prediction']} (pooled |signed gap| "
-            f"{d['current_gap']:.3f} -> {d['predicted_gap'][f'{b:g}']:.3f} predicted; suggested b = {d['suggested_b']:g})")
+    line = (f"diagnosis (before training): no prediction without a probe; the state-based counterfactual (not "
+            f"validated) said {d['state_prediction']} at b = {b:g} (pooled |signed gap| {d['current_gap']:.3f} -> "
+            f"{d['predicted_gap'][f'{b:g}']:.3f})")
     if used:
         res = report["results"]
         n = sum(res[t]["SFT b=0"]["n"] for t in used)
@@ -297,8 +169,7 @@ def _summary(report: dict, b: float) -> list[str]:
         line += f"; measured after SFT on the same tasks: {measured:+.3f} (b = {b:g} minus b = 0)"
     lines.append(line)
     # the demo's two fine-tunings are a probe: the rule of `hf-lsce diagnose --probe` on their paired ECE changes
-    from .diagnosis import probe_rule
-    from .sweep import verdicts
+    from .diagnosis import probe_rule, verdicts
 
     per_task = {t: {"ece": x} for t, items in report["what_moved"].items() for x in items
                 if x["from"] == "SFT b=0" and x["to"] == b_key and x["metric"] == "ece"}
@@ -317,7 +188,7 @@ def _summary(report: dict, b: float) -> list[str]:
 
         effect = gap_verdict(t0["signed_gap"], t1["signed_gap"])
         lines.append(f"next tokens of {t0['n']} held-out instruction tokens: signed gap {t0['signed_gap']:+.3f} after "
-                     f"SFT at b = 0, for which the diagnosis predicts smoothing {t0['prediction'][f'{b:g}']} "
+                     f"SFT at b = 0, for which the counterfactual (not validated) said {t0['prediction'][f'{b:g}']} "
                      f"({t0['predicted_gap'][f'{b:g}']:+.3f}); measured at b = {b:g}: {t1['signed_gap']:+.3f} ({effect})")
     return lines
 

@@ -18,21 +18,26 @@ held-out data, which :func:`diagnose_model` measures in three parts:
    model would have (``TaskScores.probs_at``). Tasks at chance are reported but take no part: there ECE only
    measures how far confidence sits from 1/choices.
 
-The prediction at b compares the pooled miscalibration of the softened model with the model's own. The pooled
-quantity is the absolute signed gap, items-weighted over the above-chance tasks: smooth in the temperature where
-binned ECE on a few hundred items jumps from bin to bin, and what smoothing can change (it moves confidence, not
+The state-based counterfactual at b compares the pooled miscalibration of the softened model with the model's own.
+The pooled quantity is the absolute signed gap, items-weighted over the above-chance tasks: smooth in the temperature
+where binned ECE on a few hundred items jumps from bin to bin, and what smoothing can change (it moves confidence, not
 what the model knows); the predicted ECE is reported beside it. Lower by more than ``margin`` (default 0.01) is
-``"helps"``, higher by more than it ``"hurts"``, else ``"little-effect"``. ``suggested_b`` is the b of the grid with
-the lowest predicted value (0 when none beats the model by the margin: then smoothing is not the tool, and
-temperature scaling or ATS after training is). With no task above chance the tokens stand in, and the result
-says so.
+``"helps"``, higher by more than it ``"hurts"``, else ``"little-effect"`` (``state_prediction``, and its
+``state_suggested_b``: the b of the grid with the lowest predicted value, 0 when none beats the model by the margin).
+With no task above chance the tokens stand in, and the result says so.
+
+**Without a probe the diagnosis abstains**: ``prediction`` and ``suggested_b`` are None and ``abstain_reason`` says why.
+The counterfactual was not validated: it said "helps" for both installed checkpoints (SmolLM2-135M-Instruct and
+Gemma-3-270m), and Table 1's full fine-tunings raised Gemma-3-270m's ECE in 8 of its 12 Alpaca runs (docs/theory.md).
+It is reported as the model's state, not as a prediction.
 
 **The probe** (:meth:`ModelDiagnosis.add_probe`, ``hf-lsce diagnose --probe``): the counterfactual above softens every
 next-token distribution, and on the single-token answers of MMLU and BoolQ fine-tuning moved something else: the
 answer prior (which letter, yes or no, the model leans to), in a direction that differed between models and SFT data
 (docs/theory.md). Nothing in the state measured above predicts that direction; two short fine-tunings from the
 model's weights on the user's data, at 0 and at b, measure it (``hf_lsce.sweep.run_sweep``). When a probe is added,
-its verdict is the prediction (:func:`probe_prediction`) and the state-based one stays as ``state_prediction``.
+its verdict is the prediction (:func:`probe_prediction`), validated against Table 1 on both checkpoints after Alpaca
+SFT (docs/theory.md); the counterfactual stays as ``state_prediction``.
 """
 from __future__ import annotations
 
@@ -56,6 +61,13 @@ PROBE_STEPS = 60
 # moved the prior itself in Table 1, either way (docs/theory.md), which no state-based counterfactual predicts
 PRIOR_LEAN = 0.8
 PROBE_VERDICT = {"better": "helps", "worse": "hurts", "no resolvable change": "little-effect"}
+# what the probe costs, measured (docs/theory.md): on an H100 the six probes of benchmarks/results/probe_*_sweep.json
+# (60 SFT steps of 32 at b = 0 and b, four tasks of 400 items) took 104-186 s; on 2 CPU cores at the CPU budget, 9 min
+PROBE_TIME = "about 2-3 minutes per model on an H100 (104-186 s measured), 9 minutes on 2 CPU cores at the CPU budget"
+ABSTAIN_REASON = ("no prediction without a probe: the state-based counterfactual is not validated (it said 'helps' for "
+                  "both installed checkpoints, and Table 1's full fine-tunings raised Gemma-3-270m's ECE in 8 of 12 "
+                  "runs, docs/theory.md). Measure it: hf-lsce diagnose MODEL --probe (two short fine-tunings at 0 and "
+                  f"b from these weights on your data; {PROBE_TIME}) or hf-lsce sweep (a grid of b)")
 # the state-based prediction's own caveat (a probe, when added, replaces it)
 _COUNTERFACTUAL_CAVEAT = ("a one-temperature counterfactual of the model as it is now: fine-tuning also changes what "
                           "the model knows, and the SFT data and steps change its state (docs/theory.md says where "
@@ -237,8 +249,8 @@ class ModelDiagnosis:
     label_smoothing: float
     hidden_size: int
     vocab_size: int
-    prediction: str                    # "helps" | "little-effect" | "hurts"
-    suggested_b: float
+    state_prediction: str              # the counterfactual's "helps" | "little-effect" | "hurts" (not validated)
+    state_suggested_b: float           # the counterfactual's b of lowest predicted value
     basis: str                         # "tasks above chance" or "tokens (no task above chance)"
     current_gap: float                 # pooled |signed gap| over the basis: what the prediction compares
     predicted_gap: dict                # b -> pooled |signed gap| at tau(b)
@@ -249,14 +261,14 @@ class ModelDiagnosis:
     tasks: list                        # TaskState dicts
     bound: dict                        # the spectral entropy bound (hf_lsce.theory.diagnose) and the observed one
     margin: float = 0.01
-    # the same rule on the next-token |signed gap| of the instruction records: what smoothing does to the level it
-    # trains (measured to follow the sign of the b = 0 model's token gap, docs/theory.md)
+    # the counterfactual's rule on the next-token |signed gap| of the instruction records (not validated either)
     token_prediction: str = ""
     evidence: list = field(default_factory=list)
     caveats: list = field(default_factory=list)
-    # with a probe (add_probe): the state-based prediction moves here and ``prediction`` is the probe's
-    state_prediction: str = ""
-    state_suggested_b: float | None = None
+    # the prediction: None (abstains, ``abstain_reason`` says why) until a probe is added (add_probe)
+    prediction: str | None = None
+    suggested_b: float | None = None
+    abstain_reason: str = ABSTAIN_REASON
     probe: dict | None = None
 
     def to_dict(self) -> dict:
@@ -267,9 +279,7 @@ class ModelDiagnosis:
         run from the same weights) the prediction; the state-based one is kept as ``state_prediction``. In place;
         returns self."""
         pr = probe_prediction(sweep_report, self.label_smoothing, self.margin)
-        if self.probe is None:
-            self.state_prediction, self.state_suggested_b = self.prediction, self.suggested_b
-        self.probe, self.prediction = pr, pr["prediction"]
+        self.probe, self.prediction, self.abstain_reason = pr, pr["prediction"], ""
         # the probe tested one b: suggest it where it measurably helped at no accuracy cost, else 0
         self.suggested_b = self.label_smoothing if pr["prediction"] == "helps" and not pr["accuracy_cost"] else 0.0
         self.caveats = [c for c in self.caveats if c != _COUNTERFACTUAL_CAVEAT]
@@ -300,16 +310,13 @@ class ModelDiagnosis:
                      + ", ".join(f"{v:.3f}" for v in self.predicted_gap.values()) + " at b = "
                      + ", ".join(self.predicted_gap) + f"; ECE {self.current_ece:.3f} now, predicted "
                      + ", ".join(f"{v:.3f}" for v in self.predicted_ece.values()))
+        lines.append(f"state-based counterfactual at b = {self.label_smoothing:g} (not validated): "
+                     f"{self.state_prediction}, its b of lowest predicted value {self.state_suggested_b:g}"
+                     + (f"; at the next-token level {self.token_prediction} (|signed gap| {abs(t['signed_gap']):.3f} "
+                        f"now, {abs(t['predicted_gap'][_key(self.label_smoothing)]):.3f} predicted)"
+                        if self.token_prediction else ""))
         if self.probe is None:
-            lines.append(f"prediction at b = {self.label_smoothing:g}: {self.prediction.upper()}; suggested b = "
-                         f"{self.suggested_b:g}")
-        else:
-            lines.append(f"state-based prediction at b = {self.label_smoothing:g}: {self.state_prediction.upper()}; "
-                         f"suggested b = {self.state_suggested_b:g} (superseded by the probe below)")
-        if self.token_prediction:
-            lines.append(f"next-token level at b = {self.label_smoothing:g}: {self.token_prediction.upper()} "
-                         f"(|signed gap| {abs(t['signed_gap']):.3f} now, "
-                         f"{abs(t['predicted_gap'][_key(self.label_smoothing)]):.3f} predicted)")
+            lines.append(f"prediction at b = {self.label_smoothing:g}: NONE (abstains): {self.abstain_reason}")
         if self.probe is not None:
             pr = self.probe
             lines.append(f"probe: {pr['steps']} SFT steps of {pr['batch_size']} at b = 0 and b = "
@@ -363,8 +370,42 @@ def answer_lean(probs: torch.Tensor) -> tuple[int, float]:
     return top, float(counts[top]) / max(1, probs.shape[0])
 
 
+# ------------------------------------------------------------------ measured: short paired fine-tunings (sweep, probe)
+def verdicts(comparisons: dict) -> dict:
+    """b (as text) -> verdict against b = 0 from ``comparisons[b][task]["ece"]`` (a paired difference with ``low`` /
+    ``high``): better, worse, mixed, or no resolvable change."""
+    out = {}
+    for key, per_task in comparisons.items():
+        down = [t for t, c in per_task.items() if c["ece"]["high"] < 0]
+        up = [t for t, c in per_task.items() if c["ece"]["low"] > 0]
+        out[key] = ("mixed" if down and up else "better" if down else "worse" if up else "no resolvable change")
+    return out
+
+
+def accuracy_costs(comparisons: dict) -> dict:
+    """b (as text) -> the tasks whose accuracy is lower than at b = 0 with the interval below 0."""
+    return {key: [t for t, c in per_task.items() if c["acc"]["high"] < 0] for key, per_task in comparisons.items()}
+
+
+def suggest(pooled_ece: dict, verdict: dict, costs: dict | None = None) -> float:
+    """The ``better`` b of lowest pooled ECE among those with no accuracy cost (``costs``: b -> tasks), else 0."""
+    better = [k for k, v in verdict.items() if v == "better" and not (costs or {}).get(k)]
+    return float(min(better, key=lambda k: pooled_ece[k])) if better else 0.0
+
+
+def decide_sweep(report: dict) -> dict:
+    """Fill ``verdict``, ``accuracy_cost``, ``suggested_b`` and ``lowest_ece_b`` of a report from its paired
+    comparisons and pooled ECE (in place; also for a report saved by an earlier version)."""
+    comparisons = report["versus_b0"]
+    pooled_ece = {k: v["ece"] for k, v in report["pooled"].items()}
+    report["verdict"], report["accuracy_cost"] = verdicts(comparisons), accuracy_costs(comparisons)
+    report["suggested_b"] = suggest(pooled_ece, report["verdict"], report["accuracy_cost"])
+    report["lowest_ece_b"] = suggest(pooled_ece, report["verdict"])  # the same, ignoring accuracy
+    return report
+
+
 def probe_rule(verdict: str, pooled_ece_b0: float, pooled_ece_b: float, b: float, margin: float = 0.01) -> str:
-    """The probe's prediction from its verdict at b (:func:`hf_lsce.sweep.verdicts`): ``better`` -> ``"helps"``,
+    """The probe's prediction from its verdict at b (:func:`verdicts`): ``better`` -> ``"helps"``,
     ``worse`` -> ``"hurts"``, ``no resolvable change`` -> ``"little-effect"``; ``mixed`` by the pooled ECE change
     (b minus 0) against ``margin``."""
     if verdict == "mixed":
@@ -378,8 +419,6 @@ def probe_prediction(report: dict, b: float, margin: float = 0.01) -> dict:
     (paired bootstraps of each task's ECE against b = 0) decides: ``better`` -> ``"helps"``, ``worse`` ->
     ``"hurts"``, ``no resolvable change`` -> ``"little-effect"``; ``mixed`` (some task resolved lower, another
     higher) by the pooled ECE change against ``margin``. Returns the prediction with its per-task evidence."""
-    from .sweep import decide as decide_sweep
-
     if not isinstance(report, dict) or not {"versus_b0", "results", "pooled"} <= set(report):
         raise TypeError("the probe must be an hf-lsce sweep report (hf_lsce.sweep.run_sweep's result or its "
                         "sweep.json)")
@@ -478,7 +517,7 @@ def diagnose_model(model, tokenizer, *, label_smoothing: float = 0.1, tasks=DEFA
         current, predicted = abs(tokens["signed_gap"]), {k: abs(v) for k, v in tok_gap.items()}
         caveats.append("no task is above chance for this model: the prediction rests on next-token calibration "
                        "of the instruction records alone")
-    prediction, suggested = decide(current, predicted, b, margin)
+    state_prediction, state_suggested = decide(current, predicted, b, margin)
     token_prediction = tokens["prediction"]
     spectral = theory.measure_rho(model, tokenizer) if hasattr(model, "get_output_embeddings") else {}
     spec_diag = theory.diagnose(d, v, spectral.get("rho", 0.0), b, softcap=softcap_of(model))
@@ -508,11 +547,12 @@ def diagnose_model(model, tokenizer, *, label_smoothing: float = 0.1, tasks=DEFA
     if lean:
         caveats.append(f"its answers lean to one choice on {', '.join(lean)}: on tasks answered from one answer set, "
                        "fine-tuning with smoothing moved that prior, in either direction (Table 1: Gemma-3-270m's BoolQ "
-                       "answers from mostly 'yes' to mostly 'no', SmolLM2's towards balance), which this state-based "
-                       "prediction cannot see: measure it with --probe (docs/theory.md)")
+                       "answers from mostly 'yes' to mostly 'no', SmolLM2's towards balance), which the state-based "
+                       "counterfactual cannot see: measure it with --probe (docs/theory.md)")
     caveats.append(_COUNTERFACTUAL_CAVEAT)
     out = ModelDiagnosis(name or getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__,
-                         float(b), d, v, prediction, suggested, basis, current, predicted, current_ece, predicted_ece,
+                         float(b), d, v, state_prediction, state_suggested, basis, current, predicted, current_ece,
+                         predicted_ece,
                          temps, tokens, [asdict(s) for s in states], bound, margin, token_prediction, evidence,
                          caveats)
     out.scores = scores  # {task: TaskScores} of the model as it is (not serialised): callers reuse them
@@ -539,7 +579,8 @@ def plot_diagnosis(diag: ModelDiagnosis, path: str | None = None):
     bs = [0.0] + [float(k) for k in diag.predicted_ece]
     ax2.plot(bs, [diag.current_gap] + list(diag.predicted_gap.values()), marker="o", label="|signed gap|")
     ax2.plot(bs, [diag.current_ece] + list(diag.predicted_ece.values()), marker="s", label="ECE")
-    title = f"prediction at b = {diag.label_smoothing:g}: {diag.prediction}"
+    title = (f"no prediction without a probe (the state-based counterfactual, not validated: "
+             f"{diag.state_prediction})")
     if diag.probe is not None:  # the probe's measured pooled ECE at 0 and b
         ax2.plot([0.0, diag.label_smoothing], diag.probe["pooled_ece"], marker="*", ms=11, ls=":", color="k",
                  label=f"ECE after {diag.probe['steps']} SFT steps at 0 and b\n(probe, measured, all its tasks)")

@@ -6,7 +6,8 @@ a watch task while each trains). Every run is then scored on the same held-out m
 compared with b = 0 by paired bootstraps over the items (ECE, signed gap, accuracy), and each run's signed gap
 (mean confidence minus accuracy) gets a 95% interval, so that under-confidence (smoothing pushing the model past
 calibrated) shows as such. Each run's next-token calibration on the held-out instruction records is reported too,
-with the diagnosis' prediction for each b asked of the b = 0 run (``tokens``): the level the loss acts on.
+with the diagnosis' state-based counterfactual for each b asked of the b = 0 run (``tokens``; not validated): the level
+the loss acts on.
 
 Verdict per b against 0: ``better`` (some task's ECE lower with its interval below 0, none higher with its interval
 above 0), ``worse`` (the reverse), ``mixed`` (both), or ``no resolvable change``; a b whose accuracy interval lies
@@ -28,8 +29,8 @@ from dataclasses import asdict
 
 import torch
 
-from .demo import DEFAULT_DATA, DEFAULT_MODEL, _device, _sft, choose_budget, prepare, token_records
-from .diagnosis import token_report
+from .diagnosis import decide_sweep, token_report
+from .finetune import DEFAULT_DATA, DEFAULT_MODEL, choose_budget, device, prepare, sft, token_records
 
 logger = logging.getLogger(__name__)
 
@@ -61,39 +62,6 @@ def parse_b_values(values) -> list[float]:
     return out
 
 
-def verdicts(comparisons: dict) -> dict:
-    """b (as text) -> verdict against b = 0 from ``comparisons[b][task]["ece"]`` (a paired difference with ``low`` /
-    ``high``): better, worse, mixed, or no resolvable change."""
-    out = {}
-    for key, per_task in comparisons.items():
-        down = [t for t, c in per_task.items() if c["ece"]["high"] < 0]
-        up = [t for t, c in per_task.items() if c["ece"]["low"] > 0]
-        out[key] = ("mixed" if down and up else "better" if down else "worse" if up else "no resolvable change")
-    return out
-
-
-def accuracy_costs(comparisons: dict) -> dict:
-    """b (as text) -> the tasks whose accuracy is lower than at b = 0 with the interval below 0."""
-    return {key: [t for t, c in per_task.items() if c["acc"]["high"] < 0] for key, per_task in comparisons.items()}
-
-
-def suggest(pooled_ece: dict, verdict: dict, costs: dict | None = None) -> float:
-    """The ``better`` b of lowest pooled ECE among those with no accuracy cost (``costs``: b -> tasks), else 0."""
-    better = [k for k, v in verdict.items() if v == "better" and not (costs or {}).get(k)]
-    return float(min(better, key=lambda k: pooled_ece[k])) if better else 0.0
-
-
-def decide(report: dict) -> dict:
-    """Fill ``verdict``, ``accuracy_cost``, ``suggested_b`` and ``lowest_ece_b`` of a report from its paired
-    comparisons and pooled ECE (in place; also for a report saved by an earlier version)."""
-    comparisons = report["versus_b0"]
-    pooled_ece = {k: v["ece"] for k, v in report["pooled"].items()}
-    report["verdict"], report["accuracy_cost"] = verdicts(comparisons), accuracy_costs(comparisons)
-    report["suggested_b"] = suggest(pooled_ece, report["verdict"], report["accuracy_cost"])
-    report["lowest_ece_b"] = suggest(pooled_ece, report["verdict"])  # the same, ignoring accuracy
-    return report
-
-
 def run_sweep(output_dir: str = "hf_lsce_sweep", *, model: str = DEFAULT_MODEL, b_values=DEFAULT_B,
               dataset: str | None = None, eval_tasks: str = DEFAULT_TASKS, data_dir: str | None = None,
               budget: str = "auto", steps: int | None = None, limit=None, seed: int = 0, n_bins: int = 10) -> dict:
@@ -109,7 +77,7 @@ def run_sweep(output_dir: str = "hf_lsce_sweep", *, model: str = DEFAULT_MODEL, 
     from .calibration import Task
 
     watch = Task(name=watch.name, kind=watch.kind, items=watch.items[:20], split=watch.split)
-    dev = _device()
+    dev = device()
     logger.info("sweep on %s (%s budget, %s): b in %s, %d SFT steps of %d, %d SFT records, tasks %s", model,
                 plan.name, dev, bs, plan.sft_steps, plan.batch_size, len(train), {t.name: len(t) for t in tasks})
 
@@ -117,8 +85,8 @@ def run_sweep(output_dir: str = "hf_lsce_sweep", *, model: str = DEFAULT_MODEL, 
     for i, b in enumerate(bs):
         key = f"{b:g}"
         logger.info("run %d of %d: fine-tuning with label smoothing %s through the fused op", i + 1, len(bs), key)
-        m, info = _sft(path, tokenizer, train, held_out[:32], watch, label_smoothing=b, budget=plan,
-                       output_dir=os.path.join(output_dir, f"sft_b{key}"), seed=seed)
+        m, info = sft(path, tokenizer, train, held_out[:32], watch, label_smoothing=b, budget=plan,
+                      output_dir=os.path.join(output_dir, f"sft_b{key}"), seed=seed)
         m = m.to(dev)
         scores[key] = {}
         for t in tasks:
@@ -156,7 +124,7 @@ def run_sweep(output_dir: str = "hf_lsce_sweep", *, model: str = DEFAULT_MODEL, 
               "tasks": {t.name: {"n": len(t), "split": t.split, "shots": shots[t.name]} for t in tasks},
               "runs": runs, "results": results, "pooled": pooled, "versus_b0": comparisons, "tokens": tokens,
               "seconds": round(time.perf_counter() - t_start, 1)}
-    decide(report)
+    decide_sweep(report)
     report["figure"] = plot_sweep(report, os.path.join(output_dir, "sweep.png"))
     with open(os.path.join(output_dir, "sweep.json"), "w") as f:
         json.dump(report, f, indent=1)
@@ -229,7 +197,7 @@ def format_sweep(report: dict) -> str:
         tk = report["tokens"]
         lines.append(f"next-token signed gap on {tk['0']['n']} held-out instruction tokens: "
                      + ", ".join(f"b = {k} {tk[k]['signed_gap']:+.3f}" for k in keys)
-                     + "; predicted from the b = 0 run: "
+                     + "; the counterfactual (not validated) of the b = 0 run said: "
                      + ", ".join(f"b = {k} {tk['0']['prediction'][k]}" for k in keys if k != "0"))
     under = [f"{t} at b = {k}" for k in keys for t in tasks
              if report["results"][k][t]["state"] == "under-confident"]

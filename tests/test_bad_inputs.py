@@ -511,3 +511,40 @@ def test_truncated_model_folder_names_the_file(tmp_path, broken):
     f.write_bytes(data[: len(data) // 2])
     with pytest.raises(ValueError, match=rf"{broken}.*truncated or corrupt.*again"):
         load_model_and_tokenizer(str(tmp_path))
+
+
+@pytest.mark.parametrize("broken", ["config.json", "model.safetensors"])
+@pytest.mark.parametrize("command", [["eval", "--model", "{m}", "--tasks", "arc_easy"], ["diagnose", "{m}"],
+                                     ["sweep", "--model", "{m}", "--budget", "tiny"],
+                                     ["demo", "--model", "{m}", "--tiny"],
+                                     ["train-ats", "--model", "{m}", "--data", "trivia_qa"]])
+def test_every_command_names_a_truncated_model_file(tmp_path, broken, command, capsys):
+    """Every command loads models through the one loader: a truncated file exits 2 with one line naming it and the
+    fix (transformers' own messages, "Unterminated string starting at: line 3 column 5" or "incomplete metadata",
+    name no file)."""
+    from hf_lsce.cli import main
+    from tiny_models import save_checkpoint
+
+    model = save_checkpoint(tmp_path / "m")
+    capsys.readouterr()  # (saving prints progress)
+    f = model / broken
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    argv = [a.format(m=model) for a in command] + (["--output-dir", str(tmp_path / "out")]
+                                                  if command[0] in ("sweep", "demo", "train-ats") else [])
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(f) in err[0] and "truncated or corrupt" in err[0] and "again" in err[0], err
+
+
+def test_check_on_cpu_prints_n_a_where_a_figure_does_not_exist(capsys):
+    """Peak memory is read from CUDA's allocator: on the CPU the column says n/a, never nan; the comparison itself
+    (the fused op against materialised logits) is there and agrees."""
+    from hf_lsce.cli import main
+
+    assert main(["check", "--tokens", "64", "--hidden-size", "16", "--vocab-size", "300", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "nan" not in out.lower()
+    rows = [line.split() for line in out.splitlines() if line.startswith(("fused", "materialised"))]
+    assert [r[-1] for r in rows] == ["n/a", "n/a"]
+    loss_diff = float(out.split("relative difference: loss ")[1].split(",")[0])
+    assert loss_diff < 1e-5

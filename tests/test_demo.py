@@ -6,7 +6,7 @@ import os
 import pytest
 
 from hf_lsce import diagnosis
-from hf_lsce.sweep import verdicts
+from hf_lsce.diagnosis import verdicts
 from hf_lsce.synthetic import ATTRIBUTES, make_synthetic_facts
 
 
@@ -56,7 +56,8 @@ def test_demo_tiny_end_to_end_on_the_real_checkpoint(tmp_path, capsys):
     assert rep["sft"]["SFT b=0.1"]["train_loss"][0] > rep["sft"]["SFT b=0"]["train_loss"][0]
     assert all(h["eval_calib/arc_easy_ece"] >= 0 and "eval_calib/arc_easy_signed_gap" in h
                for h in rep["sft"]["SFT b=0"]["history"])
-    assert rep["diagnosis"]["prediction"] in ("helps", "little-effect", "hurts")
+    assert rep["diagnosis"]["prediction"] is None and "--probe" in rep["diagnosis"]["abstain_reason"]
+    assert rep["diagnosis"]["state_prediction"] in ("helps", "little-effect", "hurts")
     assert rep["diagnosis"]["vocab_size"] == 49152 and "diagnosis (before training)" in printed
     # the diagnosis scored the base model: its task states are the base row of the table
     for t in rep["diagnosis"]["tasks"]:
@@ -108,8 +109,8 @@ def test_demo_summary_breaks_a_mixed_verdict_by_pooled_ece(pooled_b, expected):
                               "SFT b=0.1": {"n": 100, "ece": 0.20, "signed_gap": 0.2}},
                     "mmlu": {"SFT b=0": {"n": 100, "ece": 0.10, "signed_gap": 0.1},
                              "SFT b=0.1": {"n": 100, "ece": mmlu_b, "signed_gap": mmlu_b}}},
-        "diagnosis": {"tasks": [], "prediction": "helps", "current_gap": 0.2, "predicted_gap": {"0.1": 0.15},
-                      "suggested_b": 0.1},
+        "diagnosis": {"tasks": [], "prediction": None, "state_prediction": "helps", "current_gap": 0.2,
+                      "predicted_gap": {"0.1": 0.15}, "state_suggested_b": 0.1},
     }
     line = next(x for x in _summary(report, 0.1) if x.startswith("measured by these two"))
     assert f"smoothing at b = 0.1 {expected} (mixed; pooled ECE 0.200 -> {pooled_b:.3f} decides)" in line

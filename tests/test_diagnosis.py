@@ -169,16 +169,19 @@ def test_diagnose_model_on_a_tiny_model(tiny_model_and_tokenizer, tmp_path):
     items = [MultipleChoiceItem(context="the quick brown", choices=[" fox", " dog"], gold=0) for _ in range(30)]
     d = diagnosis.diagnose_model(model, tok, tasks=[Task("mine", "continuation", items)], records=recs,
                                  label_smoothing=0.1, progress=False, b_grid=(0.1, 0.2))
-    assert d.prediction in diagnosis.PREDICTIONS and d.suggested_b in (0.0, 0.1, 0.2)
+    # without a probe it abstains, with the reason and the way to measure it; the counterfactual is state, not prediction
+    assert d.prediction is None and d.suggested_b is None and "--probe" in d.abstain_reason
+    assert d.state_prediction in diagnosis.PREDICTIONS and d.state_suggested_b in (0.0, 0.1, 0.2)
     assert d.tokens["n"] == 4 * len(tok(" fox jumps over the lazy dog", add_special_tokens=False)["input_ids"])
     s = d.tasks[0]
     assert s["n"] == 30 and s["chance"] == 0.5
     assert set(d.predicted_ece) == {"0.1", "0.2"} and d.temperatures["0.2"] >= d.temperatures["0.1"]
-    assert "prediction at b = 0.1" in d.format()
-    # the token-level prediction: the same rule on the tokens' |signed gap|, now against softened by tau(b)
+    assert "prediction at b = 0.1: NONE (abstains): no prediction without a probe" in d.format()
+    assert f"state-based counterfactual at b = 0.1 (not validated): {d.state_prediction}" in d.format()
+    # the counterfactual's token-level rule: the tokens' |signed gap|, now against softened by tau(b)
     gap, soft = abs(d.tokens["signed_gap"]), abs(d.tokens["predicted_gap"]["0.1"])
     assert d.token_prediction == ("helps" if soft < gap - 0.01 else "hurts" if soft > gap + 0.01 else "little-effect")
-    assert f"next-token level at b = 0.1: {d.token_prediction.upper()}" in d.format()
+    assert f"at the next-token level {d.token_prediction}" in d.format()
     diagnosis.plot_diagnosis(d, str(tmp_path / "d.png"))
     assert (tmp_path / "d.png").stat().st_size > 0
     with pytest.raises(ValueError, match="label_smoothing"):
@@ -215,7 +218,7 @@ def test_answer_prior_lean_is_measured_and_flagged(tiny_model_and_tokenizer, mon
         assert any(f"yesno ({share:.0%} '{top.strip()}')" in c for c in run().caveats) == expect
 
 
-def test_cli_diagnose_writes_a_prediction(tiny_model_dir, tmp_path, capsys):
+def test_cli_diagnose_abstains_without_a_probe_and_says_why(tiny_model_dir, tmp_path, capsys):
     from hf_lsce.cli import main
 
     recs = tmp_path / "r.jsonl"
@@ -225,9 +228,10 @@ def test_cli_diagnose_writes_a_prediction(tiny_model_dir, tmp_path, capsys):
     assert main(["diagnose", str(tiny_model_dir), "--tasks", "arc_easy", "--limit", "12", "--data", str(recs),
                  "--json", str(out), "--figure", str(tmp_path / "f.png")]) == 0
     d = json.loads(out.read_text())
-    assert d["prediction"] in diagnosis.PREDICTIONS and d["tasks"][0]["name"] == "arc_easy"
-    assert d["token_prediction"] in diagnosis.PREDICTIONS
-    assert "prediction at b = 0.1" in capsys.readouterr().out
+    assert d["prediction"] is None and d["suggested_b"] is None and d["tasks"][0]["name"] == "arc_easy"
+    assert "--probe" in d["abstain_reason"] and "hf-lsce sweep" in d["abstain_reason"] and "H100" in d["abstain_reason"]
+    assert d["state_prediction"] in diagnosis.PREDICTIONS and d["token_prediction"] in diagnosis.PREDICTIONS
+    assert "prediction at b = 0.1: NONE (abstains)" in capsys.readouterr().out
     assert main(["diagnose", str(tiny_model_dir), "--bound-only", "--json", str(out)]) == 0
     assert json.loads(out.read_text())["prediction"] is None
     assert main(["diagnose", str(tiny_model_dir), "--tasks", "arc_eazy"]) == 2
@@ -304,15 +308,15 @@ def test_add_probe_makes_the_measured_verdict_the_prediction(tiny_model_and_toke
     items = [MultipleChoiceItem(context="the quick brown", choices=[" fox", " dog"], gold=0) for _ in range(20)]
     d = diagnosis.diagnose_model(model, tok, tasks=[Task("mine", "continuation", items)], records=recs,
                                  label_smoothing=0.1, progress=False, b_grid=(0.1,))
-    state = d.prediction
+    state, state_b = d.state_prediction, d.state_suggested_b
+    assert d.prediction is None
     worse = _sweep_report({"mine": (0.06, 0.02, 0.10)}, (0.20, 0.26))
     assert d.add_probe(worse) is d
-    state_b = d.suggested_b
     assert d.prediction == "hurts" and d.state_prediction == state and d.probe["verdict"] == "worse"
-    assert d.suggested_b == 0.0 and d.state_suggested_b == state_b
+    assert d.suggested_b == 0.0 and d.state_suggested_b == state_b and d.abstain_reason == ""
     text = d.format()
     assert "measured prediction at b = 0.1: HURTS" in text and f"the state alone said {state}" in text
-    assert f"state-based prediction at b = 0.1: {state.upper()}" in text
+    assert "abstains" not in text
     assert "0.200 -> 0.260  +0.060 [+0.020, +0.100]" in text
     assert json.loads(json.dumps(d.to_dict()))["probe"]["tasks"]["mine"]["ece_change"] == 0.06
     d.add_probe(_sweep_report({"mine": (-0.06, -0.10, -0.02)}, (0.20, 0.14)))  # a second probe replaces the first

@@ -94,3 +94,85 @@ def test_page_snippets_run(page, scratch, monkeypatch):
         ref = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ns["labels"][:, 1:].reshape(-1),
                               label_smoothing=0.1)
         assert float(ns["loss"]) == pytest.approx(float(ref), rel=1e-4)
+
+
+# ----------------------------------------------------------------------------------------- links and paths
+LINK_PAGES = PAGES + [ROOT / "benchmarks" / "README.md", ROOT / "examples" / "README.md", ROOT / "tools" / "gpu" / "README.md"]
+# a path written in backticks: a repository folder, then more (the shared data beside the clone is not ours)
+PATH_RE = re.compile(r"`((?:benchmarks|docs|examples|hf_lsce|tests|tools)/[^`\s*{}]+)`")
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a markdown heading: lower case, punctuation dropped (hyphens and underscores kept),
+    spaces to hyphens."""
+    text = re.sub(r"[`*_]{2,}|`", "", heading.strip().lower())
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def _anchors(page: Path) -> set:
+    return {_slug(h) for h in re.findall(r"^#+ (.+)$", page.read_text(), flags=re.M)}
+
+
+@pytest.mark.parametrize("page", LINK_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_link_and_path_in_the_docs_resolves(page):
+    """Markdown links to files (and their #anchors) and backticked repository paths exist: a page that cites a
+    result file, a script or a section that is gone fails here."""
+    text = page.read_text()
+    missing = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+://|mailto:", target):
+            continue
+        path, _, anchor = target.partition("#")
+        dest = (page.parent / path).resolve() if path else page
+        if not dest.exists():
+            missing.append(target)
+        elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+            missing.append(f"{target} (no such heading)")
+    for rel in PATH_RE.findall(text):
+        rel = rel.split("::")[0].rstrip(".,;:)")  # a test named by its pytest id: its file
+        if not any((base / rel).exists() for base in (ROOT, page.parent)):
+            missing.append(rel)
+    assert not missing, f"{page.relative_to(ROOT)} points to what does not exist: {missing}"
+
+
+# ----------------------------------------------------------------------------------------- the house
+def test_the_house_stays_readable():
+    """What a newcomer meets first stays small: the README's front page at most 700 words, benchmarks/ (what a user
+    runs to compare) at most 2,500 lines of Python."""
+    assert len((ROOT / "README.md").read_text().split()) <= 700
+    assert sum(len(p.read_text().splitlines()) for p in (ROOT / "benchmarks").rglob("*.py")) <= 2500
+
+
+def test_no_import_circle_in_the_package():
+    """No two modules of hf_lsce import each other, directly or through others (read with ast, nothing run): a
+    module that two commands share is imported by both."""
+    import ast
+
+    pkg = ROOT / "hf_lsce"
+    mods = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p for p in pkg.rglob("*.py")}
+    edges = {m: set() for m in mods}
+    for m, p in mods.items():
+        base = m if p.name == "__init__.py" else m.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                stem = ".".join(base.split(".")[: len(base.split(".")) - node.level + 1] + [node.module or ""]) \
+                    if node.level else (node.module or "")
+                names = [stem.rstrip(".")] + [f"{stem.rstrip('.')}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            edges[m] |= {n for n in names if n in mods and n != m and mods[n].name != "__init__.py"}
+    state = {}
+
+    def visit(m, path):  # depth-first; a module met again on the current path closes a circle
+        state[m] = "open"
+        for n in edges[m]:
+            if state.get(n) == "open":
+                raise AssertionError("import circle: " + " -> ".join(path[path.index(n):] + [n]))
+            if n not in state:
+                visit(n, path + [n])
+        state[m] = "done"
+    for m in mods:
+        if m not in state:
+            visit(m, [m])

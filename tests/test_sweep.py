@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from hf_lsce.calibration import signed_gap_interval
-from hf_lsce.sweep import accuracy_costs, parse_b_values, suggest, verdicts
+from hf_lsce.diagnosis import accuracy_costs, suggest, verdicts
+from hf_lsce.sweep import parse_b_values
 
 
 def test_b_grid_is_sorted_with_zero_and_bad_grids_are_refused():

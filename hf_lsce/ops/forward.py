@@ -22,7 +22,7 @@ Two kernels compute the same statistics with the same epilogue (``_fold_tile``):
   nested loop below, every tile restarted the pipeline. Few vocabulary splits (about two waves of
   programs, at least 2: 4 at N = 8192 on an H100) keep many row blocks on one W tile at a time, so W
   is read from memory about once per wave. Measured on an H100 at the Gemma2-2B shape
-  (``benchmarks/experiments/forward_variants.py --production``): 14.4 ms against 19.3 ms for the nested kernel,
+  (docs/benchmarks.md, settled experiments: ``forward_variants.py``): 14.4 ms against 19.3 ms for the nested kernel,
   1.05 x one cuBLAS logits matmul. Needs Triton >= 3.4 and 16-byte aligned rows (``tma_ready``).
 * ``_lce_forward_kernel``: pointer loads and a nested loop (tile, then D), block sizes autotuned;
   every other GPU, fp32, and inputs the TMA kernel cannot take.
