@@ -14,15 +14,11 @@ For each model, the same data (real instruction text packed into sequences) and 
   liger     b=0    the Trainer's own use_liger_kernel=True (Liger-Kernel's fused linear cross-entropy; it drops
                    the Trainer's smoothing, so only b = 0)
 
-``--lora``: PEFT LoRA (r = 16 on q, k, v, o projections) on bf16 base weights, the head frozen: the single-GPU
-fine-tuning most users run. Every row records tokens/s (steps after two warm-up steps, timed by a callback), peak
-memory, the lm_head calls and fused calls (0 and one per micro-batch when the patch engaged), for a patched run the
-first batch's loss against the model's own (the unpatched forward's logits, smoothed as the Trainer's LabelSmoother
-does, plus a mixture of experts' router term), and with --search the largest batch that fits (doubling then
-bisection, one step each; a size that does not fit is reported, never a crash).
-
-Models: gemma-3-270m and smollm2-135m-instruct (real weights, by name or a .gguf file: hf_lsce.checkpoints), and the
-configurations in CONFIGS with random weights (Llama-3.2-1B, Gemma2-2B, Qwen3-1.7B, Llama-3-8B, a small Qwen3-MoE).
+``--lora``: PEFT LoRA (r = 16 on q, k, v, o) on bf16 base weights, the head frozen. Each row: tokens/s (steps after two
+warm-up steps), peak memory, lm_head and fused calls (0 and one per micro-batch when the patch engaged), a patched
+run's first-batch loss against the model's own (the unpatched logits smoothed as the Trainer does, plus an MoE's router
+term), and with --search the largest batch that fits (a size that does not fit is reported, never a crash). Models:
+installed checkpoints (hf_lsce.checkpoints) and the configurations in CONFIGS with random weights.
 
     python benchmarks/bench_trainer.py --models gemma-3-270m,llama3.2-1b --out-dir results [--search M]
     python benchmarks/bench_trainer.py --models llama3-8b --lora --checkpointing --seq 4096 --search llama3-8b

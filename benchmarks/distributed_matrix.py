@@ -10,9 +10,10 @@ stock, against one GPU in fp32 (unpatched, 8 per step x 2) as the reference. Col
 the full logits (0 = the fused op ran everywhere), fused calls, the dtype of the loss handed to backward, the
 losses logged, and the largest relative difference of any weight from the reference.
 
-``8b``: the Llama-3-8B configuration (V = 128,256), bf16 weights, gradient checkpointing, under the Trainer's FSDP2
-auto-wrap and ZeRO-3: tokens/s (steps after the first) and peak memory per GPU, stock and patched, at growing
-tokens per GPU until one runs out of memory.
+``8b``: the Llama-3-8B configuration (V = 128,256), bf16 weights, gradient checkpointing, ``--optim`` (default
+``adamw_torch_fused``, as users fine-tune), under the Trainer's FSDP2 auto-wrap and ZeRO-3: tokens/s (the median of
+the steps after the first) and peak memory per GPU, stock and patched, at growing tokens per GPU until one runs out of
+memory (a row saying so, at that size; the next configuration still runs).
 
 Rows already in OUT/rows are not run again (a device call can resume). Writes OUT/distributed_matrix.json and
 .md. Needs 2 GPUs, transformers, TRL, DeepSpeed.
@@ -101,19 +102,19 @@ def matrix(out: Path, full: bool, only: tuple[str, ...] = ()) -> list[dict]:
     return rows
 
 
-def rows_8b(out: Path, only: tuple[str, ...] = (), sizes: tuple[int, ...] = (1, 4, 8)) -> list[dict]:
-    rows = []
-    # FSDP2 (the auto-wrap) at growing tokens per GPU (sizes x 8192) until out of memory; ZeRO-3 at one size
-    for engine, sizes in (("fsdp2", sizes), ("zero3", (1,))):
+def rows_8b(out: Path, only: tuple[str, ...] = (), sizes: tuple[int, ...] = (1, 4, 8), optim: str = "adamw_torch_fused",
+            steps: int = 4) -> list[dict]:
+    rows = []  # FSDP2 (the auto-wrap) and ZeRO-3 at growing tokens per GPU (sizes x 8192) until out of memory
+    for engine in ("fsdp2", "zero3"):
         for patch in (0, 1):
             for per_device in sizes:  # x 8192 tokens per GPU
-                name = f"8b_{engine}_{'patched' if patch else 'stock'}_{per_device * 8}k"
+                name = f"8b_{engine}_{'patched' if patch else 'stock'}_{per_device * 8}k_{optim}"
                 if only and not name.startswith(only):
                     continue
-                res = run_row(out, name, ["--size", "8b", "--seq", "8192", "--steps", "2", "--device", "cuda",
+                res = run_row(out, name, ["--size", "8b", "--seq", "8192", "--steps", str(steps), "--device", "cuda",
                                           "--engine", engine, "--precision", "bf16", "--patch", str(patch),
                                           "--per-device", str(per_device), "--accum", "1", "--checkpointing", "1",
-                                          "--lr", "1e-5"], nproc=2)
+                                          "--lr", "1e-5", "--optim", optim, "--state", "0"], nproc=2)
                 rows.append({"name": name, "engine": engine, "patch": patch, "tokens_per_gpu": per_device * 8192,
                              **res})
                 print(fmt_row(rows[-1]), flush=True)
@@ -134,15 +135,17 @@ def fmt_row(r: dict) -> str:
 
 def markdown(rows: list[dict], kind: str) -> str:
     if kind == "8b":
-        lines = ["| engine | patched | tokens per GPU | tokens/s | peak GiB per GPU | lm_head logits calls |",
-                 "|---|---|---|---|---|---|"]
+        lines = [f"optim={rows[0].get('optim', 'sgd') if rows else '-'}, bf16, checkpointing, tokens/s the median of the "
+                 "steps after the first", "", "| engine | patched | tokens per GPU | tokens/s | peak GiB per GPU | "
+                 "lm_head logits calls |", "|---|---|---|---|---|---|"]
         for r in rows:
             if r.get("error"):
                 lines.append(f"| {r['engine']} | {'yes' if r['patch'] else 'no'} | {r['tokens_per_gpu']:,} | "
                              f"{r['error'][:60]} | | |")
             else:
+                tps = r.get("tokens_per_s_median") or r["tokens_per_s"]
                 lines.append(f"| {r['engine']} | {'yes' if r['patch'] else 'no'} | {r['tokens_per_gpu']:,} | "
-                             f"{r['tokens_per_s']:,.0f} | {r['peak_gib']:.1f} | {r['full_logit_calls']} |")
+                             f"{tps:,.0f} ({r.get('timed_steps', 1)} steps) | {r['peak_gib']:.1f} | {r['full_logit_calls']} |")
         return "\n".join(lines)
     lines = ["| engine | precision | trainer | patched | lm_head calls returning logits | fused calls | loss dtype | "
              "first / last loss | weights vs 1-GPU fp32 |", "|---|---|---|---|---|---|---|---|---|"]
@@ -165,15 +168,18 @@ def main(argv=None):
     p.add_argument("--out", default=os.environ.get("OUT", "distributed_out"))
     p.add_argument("--full", action="store_true", help="every engine x precision x trainer x patch combination")
     p.add_argument("--only", default="", help="matrix: comma-separated prefixes of the row names to run")
-    p.add_argument("--sizes", default="1,4,8", help="8b: FSDP2 sequences of 8192 tokens per GPU, growing; each "
+    p.add_argument("--sizes", default="1,4,8", help="8b: sequences of 8192 tokens per GPU, growing; each "
                                                    "configuration stops at its first failure (out of memory)")
+    p.add_argument("--optim", default="adamw_torch_fused", help="8b: the Trainer's optimizer")
+    p.add_argument("--steps", type=int, default=4, help="8b: optimizer steps per row (the first is not timed)")
     a = p.parse_args(argv)
     if torch.cuda.device_count() < 2:
         sys.exit("distributed_matrix.py needs 2 GPUs (it launches torchrun --nproc_per_node 2).")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     only = tuple(x for x in a.only.split(",") if x)
-    rows = matrix(out, a.full, only) if a.what == "matrix" else rows_8b(out, only, tuple(int(x) for x in a.sizes.split(",")))
+    rows = matrix(out, a.full, only) if a.what == "matrix" else rows_8b(
+        out, only, tuple(int(x) for x in a.sizes.split(",")), a.optim, a.steps)
     info = {"device": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(), "torch": torch.__version__}
     for mod in ("transformers", "trl", "accelerate", "deepspeed"):
         try:

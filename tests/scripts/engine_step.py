@@ -41,6 +41,8 @@ p.add_argument("--tied", type=int, default=1)
 p.add_argument("--lr", type=float, default=0.5)
 p.add_argument("--checkpointing", type=int, default=0)
 p.add_argument("--bypass", action="store_true")
+p.add_argument("--optim", default="sgd", help="the Trainer's optim (the matrix: sgd; the 8B rows: adamw_torch_fused)")
+p.add_argument("--state", type=int, default=1, help="gather and save the trained weights (the matrix compares them)")
 a = p.parse_args()
 
 if a.engine == "fsdp2" and a.device == "cpu":
@@ -127,7 +129,7 @@ elif a.engine.startswith("zero"):
         "gradient_clipping": "auto", "zero_allow_untested_optimizer": True})
 
 common = dict(per_device_train_batch_size=a.per_device, gradient_accumulation_steps=a.accum, max_steps=a.steps,
-              learning_rate=a.lr, optim="sgd", lr_scheduler_type="constant", label_smoothing_factor=a.smoothing,
+              learning_rate=a.lr, optim=a.optim, lr_scheduler_type="constant", label_smoothing_factor=a.smoothing,
               weight_decay=0.0, max_grad_norm=0.0, use_cpu=a.device == "cpu", report_to="none",
               ddp_backend="gloo" if world > 1 and a.device == "cpu" else None, bf16=a.precision == "bf16",
               gradient_checkpointing=bool(a.checkpointing), save_strategy="no", logging_steps=1, seed=0,
@@ -196,7 +198,7 @@ if cuda:
 elapsed = time.perf_counter() - t0
 
 state = None
-if error is None:
+if error is None and a.state:
     if a.engine == "fsdp2":  # a collective: every rank gathers the full state
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -217,9 +219,13 @@ for name, module in trainer.model.named_modules():
 # tokens/s over the steps after the first (the first pays for compilation, allocation and NCCL set-up)
 timed = step_ends[-1] - step_ends[0] if len(step_ends) > 1 else elapsed
 tokens = a.per_device * a.seq * a.accum * world * (len(step_ends) - 1 if len(step_ends) > 1 else a.steps)
+step_s = sorted(b - e for e, b in zip(step_ends, step_ends[1:]))  # each step after the first
+median_s = step_s[(len(step_s) - 1) // 2] if step_s else None  # the lower median: one real step
 result = dict(engine=a.engine, precision=a.precision, trainer=a.trainer, patch=a.patch, world=world,
               losses=losses, loss_dtypes=sorted(loss_dtypes), full_logit_calls=full_logit_calls[0], fused_calls=ENGAGEMENT.fused_calls,
-              error=error, seconds=elapsed, tokens_per_s=tokens / timed if timed else None,
+              error=error, seconds=elapsed, tokens_per_s=tokens / timed if timed else None, optim=a.optim,
+              timed_steps=len(step_s), tokens_per_s_median=a.per_device * a.seq * a.accum * world / median_s
+              if median_s else None,
               tokens_per_gpu=a.per_device * a.seq,
               peak_gib=torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None,
               model_class=type(trainer.model).__name__, fsdp_output_dtypes=output_dtypes, wrapped_class=type(trainer.model_wrapped).__name__)
