@@ -21,6 +21,7 @@ Rows already in OUT/rows are not run again (a device call can resume). Writes OU
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -139,9 +140,10 @@ def markdown(rows: list[dict], kind: str) -> str:
                  "steps after the first", "", "| engine | patched | tokens per GPU | tokens/s | peak GiB per GPU | "
                  "lm_head logits calls |", "|---|---|---|---|---|---|"]
         for r in rows:
-            if r.get("error"):
-                lines.append(f"| {r['engine']} | {'yes' if r['patch'] else 'no'} | {r['tokens_per_gpu']:,} | "
-                             f"{r['error'][:60]} | | |")
+            if r.get("error"):  # out of memory: a row saying at which step (the steps before it logged a loss)
+                what = (f"out of memory at step {len(r.get('losses') or []) + 1}" if "out of memory" in r["error"].lower()
+                        else r["error"][:60])
+                lines.append(f"| {r['engine']} | {'yes' if r['patch'] else 'no'} | {r['tokens_per_gpu']:,} | {what} | | |")
             else:
                 tps = r.get("tokens_per_s_median") or r["tokens_per_s"]
                 lines.append(f"| {r['engine']} | {'yes' if r['patch'] else 'no'} | {r['tokens_per_gpu']:,} | "
@@ -181,11 +183,8 @@ def main(argv=None):
     rows = matrix(out, a.full, only) if a.what == "matrix" else rows_8b(
         out, only, tuple(int(x) for x in a.sizes.split(",")), a.optim, a.steps)
     info = {"device": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(), "torch": torch.__version__}
-    for mod in ("transformers", "trl", "accelerate", "deepspeed"):
-        try:
-            info[mod] = __import__(mod).__version__
-        except Exception:  # noqa: BLE001 - reported as missing
-            info[mod] = None
+    for mod in ("transformers", "trl", "accelerate", "deepspeed"):  # None: not installed
+        info[mod] = importlib.import_module(mod).__version__ if importlib.util.find_spec(mod) else None
     suffix = a.what + ("_" + "_".join(only) if only else "")
     (out / f"distributed_{suffix}.json").write_text(json.dumps({"info": info, "rows": rows}, indent=1))
     md = markdown(rows, a.what)
