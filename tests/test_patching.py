@@ -3,14 +3,13 @@ import copy
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.trainer_pt_utils import LabelSmoother
 
 from hf_lsce import apply_lsce_patch, is_patched, revert_lsce_patch
 from hf_lsce.ops import reference
 
-from tiny_models import COMMON, FAMILIES, V, tiny_model
+from tiny_models import COMMON, FAMILIES, V, largest_tensor_mode, tiny_model
 
 
 def tiny(model_type, seed=0, **over):
@@ -112,19 +111,6 @@ def test_num_items_in_batch_and_return_dict_false():
     assert isinstance(tup, tuple) and torch.allclose(tup[0], a)
 
 
-class _BiggestTensor(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.biggest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, torch.Tensor):
-                self.biggest = max(self.biggest, t.numel())
-        return out
-
-
 def test_no_logits_built_in_patched_training(monkeypatch):
     """The lm_head module is never called and no tensor of N x V elements exists."""
     big_v = 1009  # large enough that N x V dwarfs every backbone activation
@@ -134,10 +120,10 @@ def test_no_logits_built_in_patched_training(monkeypatch):
     model.lm_head.register_forward_hook(lambda *a: calls.append(1))
     ids, labels = batch(bsz=8, t=32)  # N / 4 > hidden size: N x V / 4 exceeds the V x D weight and its grad
     n_tokens = ids.numel()
-    with _BiggestTensor() as mode:
+    with largest_tensor_mode() as mode:
         model(input_ids=ids, labels=labels).loss.backward()
     assert not calls
-    assert mode.biggest < n_tokens * big_v // 4, (mode.biggest, n_tokens * big_v)
+    assert mode.numel < n_tokens * big_v // 4, (mode.numel, n_tokens * big_v)
     assert model.lm_head.weight.grad is not None
 
 

@@ -114,33 +114,20 @@ def test_low_memory_mode_allocates_no_chunk_of_rows_by_vocabulary(monkeypatch):
     """The largest tensor the low-memory path creates (in bytes) is the weight's gradient, the fp32 dh accumulator
     or a vocabulary chunk, never an N x V buffer (the fast path's chunk of rows is N x V here). Bytes, because
     Triton's interpreter copies each kernel argument's storage as bytes."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     import hf_lsce.ops.train_pass as tp
+    from tiny_models import largest_tensor_mode
 
     monkeypatch.setattr(tp, "LOW_MEMORY_CHUNK_BYTES", 64 * 4 * 100)
-
-    class Biggest(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.biggest = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in out if isinstance(out, (tuple, list)) else [out]:
-                if isinstance(t, torch.Tensor):
-                    self.biggest = max(self.biggest, t.numel() * t.element_size())
-            return out
 
     n, d, v = 64, 16, 2000
     g = torch.Generator().manual_seed(8)
     h = torch.randn(n, d, generator=g).requires_grad_()
     w = (torch.randn(v, d, generator=g) / 4).requires_grad_()
     y = torch.randint(0, v, (n,), generator=g)
-    with Biggest() as mode:
+    with largest_tensor_mode() as mode:
         linear_cross_entropy(h, w, y, backend="triton", memory="low").backward()
-    assert mode.biggest <= 4 * max(v * d, n * 100, n * d), mode.biggest  # the weight's own gradient is V x D
-    assert mode.biggest < 4 * n * v
+    assert mode.nbytes <= 4 * max(v * d, n * 100, n * d), mode.nbytes  # the weight's own gradient is V x D
+    assert mode.nbytes < 4 * n * v
 
 
 def test_fp32_accumulation_of_dw_across_chunks(monkeypatch):

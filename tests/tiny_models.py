@@ -104,3 +104,25 @@ def save_sft_dataset(path, n: int = 16) -> Path:
         for r in prompt_completion_rows(n):
             f.write(json.dumps(r) + "\n")
     return path
+
+
+def largest_tensor_mode():
+    """A TorchDispatchMode recording the largest tensor any op returns while it is active, in elements (``numel``)
+    and in bytes (``nbytes``): the evidence that no N x V buffer (logits, or a chunk of rows by the vocabulary) was
+    built."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class LargestTensor(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.numel = self.nbytes = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor):
+                    self.numel = max(self.numel, t.numel())
+                    self.nbytes = max(self.nbytes, t.numel() * t.element_size())
+            return out
+    return LargestTensor()
+
