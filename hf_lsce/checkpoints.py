@@ -242,6 +242,13 @@ def load_tokenizer(path: str):
     return tok
 
 
+def as_torch_dtype(dtype):
+    """A dtype named as the command line names it ("bf16", "fp16", "fp32"), a torch dtype, or "auto" (left as is)."""
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(dtype, dtype)
+
+
 def load_model_and_tokenizer(name_or_path: str, *, dtype="auto", device=None, cache_dir=None):
     """``(model in eval mode, tokenizer with a pad token)`` for a hub name, a local folder, a ``.gguf`` file or an
     installed checkpoint's short name: the loader of every command, so a broken file is named with its fix before
@@ -251,10 +258,9 @@ def load_model_and_tokenizer(name_or_path: str, *, dtype="auto", device=None, ca
     from transformers import AutoModelForCausalLM
 
     path = checked_model_path(name_or_path, cache_dir)
-    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(dtype, dtype)
     try:
         tok = load_tokenizer(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=as_torch_dtype(dtype))
     except OSError as e:
         raise OSError(f"cannot load model {name_or_path!r}: {' '.join(str(e).split())[:300]}. Give a local folder "
                       "holding config.json, the weights and the tokenizer, a .gguf file, an installed checkpoint "

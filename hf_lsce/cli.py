@@ -62,7 +62,9 @@ def _cmd_check(args) -> int:
     from .ops import linear_cross_entropy
 
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    from .checkpoints import as_torch_dtype
+
+    dtype = as_torch_dtype(args.dtype)
     g = torch.Generator(device="cpu").manual_seed(0)
     n, d, v = args.tokens, args.hidden_size, args.vocab_size
     w = (torch.randn(v, d, generator=g) / d ** 0.5).to(dev, dtype)
@@ -111,7 +113,7 @@ def _load_causal_lm(name: str, dtype: str, device: str | None):
     """A causal LM (or an ATS head on its base) and its tokenizer, by the one loader (hf_lsce.checkpoints)."""
     import torch
 
-    from .checkpoints import checked_model_path, load_model_and_tokenizer, load_tokenizer
+    from .checkpoints import as_torch_dtype, checked_model_path, load_model_and_tokenizer, load_tokenizer
 
     ats = _ats_config(checked_model_path(name))  # the folder's files checked before any is read
     if ats is None:
@@ -121,9 +123,8 @@ def _load_causal_lm(name: str, dtype: str, device: str | None):
     if not ats.base_model_name_or_path:
         raise ValueError(f"the ATS head in {name} does not name its base model")
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    torch_dtype = {"auto": "auto", "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     tok = load_tokenizer(checked_model_path(ats.base_model_name_or_path))
-    return ATSCalibrator.from_pretrained(name, dtype=torch_dtype).to(dev).eval(), tok
+    return ATSCalibrator.from_pretrained(name, dtype=as_torch_dtype(dtype)).to(dev).eval(), tok
 
 
 def _ats_config(name: str):

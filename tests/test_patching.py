@@ -3,7 +3,7 @@ import copy
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 from transformers.trainer_pt_utils import LabelSmoother
 
 from hf_lsce import apply_lsce_patch, is_patched, revert_lsce_patch
