@@ -44,7 +44,7 @@ def rel(a, r):
     return float((a.double() - r.double()).norm() / r.double().norm().clamp_min(1e-300))
 
 
-def reference(h, w, bias, y, b, cap, num_items, dtype=torch.float64, chunk=1024, frozen=False):
+def reference(h, w, bias, y, b, cap, num_items, dtype=torch.float64, chunk=1024, frozen=False, z_loss=0.0):
     """Loss, dh, dW, db of ``sum_n loss_n / num_items`` through logits materialised in ``dtype`` a chunk of rows at a
     time (fp64: the truth; bf16: torch's own half-precision path, the logits rounded as Hugging Face's are)."""
     b = b if torch.is_tensor(b) else torch.full(y.shape, float(b), device=y.device)
@@ -58,7 +58,8 @@ def reference(h, w, bias, y, b, cap, num_items, dtype=torch.float64, chunk=1024,
             z = cap * torch.tanh(z / cap)
         logp = torch.log_softmax(z, -1)
         yc, bc = y[s:s + chunk], b[s:s + chunk].double()
-        tok = -(1 - bc) * logp.gather(1, yc.clamp(min=0)[:, None])[:, 0] - bc * logp.mean(-1)
+        tok = -(1 - bc) * logp.gather(1, yc.clamp(min=0)[:, None])[:, 0] - bc * logp.mean(-1) + z_loss * torch.logsumexp(
+            z, -1) ** 2
         loss = torch.where(yc >= 0, tok, 0.0).sum() / float(num_items)
         loss.backward()
         total += float(loss)
@@ -83,10 +84,10 @@ def errors(got, ref):
 
 def paths_section(emit):
     g = torch.Generator(device=DEV).manual_seed(0)
-    configs = [(1500, 640, 32768, None, False, torch.bfloat16), (1500, 576, 50257, 30.0, True, torch.bfloat16),
-               (777, 2304, 40000, None, False, torch.bfloat16), (1500, 640, 32771, None, True, torch.bfloat16),
-               (900, 1536, 30000, None, False, torch.float16)]
-    for n, d, v, cap, with_bias, dt in configs:
+    configs = [(1500, 640, 32768, None, False, torch.bfloat16, 0), (1500, 576, 50257, 30.0, True, torch.bfloat16, 0),
+               (777, 2304, 40000, None, False, torch.bfloat16, 0), (1500, 640, 32771, None, True, torch.bfloat16, 1e-3),
+               (900, 1536, 30000, None, False, torch.float16, 0)]
+    for n, d, v, cap, with_bias, dt, zl in configs:
         w = (torch.randn(v, d, device=DEV, generator=g) / d ** 0.5).to(dt)
         h = (torch.randn(n, d, device=DEV, generator=g) * 3).to(dt)
         y = torch.randint(0, v, (n,), device=DEV, generator=g)
@@ -95,22 +96,22 @@ def paths_section(emit):
         b = torch.rand(n, device=DEV, generator=g) * 0.2
         items = (y >= 0).sum() + 5
         for frozen in (False, True):
-            ref = reference(h, w, bias, y, b, cap, items, frozen=frozen)
-            base = dict(section="paths", N=n, D=d, V=v, dtype=str(dt)[6:], softcap=cap, bias=with_bias,
+            ref = reference(h, w, bias, y, b, cap, items, frozen=frozen, z_loss=zl)
+            base = dict(section="paths", N=n, D=d, V=v, dtype=str(dt)[6:], softcap=cap, bias=with_bias, z_loss=zl,
                         head="frozen" if frozen else "trainable")
             emit(dict(base, path="torch half logits", **errors(
-                reference(h, w, bias, y, b, cap, items, dtype=dt, frozen=frozen), ref)))
+                reference(h, w, bias, y, b, cap, items, dtype=dt, frozen=frozen, z_loss=zl), ref)))
             for path in ("fused", "one-pass", "two-pass", None):
                 config.TRAIN_PATH = path
                 try:
                     torch.cuda.synchronize()
                     torch.cuda.set_sync_debug_mode("error")
-                    got = run_op(h, w, bias, y, b, cap, items, frozen)
+                    got = run_op(h, w, bias, y, b, cap, items, frozen, z_loss=zl)
                     sync_free = True
                 except RuntimeError as e:
                     sync_free = f"{type(e).__name__}: {str(e)[:160]}"
                     torch.cuda.set_sync_debug_mode("default")
-                    got = run_op(h, w, bias, y, b, cap, items, frozen)
+                    got = run_op(h, w, bias, y, b, cap, items, frozen, z_loss=zl)
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
                     config.TRAIN_PATH = None
@@ -347,7 +348,7 @@ def main():
         if "dh_err" not in r:
             continue
         case = " ".join(str(r[k]) for k in ("shape", "N", "D", "V", "dtype", "head") if k in r)
-        case += " cap" if r.get("softcap") else ""
+        case += (" cap" if r.get("softcap") else "") + (f" z-loss {r['z_loss']:g}" if r.get("z_loss") else "")
         print(f"| {r['section']} | {case} | {r.get('path', '-')} | {fmt(r.get('loss_err'))} | {fmt(r['dh_err'])} | "
               f"{fmt(r['dw_err'])} | {fmt(r['db_err'])} | {r.get('sync_free', '-')} |")
     bad = [r for r in rows if r.get("ok") is False or r.get("sync_free") not in (None, True)]

@@ -112,13 +112,19 @@ def test_scale_kernel_touches_nothing_at_one_and_scales_otherwise():
     from hf_lsce.ops.train_pass import scale_by
 
     t = torch.randn(3000).to(torch.bfloat16)
-    keep = t.clone()
-    scale_by(t, torch.ones(1))
-    assert torch.equal(t, keep)
-    scale_by(t, torch.full((1,), 0.3))
+    u = torch.randn(1500)  # a second tensor of another dtype and size, in the same launch
+    keep, keep_u = t.clone(), u.clone()
+    scale_by([t, None, u], torch.ones(1))
+    assert torch.equal(t, keep) and torch.equal(u, keep_u)
+    assert scale_by([t, None, u], torch.full((1,), 0.3))[1] is None
     # one bf16 rounding of the fp32 product (the interpreter truncates where the GPU rounds to nearest)
     assert torch.allclose(t.float(), keep.float() * 0.3, rtol=2 ** -7, atol=0)
     assert not torch.allclose(t.float(), keep.float(), rtol=0.1)
+    assert torch.allclose(u, keep_u * 0.3, rtol=1e-6, atol=0)
+    v = torch.randn(700).to(torch.bfloat16)  # a third tensor: a second launch
+    keep_v = v.clone()
+    scale_by([t, u, v], torch.full((1,), 2.0))
+    assert torch.equal(v.float(), keep_v.float() * 2.0)
 
 
 def test_trainer_raises_a_bad_last_batch_when_training_ends(asynchronous, tmp_path):

@@ -117,6 +117,41 @@ def test_fused_direct_dw_carries_the_smoothing_term(tma, monkeypatch):
     assert rel(direct[2], ref[2]) < 1.5 * rel(chunked[2], ref[2]) + 1e-3
 
 
+@pytest.mark.parametrize("z_loss", [1e-2, 0.3])
+def test_fused_path_with_z_loss(tma, monkeypatch, z_loss):
+    """The z-loss lam lse^2 on the fused path (its factor k = 1 + 2 lam lse per row, the target entry over k): loss,
+    dh, dW and db against fp64, trainable head with a bias and a frozen one; the fused pass ran. lam = 0.3 with
+    logits shifted by -9 puts rows' k on both sides of 0 (26 of 37 below, the nearest 3e-4 from it)."""
+    h, w, y, b = inputs(seed=8, bias=True)
+    b = b - 9.0
+    sm = torch.full((N,), 0.1)
+    calls = []
+    real = fp.triton_fused_pass
+    monkeypatch.setattr(fp, "triton_fused_pass", lambda *a, **k: calls.append(k.get("z_loss")) or real(*a, **k))
+    hd, wd, bd = h.bfloat16().double(), w.bfloat16().double(), b.bfloat16().double()
+    hh, ww, bb = (hd.clone().requires_grad_(), wd.clone().requires_grad_(), bd.clone().requires_grad_())
+    z = hh @ ww.T + bb
+    lse = torch.logsumexp(z, -1)
+    logp = z - lse[:, None]
+    valid = y != -100
+    tok = -0.9 * logp.gather(1, y.clamp(min=0)[:, None])[:, 0] - 0.1 * logp.mean(-1) + z_loss * lse * lse
+    (torch.where(valid, tok, 0.0).sum() / 29.0).backward()
+    for frozen in (False, True):
+        config.TRAIN_PATH = "fused"
+        try:
+            h2, w2 = h.bfloat16().requires_grad_(), w.bfloat16().requires_grad_(not frozen)
+            b2 = b.bfloat16().requires_grad_()
+            loss = linear_cross_entropy(h2, w2, y, bias=b2, label_smoothing=0.1, z_loss=z_loss, reduction="sum",
+                                        num_items_in_batch=29, backend="triton")
+            loss.backward()
+        finally:
+            config.TRAIN_PATH = None
+        assert calls and calls[-1] == z_loss, "the fused pass did not run with the z-loss"
+        assert rel(loss, (torch.where(valid, tok, 0.0).sum() / 29.0).detach()) < 1e-5
+        assert rel(h2.grad, hh.grad) < 2e-2 and rel(b2.grad, bb.grad) < 2e-2
+        assert frozen or rel(w2.grad, ww.grad) < 2e-2
+
+
 def test_fused_path_with_a_frozen_head(tma, monkeypatch):
     """A frozen head (LoRA): no dW, so no direct layout; dh against fp64."""
     h, w, y, _ = inputs(seed=7)
@@ -193,14 +228,15 @@ def test_fused_statistics_match_the_forward_kernel(tma):
 
 
 def test_fused_pass_only_where_it_applies(tma):
-    """bf16 without soft-cap or z-loss: everything else takes another path, even when forced."""
+    """bf16 without soft-cap (with or without z-loss): everything else takes another path, even when forced."""
     h = torch.zeros(4, D, dtype=torch.bfloat16)
     w = torch.zeros(V, D, dtype=torch.bfloat16)
     config.TRAIN_PATH = "fused"
     try:
         assert _train_path(h, w, None, 0.0, None) == "fused"
         assert _train_path(h, w, 30.0, 0.0, None) != "fused"
-        assert _train_path(h, w, None, 1e-4, None) != "fused"
+        assert _train_path(h, w, None, 1e-4, None) == "fused"
+        assert _train_path(h, w, 30.0, 1e-4, None) != "fused"
         assert _train_path(h.half(), w.half(), None, 0.0, None) != "fused"
     finally:
         config.TRAIN_PATH = None

@@ -35,8 +35,15 @@ def interpreting() -> bool:
 
 
 def forward_config(dtype: torch.dtype, device: torch.device) -> KernelConfig:
+    """The forward (and fused, and G-writing) kernels' configuration for this dtype and device (cached: asked several
+    times by every call of the op)."""
+    return _forward_config(dtype, torch.device(device), interpreting())
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_config(dtype: torch.dtype, device: torch.device, interp: bool) -> KernelConfig:
     prec = "ieee" if dtype == torch.float32 else "tf32"
-    if interpreting():
+    if interp:
         return KernelConfig(16, 32, 16, 1, 1, prec, 6, upcast_dot=dtype == torch.bfloat16)
     props = torch.cuda.get_device_properties(device)
     sms = props.multi_processor_count
@@ -51,6 +58,12 @@ def forward_config(dtype: torch.dtype, device: torch.device) -> KernelConfig:
         # programs read no longer fit in L2: at N = 32768, 1 / 2 / 4 splits took 77.2 / 60.8 / 58.8 ms.
         return KernelConfig(128, 256, 64, 8, 3, prec, 2 * sms, min_splits=2, tma=True)
     return KernelConfig(128, 128, 64, 8, 3, prec, 2 * sms, autotune=True, min_splits=16)
+
+
+@functools.lru_cache(maxsize=None)
+def device_memory(device: torch.device) -> int:
+    """The CUDA device's total memory in bytes (cached: asked on every training call with memory="auto")."""
+    return torch.cuda.get_device_properties(device).total_memory
 
 
 # Shared memory the TMA forward kernel needs per block: 3 stages of a 128 x 64 tile of h and a 256 x 64 tile

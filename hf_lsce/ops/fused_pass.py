@@ -32,8 +32,11 @@ in it as two extra rows (R's rows of ones against the hi and lo bf16 halves of `
 once and no ``V x D`` fp32 buffer is written, read back and cast (at the Gemma2-2B shape that traffic was about
 7 ms of 49). Otherwise rows are processed ``FUSED_CHUNK_BYTES`` of R at a time (so memory does not grow with N);
 dW is accumulated across chunks in fp32 (``4 V D`` bytes, one rounding at the end, where the rank-one smoothing
-term is also subtracted). bf16 only (fp16's range cannot hold R); not with soft-cap (its derivative is not a factor
-per row) or z-loss: those take the other training paths.
+term is also subtracted). The z-loss ``lam lse^2`` multiplies p by ``k_n = 1 + 2 lam lse_n``, one more factor per
+row (``a_n = w_n k_n / S_n``, the target entry ``R_ny - (1 - b_n) S_n / k_n``). bf16 only: fp16's range cannot hold
+R, and W in bf16 for dh's matmul would lose fp16's digits. Not with soft-cap: its derivative ``1 - tanh^2`` is a
+factor per *logit*, so the uniform term ``u 1^T`` times it is no longer rank one and dh, dW would need a second
+N x V matrix (soft-cap and fp16 take the one-pass path: docs/how_it_works.md).
 """
 from __future__ import annotations
 
@@ -42,7 +45,7 @@ import triton
 import triton.language as tl
 
 from .config import interpreting
-from .forward import _dot, _finish_logits, _init_state, _split_bounds, _tile_sums, tma_ready
+from .forward import _dot, _finish_logits, _init_state, _split_bounds, tma_ready
 from .matmul import addmm_f32, mm_f32
 
 # c_n = mean logit + C_SHIFT; a row whose max exceeds c_n by more than R_EXP_MAX is redone with c_n = its max.
@@ -59,26 +62,30 @@ DIRECT_DW_EXTRA_BYTES = 1 << 30
 
 @triton.jit
 def _exp_tiles_tma_kernel(
-    h_desc, w_desc, R, B, Y, C, FLAG,
-    S_OUT, T_OUT, SZ_OUT, ZY_OUT, M_OUT, AM_OUT,
-    N, V, D, NUM_SPLITS, stride_rn,
+    h_desc, w_desc, R, B, C,
+    S_OUT, T_OUT, M_OUT, AM_OUT,
+    N, V, D, NUM_SPLITS, stride_rn, r_exp_max,
     HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, STATS: tl.constexpr,
     FIXUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Per (vocabulary split, row block): R = exp(z - c) stored tile by tile, and per row over the split
-    S = sum R, T = sum R (z - c) (entropy; STATS), the sum of logits, the target logit, the max and (STATS) argmax.
-    FIXUP: only blocks holding a flagged row run (the others return at once); they redo every row of the block."""
+    S = sum R, the max and (STATS) T = sum R (z - c) (entropy) and the argmax. The target logit and the sum of logits
+    come from ``_offsets_kernel`` (a dot product per row), so the epilogue is a select, a max, an exponential, a sum
+    and a store per logit. FIXUP: the second launch, after the first wrote every split's row maxima:
+    a row whose max exceeds its offset by more than ``r_exp_max`` is flagged and redone with its max as the offset
+    (``_effective_offsets``, as ``_finish_rows_kernel`` does); only blocks holding a flagged row run (the others
+    return at once), and they redo every row of the block (the others with their own offsets, the same R)."""
     n0 = tl.program_id(1) * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
+    c = tl.load(C + offs_n, mask=mask_n, other=0.0)
     run = True
     if FIXUP:
-        run = tl.max(tl.load(FLAG + offs_n, mask=mask_n, other=0), axis=0) > 0
+        c, flagged = _effective_offsets(M_OUT, c, offs_n, mask_n, N, NUM_SPLITS, r_exp_max, BLOCK_N)
+        run = tl.max(flagged.to(tl.int32), axis=0) > 0
     if run:
-        y = tl.load(Y + offs_n, mask=mask_n, other=-1)
-        c = tl.load(C + offs_n, mask=mask_n, other=0.0)
         c2 = c * 1.4426950408889634
-        m, s, t_acc, sz, zy, am = _init_state(BLOCK_N)
+        m, s, t_acc, _sz, _zy, am = _init_state(BLOCK_N)
         v_start, v_end = _split_bounds(V, NUM_SPLITS, BLOCK_V)
         k_steps = tl.cdiv(D, BLOCK_D)
         acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
@@ -92,42 +99,46 @@ def _exp_tiles_tma_kernel(
                 offs_v = v0 + tl.arange(0, BLOCK_V)
                 mask_v = offs_v < v_end
                 z, _t = _finish_logits(acc, B, offs_v, mask_v, 1.0, HAS_BIAS, False)
-                z_valid, z_m, m, sz, zy, am = _tile_sums(z, v0, offs_v, mask_v, y, m, sz, zy, am, STATS)
+                # -inf past this split's columns; the mask is a select per logit, kept rather than a branch for full
+                # tiles (a runtime branch here slowed the loop 5-8 % at D >= 2,304: docs/benchmarks.md)
+                z_m = tl.where(mask_v[None, :], z, float("-inf"))
+                tile_max = tl.max(z_m, axis=1)
                 r = tl.math.exp2(z_m * 1.4426950408889634 - c2[:, None])
-                s += tl.sum(r, axis=1)
                 if STATS:
-                    t_acc += tl.sum(r * (z_valid - c[:, None]), axis=1)
+                    am = tl.where(tile_max > m, tl.argmax(z_m, axis=1).to(tl.int32) + v0, am)
+                    t_acc += tl.sum(r * (tl.where(mask_v[None, :], z, 0.0) - c[:, None]), axis=1)
+                m = tl.maximum(m, tile_max)
+                s += tl.sum(r, axis=1)
                 tl.store(R + offs_n[:, None].to(tl.int64) * stride_rn + offs_v[None, :], r.to(R.dtype.element_ty),
                          mask=mask_n[:, None] & mask_v[None, :])
                 acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
         out = tl.program_id(0) * N + offs_n
         tl.store(S_OUT + out, s, mask=mask_n)
         tl.store(T_OUT + out, t_acc, mask=mask_n)
-        tl.store(SZ_OUT + out, sz, mask=mask_n)
-        tl.store(ZY_OUT + out, zy, mask=mask_n)
         tl.store(M_OUT + out, m, mask=mask_n)
         tl.store(AM_OUT + out, am, mask=mask_n)
 
 
 def supported(hidden, weight, softcap, z_loss, config) -> bool:
     """Whether the fused path can run these inputs: bf16 (a bias has hidden's dtype: the op's validation), no soft-cap
-    or z-loss, and the TMA kernel's inputs (``forward.tma_ready``)."""
-    return (hidden.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and softcap is None and not z_loss
+    (any z-loss), and the TMA kernel's inputs (``forward.tma_ready``)."""
+    return (hidden.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and softcap is None
             and tma_ready(config, hidden, weight))
 
 
-def _exp_tiles(config, h, weight, bias, targets, c, r, stats: bool, flag=None, bufs=None, descs=None):
-    """Launch the kernel on the rows ``h`` (offsets ``c``, R into ``r``); returns (per-split buffers S, T, sum z, z_y,
-    max, argmax; the tensor descriptors of h and W). ``flag`` given: the fix-up launch, into the buffers ``bufs`` and
-    with the descriptors ``descs`` the first launch returned."""
+def _exp_tiles(config, h, weight, bias, c, r, stats: bool, bufs=None, descs=None):
+    """Launch the kernel on the rows ``h`` (offsets ``c``, R into ``r``); returns (per-split buffers S, T, max,
+    argmax; the tensor descriptors of h and W). ``bufs`` given: the fix-up launch, into the buffers and with the
+    descriptors ``descs`` the first launch returned."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     n, d = h.shape
     v = weight.shape[0]
     splits = fused_splits(config, n, v)
+    fixup = bufs is not None
     if bufs is None:
         f32 = dict(dtype=torch.float32, device=h.device)
-        bufs = [torch.empty(splits, n, **f32) for _ in range(5)] + [
+        bufs = [torch.empty(splits, n, **f32) for _ in range(3)] + [
             torch.empty(splits, n, dtype=torch.int32, device=h.device)]
     if descs is None:
         descs = (TensorDescriptor.from_tensor(h, [config.block_n, config.block_d]),
@@ -135,10 +146,10 @@ def _exp_tiles(config, h, weight, bias, targets, c, r, stats: bool, flag=None, b
     h_desc, w_desc = descs
     grid = (splits, triton.cdiv(n, config.block_n))
     _exp_tiles_tma_kernel[grid](
-        h_desc, w_desc, r, bias if bias is not None else weight, targets, c, flag if flag is not None else c,
-        *bufs, n, v, d, splits, r.stride(0),
+        h_desc, w_desc, r, bias if bias is not None else weight, c,
+        *bufs, n, v, d, splits, r.stride(0), R_EXP_MAX,
         HAS_BIAS=bias is not None, DOT_PRECISION=config.dot_precision, UPCAST=config.upcast_dot,
-        STATS=stats, FIXUP=flag is not None, BLOCK_N=config.block_n, BLOCK_V=config.block_v,
+        STATS=stats, FIXUP=fixup, BLOCK_N=config.block_n, BLOCK_V=config.block_v,
         BLOCK_D=config.block_d, num_warps=config.num_warps, num_stages=config.num_stages)
     return bufs, descs
 
@@ -152,68 +163,74 @@ def fused_splits(config, rows: int, v: int) -> int:
 
 
 @triton.jit
-def _offsets_kernel(H, WMEAN, BMEAN, C, n, D, stride_h, shift, HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr,
-                    BLOCK_D: tl.constexpr):
-    """c_n = h_n . mean_v W_v (+ the bias' mean) + shift: the mean logit plus the margin."""
+def _offsets_kernel(H, W, COLSUM, BIAS, BSUM, Y, C, SZ, ZY, n, V, D, stride_h, stride_w, shift,
+                    HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Per row, from dot products of length D: the sum of logits ``sz = h . colsum(W) (+ sum of the bias)``, the
+    offset ``c = sz / V + shift`` (the mean logit plus the margin) and the target logit ``zy = h . W_y (+ bias_y)``
+    (0 for an ignored row), all in fp32."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     mask_r = rows < n
+    y = tl.load(Y + rows, mask=mask_r, other=-1)
+    has_y = mask_r & (y >= 0)
+    y_row = tl.maximum(y, 0).to(tl.int64) * stride_w
     acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    acc_y = tl.zeros((BLOCK_R,), dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D):
         cols = d0 + tl.arange(0, BLOCK_D)
         mask_d = cols < D
         h = tl.load(H + rows[:, None].to(tl.int64) * stride_h + cols[None, :], mask=mask_r[:, None] & mask_d[None, :],
                     other=0.0).to(tl.float32)
-        acc += tl.sum(h * tl.load(WMEAN + cols, mask=mask_d, other=0.0)[None, :], axis=1)
+        acc += tl.sum(h * tl.load(COLSUM + cols, mask=mask_d, other=0.0)[None, :], axis=1)
+        w_y = tl.load(W + y_row[:, None] + cols[None, :], mask=has_y[:, None] & mask_d[None, :], other=0.0)
+        acc_y += tl.sum(h * w_y.to(tl.float32), axis=1)
     if HAS_BIAS:
-        acc += tl.load(BMEAN)
-    tl.store(C + rows, acc + shift, mask=mask_r)
+        acc += tl.load(BSUM)
+        acc_y += tl.load(BIAS + tl.maximum(y, 0), mask=has_y, other=0.0).to(tl.float32)
+    tl.store(SZ + rows, acc, mask=mask_r)
+    tl.store(C + rows, acc / V + shift, mask=mask_r)
+    tl.store(ZY + rows, tl.where(has_y, acc_y, 0.0), mask=mask_r)
 
 
 @triton.jit
-def _flag_kernel(M, C, FLAG, n, splits, r_exp_max, BLOCK_R: tl.constexpr):
-    """Rows whose max exceeds c by more than ``r_exp_max``: flagged, and their c set to the max (for the fix-up)."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    mask_r = rows < n
+def _effective_offsets(M, c, rows, mask_r, n, splits, r_exp_max, BLOCK_R: tl.constexpr):
+    """(the offsets R was finally computed with, the flagged rows): a row's max over the splits more than
+    ``r_exp_max`` above its offset ``c`` is flagged and takes its max as the offset (the fix-up launch's)."""
     m = tl.full((BLOCK_R,), float("-inf"), dtype=tl.float32)
     for k in range(0, splits):
         m = tl.maximum(m, tl.load(M + k * n + rows, mask=mask_r, other=float("-inf")))
-    c = tl.load(C + rows, mask=mask_r, other=0.0)
-    flag = m - c > r_exp_max
-    tl.store(FLAG + rows, flag.to(tl.int32), mask=mask_r)
-    tl.store(C + rows, tl.where(flag, m, c), mask=mask_r)
+    flagged = mask_r & (m - c > r_exp_max)
+    return tl.where(flagged, m, c), flagged
 
 
 @triton.jit
 def _finish_rows_kernel(
-    S, T, SZ, ZY, M, AM, C, Y, SMOOTH, SCALE, H, R, HS,
-    LSE_OUT, ZY_OUT, SZ_OUT, ENT_OUT, AM_OUT, A_OUT, U_OUT,
-    n, splits, D, stride_h, stride_r, stride_hs, inv_v,
+    S, T, M, AM, C, ZY, Y, SMOOTH, SCALE, H, R, HS,
+    LSE_OUT, ENT_OUT, AM_OUT, A_OUT, U_OUT,
+    n, splits, D, stride_h, stride_r, stride_hs, inv_v, r_exp_max, z_loss,
     STATS: tl.constexpr, GRAD: tl.constexpr, SCALE_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Per row: the splits merged (lse = c + log S, target logit, sum of logits; STATS: entropy and argmax), and for
+    """Per row: the splits merged (lse = c + log S with the offset R was computed with: ``_effective_offsets``;
+    STATS: entropy and argmax), and for
     the gradients (GRAD) a = w / S and u = w b / V, R's target entry made R_ny - (1 - b) S from the fp32 target
     logit, and (SCALE_H) the rows of a o h in the input dtype for dW."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     mask_r = rows < n
     zero = tl.zeros((BLOCK_R,), dtype=tl.float32)
-    s, t_acc, sz, zy = zero, zero, zero, zero
+    s, t_acc = zero, zero
     m = tl.full((BLOCK_R,), float("-inf"), dtype=tl.float32)
     am = tl.zeros((BLOCK_R,), dtype=tl.int32)
     for k in range(0, splits):
         at = k * n + rows
         s += tl.load(S + at, mask=mask_r, other=1.0)
-        sz += tl.load(SZ + at, mask=mask_r, other=0.0)
-        zy += tl.load(ZY + at, mask=mask_r, other=0.0)
         if STATS:
             t_acc += tl.load(T + at, mask=mask_r, other=0.0)
             mk = tl.load(M + at, mask=mask_r, other=float("-inf"))
             am = tl.where(mk > m, tl.load(AM + at, mask=mask_r, other=0), am)  # first split holding the max
             m = tl.maximum(m, mk)
-    c = tl.load(C + rows, mask=mask_r, other=0.0)
+    c, _flagged = _effective_offsets(M, tl.load(C + rows, mask=mask_r, other=0.0), rows, mask_r, n, splits, r_exp_max,
+                                     BLOCK_R)
     log_s = tl.log(s)
     tl.store(LSE_OUT + rows, c + log_s, mask=mask_r)
-    tl.store(ZY_OUT + rows, zy, mask=mask_r)
-    tl.store(SZ_OUT + rows, sz, mask=mask_r)
     if STATS:
         tl.store(ENT_OUT + rows, log_s - t_acc / s, mask=mask_r)
         tl.store(AM_OUT + rows, am.to(tl.int64), mask=mask_r)
@@ -221,10 +238,14 @@ def _finish_rows_kernel(
         w = tl.load(SCALE + rows, mask=mask_r, other=0.0)
         b = tl.load(SMOOTH + rows, mask=mask_r, other=0.0)
         y = tl.load(Y + rows, mask=mask_r, other=-1)
-        a = w / s
+        # the z-loss lam lse^2 scales p by k = 1 + 2 lam lse: a factor per row (kept off 0, where a = w k / S would
+        # lose the target term; 2^-20 of p is far below bf16's rounding)
+        k = 1.0 + 2.0 * z_loss * (c + log_s)
+        k = tl.where(tl.abs(k) < 9.5367431640625e-07, 9.5367431640625e-07, k)
+        a = w * k / s
         tl.store(A_OUT + rows, a, mask=mask_r)
         tl.store(U_OUT + rows, w * b * inv_v, mask=mask_r)
-        tgt = tl.exp(zy - c) - (1.0 - b) * s
+        tgt = tl.exp(tl.load(ZY + rows, mask=mask_r, other=0.0) - c) - (1.0 - b) * s / k
         ok = mask_r & (y >= 0)
         tl.store(R + rows.to(tl.int64) * stride_r + tl.maximum(y, 0), tgt.to(R.dtype.element_ty), mask=ok)
         if SCALE_H:
@@ -334,7 +355,8 @@ def _rows_launch(n: int):
 
 
 def triton_fused_pass(hidden, weight, bias, targets, smoothing, scale, config, need_dh=True, need_dw=True,
-                      need_db=True, need_stats=False, chunk_bytes: int | None = None, free_bytes: int | None = None):
+                      need_db=True, need_stats=False, chunk_bytes: int | None = None, free_bytes: int | None = None,
+                      z_loss: float = 0.0):
     """Statistics and gradients of ``sum_n scale_n loss_n`` for 2-D bf16 ``hidden`` (N, D) by the fused path (see the
     module docstring; ``supported`` says when it applies). ``targets``: ids, -1 for ignored tokens; ``smoothing`` and
     ``scale``: fp32 per token. Returns ``(lse, zy, sz, argmax, entropy), dh, dw, db`` (dh, dw in the inputs' dtype,
@@ -349,9 +371,8 @@ def triton_fused_pass(hidden, weight, bias, targets, smoothing, scale, config, n
         rows = rows // config.block_n * config.block_n  # whole row blocks per chunk
     extra = 2 if direct else 0  # the rank-one term's rows (see _direct_dw)
     r_buf = torch.empty(rows + extra, v_pad, dtype=hidden.dtype, device=dev)
-    colsum = weight.sum(0, dtype=torch.float32)  # for the offsets (the mean logit) and dh's uniform term
-    w_mean = colsum / v
-    b_mean = bias.float().mean().reshape(1) if bias is not None else w_mean
+    colsum = weight.sum(0, dtype=torch.float32)  # the rows' sums of logits (and offsets), and dh's uniform term
+    b_sum = bias.sum(dtype=torch.float32).reshape(1) if bias is not None else colsum
     lse, zy, sz, ent = (torch.empty(n, **f32) for _ in range(4))
     am = torch.zeros(n, dtype=torch.long, device=dev)
     a_all, u_all = torch.empty(n, **f32), torch.empty(n, **f32)
@@ -362,22 +383,22 @@ def triton_fused_pass(hidden, weight, bias, targets, smoothing, scale, config, n
     dh32 = torch.empty(rows, d, **f32) if need_dh else None
     hs = torch.empty(rows + extra, d, dtype=hidden.dtype, device=dev) if need_dw else None
     c_buf = torch.empty(rows, **f32)
-    flag = torch.empty(rows, dtype=torch.int32, device=dev)
     for s0 in range(0, n, rows):
         e0 = min(n, s0 + rows)
         nr = e0 - s0
         h, y, r, c = hidden[s0:e0], targets[s0:e0], r_buf[:nr, :v], c_buf[:nr]
         grid, br, bd, warps = _rows_launch(nr)
-        _offsets_kernel[grid](h, w_mean, b_mean, c, nr, d, h.stride(0), C_SHIFT, HAS_BIAS=bias is not None,
-                              BLOCK_R=br, BLOCK_D=bd, num_warps=warps)
-        st, descs = _exp_tiles(config, h, weight, bias, y, c, r, need_stats)
-        _flag_kernel[grid](st[4], c, flag, nr, st[0].shape[0], R_EXP_MAX, BLOCK_R=br, num_warps=warps)
-        _exp_tiles(config, h, weight, bias, y, c, r, need_stats, flag=flag, bufs=st, descs=descs)
+        _offsets_kernel[grid](h, weight, colsum, bias if bias is not None else colsum, b_sum, y, c, sz[s0:e0],
+                              zy[s0:e0], nr, v, d, h.stride(0), weight.stride(0), C_SHIFT,
+                              HAS_BIAS=bias is not None, BLOCK_R=br, BLOCK_D=bd, num_warps=warps)
+        st, descs = _exp_tiles(config, h, weight, bias, c, r, need_stats)
+        _exp_tiles(config, h, weight, bias, c, r, need_stats, bufs=st, descs=descs)  # the flagged rows redone
         a, u = a_all[s0:e0], u_all[s0:e0]
         _finish_rows_kernel[grid](
-            *st, c, y, smoothing[s0:e0], scale[s0:e0], h, r, hs if need_dw else h,
-            lse[s0:e0], zy[s0:e0], sz[s0:e0], ent[s0:e0], am[s0:e0], a, u,
-            nr, st[0].shape[0], d, h.stride(0), r.stride(0), hs.stride(0) if need_dw else 0, 1.0 / v,
+            *st, c, zy[s0:e0], y, smoothing[s0:e0], scale[s0:e0], h, r, hs if need_dw else h,
+            lse[s0:e0], ent[s0:e0], am[s0:e0], a, u,
+            nr, st[0].shape[0], d, h.stride(0), r.stride(0), hs.stride(0) if need_dw else 0, 1.0 / v, R_EXP_MAX,
+            float(z_loss),
             STATS=need_stats, GRAD=grad, SCALE_H=need_dw, BLOCK_R=br, BLOCK_D=bd, num_warps=warps)
         if need_dh:
             t = dh32[:nr]

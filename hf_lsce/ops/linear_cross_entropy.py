@@ -245,7 +245,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             from .train_pass import scale_by
 
             c = grad_loss.detach().float().reshape(1)
-            dh, dw, db = (scale_by(t, c) if t is not None else None for t in kept)
+            dh, dw, db = scale_by(kept, c)
             return dh, dw, db.to(bias.dtype) if db is not None else None, *none7
         zeros = torch.zeros(n, dtype=torch.float32, device=hidden.device)
         if grad_loss is None:

@@ -4,11 +4,11 @@ Shared by the eager op (``linear_cross_entropy._LinearCrossEntropy``) and the co
 that neither imports the other for them. Every path is exact:
 
 * fused (``fused_pass.py``): one logits pass whose kernel stores ``exp(z - c)`` in bf16, the gradients from it by
-  cuBLAS; bf16 on a GPU with TMA, no soft-cap or z-loss;
+  cuBLAS; bf16 on a GPU with TMA, no soft-cap (z-loss included);
 * two-pass (``backward.triton_gradients_by_columns``): the forward kernel's lse, then the logits recomputed on chip
   and G written a chunk of vocabulary columns at a time; also ``memory="low"`` with small chunks;
 * one-pass (``train_pass.py``): fp32 logits from cuBLAS a chunk of rows at a time, read twice; every other case
-  (soft-cap, fp16, z-loss above D = 1,024, the interpreter's CPU runs), and the low-memory mode without TMA.
+  (soft-cap and fp16 above D = 1,024, the interpreter's CPU runs), and the low-memory mode without TMA.
 """
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def use_train_pass(hidden, weight, bias, backend) -> bool:
 
 
 def _train_path(hidden, weight, softcap, z_loss, accum_dtype, free_bytes=None) -> str:
-    """The training path. On CUDA the fused path where it can run (bf16, the TMA kernel, no soft-cap or z-loss:
+    """The training path. On CUDA the fused path where it can run (bf16, the TMA kernel, no soft-cap:
     ``fused_pass.supported``) and is preferred (``fused_pass.preferred``); else, up to hidden size
     ``config.TWO_PASS_MAX_D``, the two-pass path (with dW accumulated in the weight's dtype: it is written once per
     row there); above it, and off CUDA, the one-pass path. ``free_bytes``: CUDA's free memory (``memory="auto"``),
@@ -117,38 +117,59 @@ def free_cuda_memory(device) -> int:
 
 def training_options(hidden, weight, softcap, backend, z_loss, memory, accum_dtype, one_pass, need_stats=False,
                      reduce=False) -> Options:
-    """How a call runs, from the validated arguments: the memory mode (``"auto"`` resolved against CUDA's free
-    memory, read once here) and, for training, the fused, two-pass or one-pass path (the one-pass name also where
-    the low-memory mode runs instead)."""
+    """How a call runs, from the validated arguments: for training, the fused, two-pass or one-pass path, and the
+    memory mode (``"auto"`` resolved against CUDA's free memory; the one-pass name also where the low-memory mode
+    runs instead). The free memory is read (once) only where the path's buffers exceed ``SMALL_BUFFER_FRACTION`` of
+    the device's memory: the query costs host time every call, and a small model's step pays it (host_overhead.py)."""
     free = None
-    if memory == "auto" and one_pass and hidden.device.type == "cuda":
+    path = _train_path(hidden, weight, softcap, z_loss, accum_dtype) if one_pass else "one-pass"
+    if memory == "auto" and one_pass and hidden.device.type == "cuda" and not _small_buffers(
+            hidden, weight, accum_dtype, path):
         free = free_cuda_memory(hidden.device)
-    path = _train_path(hidden, weight, softcap, z_loss, accum_dtype, free) if one_pass else "one-pass"
+        path = _train_path(hidden, weight, softcap, z_loss, accum_dtype, free)
     mem = _resolve_memory(memory, one_pass, hidden, weight, accum_dtype, path, free)
     return Options(softcap=softcap, backend=backend, z_loss=float(z_loss), memory=mem, accum_dtype=accum_dtype,
                    need_stats=need_stats, path=path if mem == "fast" else "one-pass", reduce=reduce, free_bytes=free)
 
 
-def _resolve_memory(memory, one_pass, hidden, weight, accum_dtype, path="one-pass", free=None) -> str:
-    """'auto': the low-memory path when CUDA's free memory (``free``, read by ``training_options``) cannot hold the
-    fast path's buffers."""
-    if memory != "auto":
-        return memory
-    if not one_pass or hidden.device.type != "cuda":
-        return "fast"
-    from .config import MEMORY_HEADROOM, TRAIN_CHUNK_BYTES
+# memory="auto" reads CUDA's free memory only where the fast path's buffers (times the headroom) exceed this fraction
+# of the device's memory; below it they are taken to fit, as any other allocation of the step is
+SMALL_BUFFER_FRACTION = 1 / 32
+
+
+def _buffer_bytes(hidden, weight, accum_dtype, path, free=None) -> int:
+    """Bytes of the fast path's buffers: R for the fused path (every row if it fits, else a chunk and dW's fp32
+    accumulator), one chunk of fp32 logits otherwise, and an fp32 dW accumulator where asked for."""
+    from .config import TRAIN_CHUNK_BYTES
     from .fused_pass import extra_memory
 
     n, (v, d) = hidden.shape[0], weight.shape
-    if path == "fused":  # R (every row, if it fits; else a chunk and dW's fp32 accumulator)
+    if path == "fused":
         need = extra_memory(n, v, d, weight.requires_grad, free)
     else:
-        need = min(n, max(1, TRAIN_CHUNK_BYTES // (v * 4))) * v * 4  # one chunk of fp32 logits
+        need = min(n, max(1, TRAIN_CHUNK_BYTES // (v * 4))) * v * 4
     if accum_dtype == torch.float32 and weight.dtype != torch.float32 and path != "fused":
         need += v * d * 4
-    if free is None:
-        free = free_cuda_memory(hidden.device)
-    return "low" if free < MEMORY_HEADROOM * need else "fast"
+    return need
+
+
+def _small_buffers(hidden, weight, accum_dtype, path) -> bool:
+    from .config import MEMORY_HEADROOM, device_memory
+
+    return MEMORY_HEADROOM * _buffer_bytes(hidden, weight, accum_dtype, path) <= (
+        SMALL_BUFFER_FRACTION * device_memory(hidden.device))
+
+
+def _resolve_memory(memory, one_pass, hidden, weight, accum_dtype, path="one-pass", free=None) -> str:
+    """'auto': the low-memory path when CUDA's free memory (``free``, read by ``training_options``; None: the
+    buffers are small, taken to fit) cannot hold the fast path's buffers."""
+    if memory != "auto":
+        return memory
+    if not one_pass or hidden.device.type != "cuda" or free is None:
+        return "fast"
+    from .config import MEMORY_HEADROOM
+
+    return "low" if free < MEMORY_HEADROOM * _buffer_bytes(hidden, weight, accum_dtype, path, free) else "fast"
 
 
 def statistics_and_gradients(hidden, weight, bias, targets, smoothing, token_weight, opts, need_dh, need_dw,
@@ -219,7 +240,7 @@ def _fused_gradients(hidden, weight, bias, targets, smoothing, token_weight, opt
     stats, dh, dw, db = triton_fused_pass(hidden, weight, bias, targets, smoothing, token_weight,
                                           forward_config(hidden.dtype, hidden.device), need_dh=need_dh,
                                           need_dw=need_dw, need_db=need_db, need_stats=opts.need_stats,
-                                          free_bytes=opts.free_bytes)
+                                          free_bytes=opts.free_bytes, z_loss=opts.z_loss)
     return stats, (dh, dw, db)
 
 

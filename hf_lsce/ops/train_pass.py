@@ -277,26 +277,39 @@ def triton_train_pass_low_memory(hidden, weight, bias, targets, smoothing, scale
 
 
 @triton.jit
-def _scale_kernel(X, C, numel, BLOCK: tl.constexpr):
-    """X *= C[0], in place; every program returns at once when C[0] == 1 (the usual upstream gradient)."""
+def _scale_kernel(X, Y, C, nx, ny, blocks_x, BLOCK: tl.constexpr):
+    """X *= C[0] and Y *= C[0], in place (the first ``blocks_x`` programs take X); every program returns at once when
+    C[0] == 1 (the usual upstream gradient)."""
     c = tl.load(C)
     if c != 1.0:
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < numel
-        x = tl.load(X + offs, mask=mask, other=0.0)
-        tl.store(X + offs, (x.to(tl.float32) * c).to(X.dtype.element_ty), mask=mask)
+        pid = tl.program_id(0)
+        if pid < blocks_x:
+            offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+            x = tl.load(X + offs, mask=offs < nx, other=0.0)
+            tl.store(X + offs, (x.to(tl.float32) * c).to(X.dtype.element_ty), mask=offs < nx)
+        else:
+            offs = (pid - blocks_x).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+            y = tl.load(Y + offs, mask=offs < ny, other=0.0)
+            tl.store(Y + offs, (y.to(tl.float32) * c).to(Y.dtype.element_ty), mask=offs < ny)
 
 
-def scale_by(t: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """``t *= c`` (``c`` a one-element fp32 tensor on t's device) without reading c on the host: the kept
-    gradients times the upstream gradient of the reduced loss. On CUDA (and the interpreter) a kernel that touches
-    no memory when c is 1; elsewhere a plain multiply."""
-    if t.numel() == 0:
-        return t
-    if (t.is_cuda or interpreting()) and t.is_contiguous():
-        block = 1024 if interpreting() else 4096
-        _scale_kernel[(triton.cdiv(t.numel(), block),)](t, c, t.numel(), BLOCK=block,
-                                                         num_warps=1 if interpreting() else 8)
-        return t
-    wide = torch.float64 if t.dtype == torch.float64 else torch.float32
-    return t.copy_(t.to(wide) * c.to(wide))
+def scale_by(tensors, c: torch.Tensor) -> list:
+    """``t *= c`` for each tensor (None passes through; ``c`` a one-element fp32 tensor on their device) without
+    reading c on the host: the kept gradients times the upstream gradient of the reduced loss. On CUDA (and the
+    interpreter) kernels that touch no memory when c is 1, two tensors per launch; elsewhere a plain multiply."""
+    out = list(tensors)
+    todo = [i for i, t in enumerate(out) if t is not None and t.numel()]
+    kernel = [i for i in todo if (out[i].is_cuda or interpreting()) and out[i].is_contiguous()]
+    for i in todo:
+        if i not in kernel:
+            t = out[i]
+            wide = torch.float64 if t.dtype == torch.float64 else torch.float32
+            t.copy_(t.to(wide) * c.to(wide))
+    block = 1024 if interpreting() else 4096
+    for k in range(0, len(kernel), 2):
+        x = out[kernel[k]]
+        y = out[kernel[k + 1]] if k + 1 < len(kernel) else x[:0]
+        bx = triton.cdiv(x.numel(), block)
+        _scale_kernel[(bx + triton.cdiv(y.numel(), block),)](x, y, c, x.numel(), y.numel(), bx, BLOCK=block,
+                                                             num_warps=1 if interpreting() else 8)
+    return out
