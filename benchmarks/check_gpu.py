@@ -349,8 +349,8 @@ def main():
             continue
         case = " ".join(str(r[k]) for k in ("shape", "N", "D", "V", "dtype", "head") if k in r)
         case += (" cap" if r.get("softcap") else "") + (f" z-loss {r['z_loss']:g}" if r.get("z_loss") else "")
-        print(f"| {r['section']} | {case} | {r.get('path', '-')} | {fmt(r.get('loss_err'))} | {fmt(r['dh_err'])} | "
-              f"{fmt(r['dw_err'])} | {fmt(r['db_err'])} | {r.get('sync_free', '-')} |")
+        print(f"| {r['section']} | {case} | {r.get('path', '-')} | {fmt(r.get('loss_err'))} | {fmt(r.get('dh_err'))} | "
+              f"{fmt(r.get('dw_err'))} | {fmt(r.get('db_err'))} | {r.get('sync_free', '-')} |")
     bad = [r for r in rows if r.get("ok") is False or r.get("sync_free") not in (None, True)]
     print(f"\n{len(bad)} failed behaviour / synchronisation checks" + (": " + json.dumps(bad)[:800] if bad else ""))
 

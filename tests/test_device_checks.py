@@ -148,3 +148,48 @@ def test_trainer_raises_a_bad_last_batch_when_training_ends(asynchronous, tmp_pa
         trainer.train()
     assert trainer.state.global_step == 2  # both steps ran: the error came when training returned
     assert not checks._PENDING
+
+
+@pytest.mark.parametrize("shift", [False, True])
+@pytest.mark.parametrize("smoothing", ["number", "tensor"])
+@pytest.mark.parametrize("items", [None, "tensor", "number", "zero"])
+@pytest.mark.parametrize("bad", [False, True])
+@pytest.mark.parametrize("ig", [-100, 3])
+def test_the_one_launch_preparation_equals_the_torch_one(shift, smoothing, items, bad, ig):
+    """prepare.prepare (the Triton path's ids, smoothing, token weights, divisor and checks in one launch) against the
+    torch computation the other backends run (checks._summary, loss_denominator), value for value."""
+    import torch.nn.functional as F
+
+    from hf_lsce.ops.linear_cross_entropy import loss_denominator
+    from hf_lsce.ops.prepare import prepare
+
+    g = torch.Generator().manual_seed(11)
+    V = 50
+    y = torch.randint(0, V, (3, 41), generator=g)
+    y[torch.rand(y.shape, generator=g) < 0.2] = ig
+    b = torch.rand(y.shape, generator=g) * 0.3 if smoothing == "tensor" else 0.1
+    if bad:
+        y[1, 7], y[2, 3] = V + 4, -7
+        if smoothing == "tensor":
+            b[0, 5], b[2, 9] = 1.5, float("nan")
+    num = {None: None, "tensor": torch.tensor(77), "number": 77, "zero": 0}[items]
+    t1, b1, tw, values, divisor, flag = prepare(y, b, ig, V, shift, num, divide=True)
+
+    ys = F.pad(y, (0, 1), value=ig)[..., 1:] if shift else y
+    ref_t1 = torch.where((ys == ig) | (ys >= V) | (ys < 0), -1, ys).reshape(-1)
+    valid = ref_t1 >= 0
+    bs = None
+    if smoothing == "tensor":
+        bs = F.pad(b, (0, 1), value=0.0)[..., 1:] if shift else b
+    ref_values, ref_bad = checks._summary(y, V, ig, num, valid.sum(), bs)
+    ref_b1 = bs.reshape(-1).nan_to_num(0.0).clamp(0, 1) if bs is not None else torch.full((y.numel(),), 0.1)
+    ref_div = loss_denominator(num, valid.sum())
+    assert torch.equal(t1, ref_t1)
+    assert torch.equal(b1, ref_b1.float())
+    keep = [0, 2, 3, 4, 5] + ([1] if ref_values[0] > 0 else [])  # the first bad target: only where there is one
+    assert torch.equal(values[keep], ref_values[keep]) and (ref_values[0] > 0) == bad
+    assert bool(flag) == bool(ref_bad)
+    assert float(divisor) == float(ref_div)
+    assert torch.allclose(tw, valid.float() / float(ref_div), rtol=1e-7, atol=0)
+    _, _, tw_sum, _, one, _ = prepare(y, b, ig, V, shift, None, divide=False)
+    assert torch.equal(tw_sum, valid.float()) and float(one) == 1.0

@@ -7,7 +7,8 @@ before it can queue the next kernel, which a launch-bound training step (a small
 
 So on CUDA the checks run on the device:
 
-* the bad entries are computed by a few element-wise kernels, and the bad targets are treated as ignored, so the
+* the bad entries are computed on the device (by ``prepare.py``'s one launch on the Triton path, with the per-token
+  inputs; by a few element-wise torch operations elsewhere), and the bad targets are treated as ignored, so the
   kernels never read outside the weight;
 * the returned loss is NaN when any check failed, so the bad step is visible where the loss is logged;
 * a five-number summary is copied to pinned host memory without blocking, behind a CUDA event; the next call of
@@ -29,6 +30,8 @@ import torch
 
 _PENDING: list = []
 _LOCK = threading.Lock()
+SUMMARY_SIZE = 6  # the summary's values (``_summary``): bad targets, first bad target, items, valid tokens, bad b,
+# items bad
 
 
 def _check_num_items(value: float, valid_tokens: int | None = None) -> None:
@@ -94,6 +97,27 @@ def _raise_from(values, vocab_size, ignore_index, name, tensor_items, zero_items
         raise ValueError(f"{e}{when}") from None
 
 
+# Pinned host buffers for the summaries, reused in turn: at most 64 summaries are pending (an older one is read, and
+# waited for, before a newer one is queued), so a buffer is reused only after the summary it held was read. A pinned
+# allocation per call cost host time at every step of a small model (docs/benchmarks.md, the host).
+_PINNED_RING = 66
+_PINNED_LOCK = threading.Lock()
+_PINNED: list = []
+_PINNED_NEXT = [0]
+
+
+def _pinned(values):
+    """A pinned host buffer of ``values``' shape and dtype for an asynchronous copy (from the ring while it fits)."""
+    if tuple(values.shape) != (SUMMARY_SIZE,) or values.dtype != torch.float64:
+        return torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    with _PINNED_LOCK:
+        i = _PINNED_NEXT[0]
+        _PINNED_NEXT[0] = (i + 1) % _PINNED_RING
+        if len(_PINNED) <= i:
+            _PINNED.append(torch.empty(SUMMARY_SIZE, dtype=torch.float64, pin_memory=True))
+        return _PINNED[i]
+
+
 class _Pending:
     """One call's summary on its way to pinned host memory (CUDA), or already on the host."""
 
@@ -101,7 +125,7 @@ class _Pending:
         self.context = context
         self.event = None
         if values.is_cuda:
-            self.host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self.host = _pinned(values)
             self.host.copy_(values, non_blocking=True)
             self.event = torch.cuda.Event()
             self.event.record()
@@ -152,14 +176,28 @@ def check_device_values(targets, vocab_size: int, ignore_index: int, num_items_i
     if synchronous(targets.device):
         check_now(targets, vocab_size, ignore_index, num_items_in_batch, valid_count, smoothing, name=name)
         return None
-    context = _context(vocab_size, ignore_index, num_items_in_batch, name)
-    tracing = _tracing()
-    if not tracing:  # (no event queries while a CUDA graph is captured)
+    if not _tracing():  # (no event queries while a CUDA graph is captured)
         raise_pending_errors(block=False)
     values, bad = _summary(targets, vocab_size, ignore_index, num_items_in_batch, valid_count, smoothing)
+    return check_summary(values, bad, vocab_size, ignore_index, num_items_in_batch, name, earlier_raised=True)
+
+
+def check_summary(values, bad, vocab_size: int, ignore_index: int, num_items_in_batch, name: str = "targets",
+                  earlier_raised: bool = False):
+    """The checks' outcome from a summary computed already (``_summary``'s values, or ``prepare.prepare``'s kernel):
+    raise now where checks are synchronous (returns None), else queue the summary and return ``bad`` (asynchronous,
+    as ``check_device_values``). ``earlier_raised``: the earlier calls' pending errors were looked at already."""
+    context = _context(vocab_size, ignore_index, num_items_in_batch, name)
+    if synchronous(values.device):
+        _raise_from(values.tolist(), *context)
+        return None
+    tracing = _tracing()
+    if not tracing and not earlier_raised:
+        raise_pending_errors(block=False)
     if not tracing:
+        item = _Pending(values, context)
         with _LOCK:
-            _PENDING.append(_Pending(values, context))
+            _PENDING.append(item)
             overflow = _PENDING.pop(0) if len(_PENDING) > 64 else None  # bounded: the oldest is long complete
         if overflow is not None:
             overflow.check()

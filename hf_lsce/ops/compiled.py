@@ -32,7 +32,8 @@ from torch import Tensor
 
 from .checks import check_device_values
 from .dispatch import forward_stats
-from .paths import loss_gradients, notify_training_call, statistics_and_gradients, token_loss_terms, training_options
+from .paths import (loss_gradients, loss_terms, notify_training_call, statistics_and_gradients, token_loss_terms,
+                    training_options)
 
 
 def compiling() -> bool:
@@ -157,11 +158,11 @@ def reduced_training_loss(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]
                             need_stats=need_stats, reduce=True)
     stats, (dh, dw, db) = statistics_and_gradients(hidden, weight, bias, targets, smoothing, token_weight, opts,
                                                    need_dh, need_dw, need_db)
-    lse, zy, sz, argmax, entropy = stats
-    per, nll = token_loss_terms(lse, zy, sz, smoothing, targets >= 0, weight.shape[0], z_loss)
+    lse, argmax, entropy = stats[0], stats[3], stats[4]
+    per, nll = loss_terms(stats, smoothing, targets, weight.shape[0], z_loss)
     loss = per.sum() if denom is None else per.sum() / denom
     notify_training_call(observed_smoothing)
-    return (loss, lse.clone(), argmax.clone(), nll, entropy.clone(), dh.to(hidden.dtype) if need_dh else empty,
+    return (loss, lse.clone(), argmax.clone(), nll.clone(), entropy.clone(), dh.to(hidden.dtype) if need_dh else empty,
             dw.to(weight.dtype) if need_dw else empty, db.to(bias.dtype) if need_db and db is not None else empty)
 
 

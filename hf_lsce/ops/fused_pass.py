@@ -204,13 +204,14 @@ def _effective_offsets(M, c, rows, mask_r, n, splits, r_exp_max, BLOCK_R: tl.con
 
 @triton.jit
 def _finish_rows_kernel(
-    S, T, M, AM, C, ZY, Y, SMOOTH, SCALE, H, R, HS,
-    LSE_OUT, ENT_OUT, AM_OUT, A_OUT, U_OUT,
+    S, T, M, AM, C, ZY, SZ, Y, SMOOTH, SCALE, H, R, HS,
+    LSE_OUT, ENT_OUT, AM_OUT, A_OUT, U_OUT, LOSS_OUT, NLL_OUT,
     n, splits, D, stride_h, stride_r, stride_hs, inv_v, r_exp_max, z_loss,
     STATS: tl.constexpr, GRAD: tl.constexpr, SCALE_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Per row: the splits merged (lse = c + log S with the offset R was computed with: ``_effective_offsets``;
-    STATS: entropy and argmax), and for
+    STATS: entropy and argmax), the token's loss and nll (``paths.token_loss_terms``' formula: 0 for an ignored
+    token), and for
     the gradients (GRAD) a = w / S and u = w b / V, R's target entry made R_ny - (1 - b) S from the fp32 target
     logit, and (SCALE_H) the rows of a o h in the input dtype for dW."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -230,22 +231,27 @@ def _finish_rows_kernel(
     c, _flagged = _effective_offsets(M, tl.load(C + rows, mask=mask_r, other=0.0), rows, mask_r, n, splits, r_exp_max,
                                      BLOCK_R)
     log_s = tl.log(s)
-    tl.store(LSE_OUT + rows, c + log_s, mask=mask_r)
+    lse = c + log_s
+    tl.store(LSE_OUT + rows, lse, mask=mask_r)
+    y = tl.load(Y + rows, mask=mask_r, other=-1)
+    b = tl.load(SMOOTH + rows, mask=mask_r, other=0.0)
+    zy = tl.load(ZY + rows, mask=mask_r, other=0.0)
+    loss = lse - (1.0 - b) * zy - b * tl.load(SZ + rows, mask=mask_r, other=0.0) * inv_v + z_loss * lse * lse
+    tl.store(LOSS_OUT + rows, tl.where(y >= 0, loss, 0.0), mask=mask_r)
+    tl.store(NLL_OUT + rows, tl.where(y >= 0, lse - zy, 0.0), mask=mask_r)
     if STATS:
         tl.store(ENT_OUT + rows, log_s - t_acc / s, mask=mask_r)
         tl.store(AM_OUT + rows, am.to(tl.int64), mask=mask_r)
     if GRAD:
         w = tl.load(SCALE + rows, mask=mask_r, other=0.0)
-        b = tl.load(SMOOTH + rows, mask=mask_r, other=0.0)
-        y = tl.load(Y + rows, mask=mask_r, other=-1)
         # the z-loss lam lse^2 scales p by k = 1 + 2 lam lse: a factor per row (kept off 0, where a = w k / S would
         # lose the target term; 2^-20 of p is far below bf16's rounding)
-        k = 1.0 + 2.0 * z_loss * (c + log_s)
+        k = 1.0 + 2.0 * z_loss * lse
         k = tl.where(tl.abs(k) < 9.5367431640625e-07, 9.5367431640625e-07, k)
         a = w * k / s
         tl.store(A_OUT + rows, a, mask=mask_r)
         tl.store(U_OUT + rows, w * b * inv_v, mask=mask_r)
-        tgt = tl.exp(tl.load(ZY + rows, mask=mask_r, other=0.0) - c) - (1.0 - b) * s / k
+        tgt = tl.exp(zy - c) - (1.0 - b) * s / k
         ok = mask_r & (y >= 0)
         tl.store(R + rows.to(tl.int64) * stride_r + tl.maximum(y, 0), tgt.to(R.dtype.element_ty), mask=ok)
         if SCALE_H:
@@ -330,15 +336,34 @@ class _ExactBf16Reduction:
         m.allow_bf16_reduced_precision_reduction, m.allow_fp16_reduced_precision_reduction = self.saved
 
 
+@triton.jit
+def _rank_one_rows_kernel(U, H, HS, n, D, stride_h, stride_hs, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows n and n + 1 of hs: the hi and lo halves (hs's dtype) of ``-sum_r u_r h_r`` (fp32, rows in order)."""
+    cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask_d = cols < D
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for r0 in range(0, n, BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R)
+        mask_r = rows < n
+        h = tl.load(H + rows[:, None].to(tl.int64) * stride_h + cols[None, :], mask=mask_r[:, None] & mask_d[None, :],
+                    other=0.0).to(tl.float32)
+        acc += tl.sum(h * tl.load(U + rows, mask=mask_r, other=0.0)[:, None], axis=0)
+    acc = -acc
+    hi = acc.to(HS.dtype.element_ty)
+    tl.store(HS + n.to(tl.int64) * stride_hs + cols, hi, mask=mask_d)
+    tl.store(HS + (n + 1).to(tl.int64) * stride_hs + cols, (acc - hi.to(tl.float32)).to(HS.dtype.element_ty),
+             mask=mask_d)
+
+
 def _direct_dw(r_buf, hs, u_all, hidden, n: int, v: int, weight) -> torch.Tensor:
     """dW = R'^T (a o h) - 1 (u^T h)^T in the weight's dtype by one matmul: R's rows n and n + 1 are ones and hs's the
     hi and lo halves of ``-u^T h`` (so the rank-one term enters the fp32 accumulation to about 2^-16). (A K padded to
     a multiple of 8 was no faster: docs/benchmarks.md, settled experiments: direct_dw.py.)"""
-    rvec = -(u_all @ hidden.float())
-    hi = rvec.to(hs.dtype)
+    block_d = 16 if interpreting() else 64
+    _rank_one_rows_kernel[(triton.cdiv(hs.shape[1], block_d),)](
+        u_all, hidden, hs, n, hs.shape[1], hidden.stride(0), hs.stride(0), BLOCK_R=8 if interpreting() else 64,
+        BLOCK_D=block_d, num_warps=1 if interpreting() else 4)
     r_buf[n:n + 2, :v].fill_(1.0)
-    hs[n].copy_(hi)
-    hs[n + 1].copy_(rvec - hi.float())
     dw = torch.empty(v, hs.shape[1], dtype=weight.dtype, device=hs.device)
     if hs.device.type != "cuda":  # the interpreter: fp32 math, one rounding
         return dw.copy_(r_buf[:n + 2, :v].T.float() @ hs[:n + 2].float())
@@ -359,8 +384,9 @@ def triton_fused_pass(hidden, weight, bias, targets, smoothing, scale, config, n
                       z_loss: float = 0.0):
     """Statistics and gradients of ``sum_n scale_n loss_n`` for 2-D bf16 ``hidden`` (N, D) by the fused path (see the
     module docstring; ``supported`` says when it applies). ``targets``: ids, -1 for ignored tokens; ``smoothing`` and
-    ``scale``: fp32 per token. Returns ``(lse, zy, sz, argmax, entropy), dh, dw, db`` (dh, dw in the inputs' dtype,
-    db fp32; None where not needed; argmax and entropy zeros unless ``need_stats``). ``free_bytes``: the free memory
+    ``scale``: fp32 per token. Returns ``(lse, zy, sz, argmax, entropy, loss, nll), dh, dw, db`` (the token losses
+    as ``paths.token_loss_terms`` gives them; dh, dw in the inputs' dtype, db fp32; None where not needed; argmax and
+    entropy zeros unless ``need_stats``). ``free_bytes``: the free memory
     ``memory="auto"`` measured (the direct layout only if it fits: ``layout``)."""
     n, d = hidden.shape
     v = weight.shape[0]
@@ -373,9 +399,9 @@ def triton_fused_pass(hidden, weight, bias, targets, smoothing, scale, config, n
     r_buf = torch.empty(rows + extra, v_pad, dtype=hidden.dtype, device=dev)
     colsum = weight.sum(0, dtype=torch.float32)  # the rows' sums of logits (and offsets), and dh's uniform term
     b_sum = bias.sum(dtype=torch.float32).reshape(1) if bias is not None else colsum
-    lse, zy, sz, ent = (torch.empty(n, **f32) for _ in range(4))
+    rowbuf = torch.empty(8, n, **f32)  # per-row fp32 outputs and scratch in one allocation
+    lse, zy, sz, ent, a_all, u_all, loss, nll = rowbuf
     am = torch.zeros(n, dtype=torch.long, device=dev)
-    a_all, u_all = torch.empty(n, **f32), torch.empty(n, **f32)
     grad = need_dh or need_dw or (need_db and bias is not None)
     dh = torch.empty(n, d, dtype=hidden.dtype, device=dev) if need_dh else None
     dw32 = torch.empty(v, d, **f32) if need_dw and not direct else None
@@ -395,8 +421,8 @@ def triton_fused_pass(hidden, weight, bias, targets, smoothing, scale, config, n
         _exp_tiles(config, h, weight, bias, c, r, need_stats, bufs=st, descs=descs)  # the flagged rows redone
         a, u = a_all[s0:e0], u_all[s0:e0]
         _finish_rows_kernel[grid](
-            *st, c, zy[s0:e0], y, smoothing[s0:e0], scale[s0:e0], h, r, hs if need_dw else h,
-            lse[s0:e0], ent[s0:e0], am[s0:e0], a, u,
+            *st, c, zy[s0:e0], sz[s0:e0], y, smoothing[s0:e0], scale[s0:e0], h, r, hs if need_dw else h,
+            lse[s0:e0], ent[s0:e0], am[s0:e0], a, u, loss[s0:e0], nll[s0:e0],
             nr, st[0].shape[0], d, h.stride(0), r.stride(0), hs.stride(0) if need_dw else 0, 1.0 / v, R_EXP_MAX,
             float(z_loss),
             STATS=need_stats, GRAD=grad, SCALE_H=need_dw, BLOCK_R=br, BLOCK_D=bd, num_warps=warps)
@@ -425,4 +451,4 @@ def triton_fused_pass(hidden, weight, bias, targets, smoothing, scale, config, n
         db -= u_all.sum()
     if not need_stats:
         ent.zero_()
-    return (lse, zy, sz, am, ent), dh, dw, db
+    return (lse, zy, sz, am, ent, loss, nll), dh, dw, db

@@ -18,11 +18,11 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .checks import _check_num_items, check_device_values
+from .checks import _check_num_items, check_device_values, check_summary
 from .compiled import check_values, compiling, reduced_loss, token_losses
 from .dispatch import forward_stats
 from .paths import (MEMORY_MODES, Options, loss_gradients, notify_training_call, recompute_kept,
-                    statistics_and_gradients, token_loss_terms, training_options, use_train_pass)
+                    statistics_and_gradients, loss_terms, training_options, use_train_pass)
 
 _REDUCTIONS = ("mean", "sum", "none")
 _BACKENDS = ("auto", "triton", "torch")
@@ -196,7 +196,6 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, smoothing, token_weight, denom, opts: Options):
         n, v = hidden.shape[0], weight.shape[0]
-        valid = targets >= 0
         ctx.kept = None
         ctx.set_materialize_grads(False)  # an unused output (the lse) sends None, not zeros
         if n == 0:
@@ -208,8 +207,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 ctx.needs_input_grad[1], ctx.needs_input_grad[2] and bias is not None)
         else:
             stats = forward_stats(hidden, weight, bias, targets, opts.softcap, opts.backend, stats=opts.need_stats)
-        lse, zy, sz, argmax, entropy = stats
-        loss, nll = token_loss_terms(lse, zy, sz, smoothing, valid, v, opts.z_loss)
+        lse, argmax, entropy = stats[0], stats[3], stats[4]
+        loss, nll = loss_terms(stats, smoothing, targets, v, opts.z_loss)
         ctx.save_for_backward(hidden, weight, bias, targets, lse, smoothing, token_weight)
         ctx.opts = opts
         ctx.denom = denom
@@ -386,37 +385,52 @@ def linear_cross_entropy(
     v, d = weight.shape
     out_shape = targets.shape
     smoothing = label_smoothing
-    if shift:
-        if hidden.dim() < 2:
-            raise ValueError("shift=True needs hidden of shape (..., T, D).")
-        targets = F.pad(targets, (0, 1), value=ignore_index)[..., 1:]
-        if torch.is_tensor(smoothing) and smoothing.dim():
-            smoothing = F.pad(smoothing, (0, 1), value=0.0)[..., 1:]
-
+    if shift and hidden.dim() < 2:
+        raise ValueError("shift=True needs hidden of shape (..., T, D).")
     h2 = hidden.reshape(-1, d)
     vocab = shard.vocab_size if shard else v
-    t1 = targets.reshape(-1).to(torch.int64)
-    # -1 for an ignored token, and for a target past the vocabulary (which the checks below refuse), so the kernels
-    # never read outside W
-    t1 = torch.where((t1 == ignore_index) | (t1 >= vocab), torch.full_like(t1, -1), t1).contiguous()
-    valid1 = t1 >= 0
-    valid_count = valid1.sum()
     n = h2.shape[0]
-    if torch.is_tensor(smoothing):
-        b1 = smoothing.detach().to(torch.float32).expand(out_shape).reshape(-1).contiguous()
+    # The reduction's divisor of the summed token losses (None: the sum itself, or no reduction).
+    divide = reduction == "mean" or (reduction == "sum" and num_items_in_batch is not None)
+    prepared_weight = valid1 = None
+    if shard is None and backend == "triton" and n and hidden.dtype != torch.float64 and not compiling():
+        # The ids, smoothing, weights, divisor and the checks of the device's values in one launch (prepare.py)
+        from .prepare import prepare
+
+        t1, b1, prepared_weight, values, divisor, bad = prepare(
+            targets_given, label_smoothing, ignore_index, vocab, shift, num_items_in_batch, divide)
+        bad = check_summary(values, bad, vocab, ignore_index, num_items_in_batch)
+        denom = divisor if divide else None
     else:
-        b1 = torch.full((n,), float(smoothing), dtype=torch.float32, device=hidden.device)
-    # The checks of values on the device: synchronous on the CPU; on CUDA a device flag (bad -> NaN loss, no
-    # gradient) whose summary raises at the next call (checks.py), with bad b clamped meanwhile.
-    b_given = smoothing if torch.is_tensor(smoothing) else None
-    if compiling():  # an operator the compiled graph calls, so the checks run (and can raise) at every call
-        items = num_items_in_batch if torch.is_tensor(num_items_in_batch) else None
-        items_value = None if items is not None or num_items_in_batch is None else float(num_items_in_batch)
-        bad = check_values(targets_given, vocab, ignore_index, items, items_value, valid_count, b_given)
-    else:
-        bad = check_device_values(targets_given, vocab, ignore_index, num_items_in_batch, valid_count, b_given)
-    if bad is not None and torch.is_tensor(smoothing):
-        b1 = b1.nan_to_num(0.0).clamp(0.0, 1.0)
+        if shift:
+            targets = F.pad(targets, (0, 1), value=ignore_index)[..., 1:]
+            if torch.is_tensor(smoothing) and smoothing.dim():
+                smoothing = F.pad(smoothing, (0, 1), value=0.0)[..., 1:]
+        t1 = targets.reshape(-1).to(torch.int64)
+        # -1 for an ignored token, and for a target past the vocabulary (which the checks below refuse), so the
+        # kernels never read outside W
+        t1 = torch.where((t1 == ignore_index) | (t1 >= vocab), torch.full_like(t1, -1), t1).contiguous()
+        valid1 = t1 >= 0
+        valid_count = valid1.sum()
+        if torch.is_tensor(smoothing):
+            b1 = smoothing.detach().to(torch.float32).expand(out_shape).reshape(-1).contiguous()
+        else:
+            b1 = torch.full((n,), float(smoothing), dtype=torch.float32, device=hidden.device)
+        # The checks of values on the device: synchronous on the CPU; on CUDA a device flag (bad -> NaN loss, no
+        # gradient) whose summary raises at the next call (checks.py), with bad b clamped meanwhile.
+        b_given = smoothing if torch.is_tensor(smoothing) else None
+        if compiling():  # an operator the compiled graph calls, so the checks run (and can raise) at every call
+            items = num_items_in_batch if torch.is_tensor(num_items_in_batch) else None
+            items_value = None if items is not None or num_items_in_batch is None else float(num_items_in_batch)
+            bad = check_values(targets_given, vocab, ignore_index, items, items_value, valid_count, b_given)
+        else:
+            bad = check_device_values(targets_given, vocab, ignore_index, num_items_in_batch, valid_count, b_given)
+        if bad is not None and torch.is_tensor(smoothing):
+            b1 = b1.nan_to_num(0.0).clamp(0.0, 1.0)
+        denom = None
+        if divide:
+            denom = loss_denominator(num_items_in_batch, valid_count,
+                                     torch.float64 if hidden.dtype == torch.float64 else torch.float32)
 
     one_pass = shard is None and use_train_pass(h2, weight, bias, backend)
     reduce = reduction != "none"
@@ -427,11 +441,6 @@ def linear_cross_entropy(
     training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (h2, weight, bias))
     observed_b = None if torch.is_tensor(label_smoothing) else float(label_smoothing)
 
-    # The divisor of the summed token losses (None: the sum itself, or no reduction).
-    denom = None
-    if reduction == "mean" or (reduction == "sum" and num_items_in_batch is not None):
-        denom = loss_denominator(num_items_in_batch, valid_count,
-                                 torch.float64 if hidden.dtype == torch.float64 else torch.float32)
     with torch.autocast(hidden.device.type, enabled=False):
         if shard is not None:
             from .vocab_parallel import vocab_parallel_token_losses
@@ -455,10 +464,12 @@ def linear_cross_entropy(
             else:
                 loss = loss.reshape(out_shape)
         else:
-            token_weight = None
-            if one_pass:
+            token_weight = prepared_weight
+            if one_pass and token_weight is None:
                 # The weighting the reduction gives each token's loss (the gradients the forward computes).
                 token_weight = valid1.float() if denom is None else valid1.float() / denom
+            elif not one_pass:
+                token_weight = None
             loss, lse, argmax, nll, entropy = _LinearCrossEntropy.apply(h2, weight, bias, t1, b1, token_weight,
                                                                         denom, opts)
             if not reduce:
@@ -469,6 +480,7 @@ def linear_cross_entropy(
         notify_training_call(observed_b)
     out = [loss]
     if return_stats:
+        valid1 = t1 >= 0 if valid1 is None else valid1
         out.append(LCEStats(lse.detach().reshape(out_shape), argmax.reshape(out_shape), nll.reshape(out_shape),
                             entropy.reshape(out_shape), valid1.reshape(out_shape)))
     if return_lse:

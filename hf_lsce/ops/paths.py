@@ -64,6 +64,15 @@ def token_loss_terms(lse, zy, sz, smoothing, valid, vocab_size: int, z_loss: flo
     return torch.where(valid, per, zero), torch.where(valid, lse - zy, zero)
 
 
+def loss_terms(stats, smoothing, targets, vocab_size: int, z_loss: float):
+    """(per-token smoothed loss, nll) of a call: the fused pass computes them in its row kernel (its statistics carry
+    them), every other path from its statistics here (``token_loss_terms``)."""
+    if len(stats) == 7:
+        return stats[5], stats[6]
+    lse, zy, sz = stats[:3]
+    return token_loss_terms(lse, zy, sz, smoothing, targets >= 0, vocab_size, z_loss)
+
+
 def use_train_pass(hidden, weight, bias, backend) -> bool:
     """A training path runs (gradients computed in the forward): Triton backend, gradients needed, and fp32 logits
     obtainable from cuBLAS (see ``train_pass.supported``)."""
