@@ -45,8 +45,12 @@ def main():
 
     lce = sys.modules["hf_lsce.ops.linear_cross_entropy"]
 
+    import hf_lsce.ops.prepare as prep
+
+    timed(prep, "prepare")
+    timed(lce, "check_summary")
     for mod, name in ((lce, "check_device_values"), (lce, "training_options"), (lce, "_validate"),
-                      (lce, "loss_denominator"), (lce, "notify_training_call"), (lce, "token_loss_terms"),
+                      (lce, "loss_denominator"), (lce, "notify_training_call"), (lce, "loss_terms"),
                       (paths, "_fused_gradients"),
                       (fp, "_exp_tiles"), (fp, "_direct_dw"), (fp, "mm_f32")):
         timed(mod, name)
