@@ -161,3 +161,23 @@ def test_auto_policies_on_this_machine():
         linear_cross_entropy(h, w, torch.zeros(4, dtype=torch.long), z_loss=-1.0)
     with pytest.raises(ValueError, match="accum_dtype"):
         linear_cross_entropy(h, w, torch.zeros(4, dtype=torch.long), accum_dtype=torch.float16)
+
+
+def test_auto_reads_free_memory_only_for_large_buffers(monkeypatch):
+    """memory="auto" queries CUDA's free memory (host time every call) only where the fast path's buffers, with the
+    headroom, exceed SMALL_BUFFER_FRACTION of the device: the rule on a pretend 80 GB device."""
+    import hf_lsce.ops.config as cfg
+    import hf_lsce.ops.paths as paths
+
+    monkeypatch.setattr(cfg, "device_memory", lambda device: 80 * 10 ** 9)
+    meta = dict(device="meta", requires_grad=True)  # shapes only
+    w_small, w_big = torch.empty(49152, 576, **meta), torch.empty(256000, 2304, **meta)
+    h_small, h_big = torch.empty(256, 576, **meta), torch.empty(8192, 2304, **meta)
+    # the fused path's R for every row: 256 x 49,152 x 2 bytes (25 MB) is small; Gemma2-2B's 8,192 rows (4.2 GB) not
+    assert paths._small_buffers(h_small, w_small, None, "fused")
+    assert not paths._small_buffers(h_big, w_big, None, "fused")
+    assert not paths._small_buffers(h_big, w_big, None, "one-pass")  # its 2 GiB chunk of fp32 logits
+    limit = paths.SMALL_BUFFER_FRACTION * 80 * 10 ** 9 / cfg.MEMORY_HEADROOM
+    for h, w in ((h_small, w_small), (h_big, w_big)):
+        for path in ("fused", "one-pass"):
+            assert paths._small_buffers(h, w, None, path) == (paths._buffer_bytes(h, w, None, path) <= limit)
