@@ -337,8 +337,9 @@ class _ExactBf16Reduction:
 
 
 @triton.jit
-def _rank_one_rows_kernel(U, H, HS, n, D, stride_h, stride_hs, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Rows n and n + 1 of hs: the hi and lo halves (hs's dtype) of ``-sum_r u_r h_r`` (fp32, rows in order)."""
+def _rank_one_rows_kernel(U, H, HI, LO, n, D, stride_h, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The rows HI and LO (hs's rows n and n + 1): the hi and lo halves, in hs's dtype, of ``-sum_r u_r h_r`` (fp32,
+    rows in order). (Row pointers from the host: an int argument of 1, such as n, is a compile-time constant.)"""
     cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask_d = cols < D
     acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
@@ -349,10 +350,9 @@ def _rank_one_rows_kernel(U, H, HS, n, D, stride_h, stride_hs, BLOCK_R: tl.const
                     other=0.0).to(tl.float32)
         acc += tl.sum(h * tl.load(U + rows, mask=mask_r, other=0.0)[:, None], axis=0)
     acc = -acc
-    hi = acc.to(HS.dtype.element_ty)
-    tl.store(HS + n.to(tl.int64) * stride_hs + cols, hi, mask=mask_d)
-    tl.store(HS + (n + 1).to(tl.int64) * stride_hs + cols, (acc - hi.to(tl.float32)).to(HS.dtype.element_ty),
-             mask=mask_d)
+    hi = acc.to(HI.dtype.element_ty)
+    tl.store(HI + cols, hi, mask=mask_d)
+    tl.store(LO + cols, (acc - hi.to(tl.float32)).to(LO.dtype.element_ty), mask=mask_d)
 
 
 def _direct_dw(r_buf, hs, u_all, hidden, n: int, v: int, weight) -> torch.Tensor:
@@ -361,7 +361,7 @@ def _direct_dw(r_buf, hs, u_all, hidden, n: int, v: int, weight) -> torch.Tensor
     a multiple of 8 was no faster: docs/benchmarks.md, settled experiments: direct_dw.py.)"""
     block_d = 16 if interpreting() else 64
     _rank_one_rows_kernel[(triton.cdiv(hs.shape[1], block_d),)](
-        u_all, hidden, hs, n, hs.shape[1], hidden.stride(0), hs.stride(0), BLOCK_R=8 if interpreting() else 64,
+        u_all, hidden, hs[n], hs[n + 1], n, hs.shape[1], hidden.stride(0), BLOCK_R=8 if interpreting() else 64,
         BLOCK_D=block_d, num_warps=1 if interpreting() else 4)
     r_buf[n:n + 2, :v].fill_(1.0)
     dw = torch.empty(v, hs.shape[1], dtype=weight.dtype, device=hs.device)
