@@ -564,3 +564,47 @@ def test_two_pass_training_path_matches_fp64(monkeypatch, softcap, bias, reducti
     for a, o in zip(two, results["one-pass"]):
         if a is not None:
             assert rel(a, o) < 1e-5
+
+
+def _scalar_casts(source: str):
+    """(kernel, expression) for each ``.to(...)`` applied directly to a kernel's scalar argument (or to arithmetic of
+    scalars and constants) in ``source``: on a GPU Triton makes an int argument equal to 1 a compile-time constant,
+    which has no ``.to()``, so such a kernel fails to compile for that one value (the interpreter does not specialise
+    and cannot show it)."""
+    import ast
+
+    found = []
+    for fn in ast.walk(ast.parse(source)):
+        if not (isinstance(fn, ast.FunctionDef) and fn.name.endswith("_kernel")  # kernels, not their helpers
+                and any("jit" in ast.unparse(d) for d in fn.decorator_list)):
+            continue
+        scalars = {a.arg for a in fn.args.args if a.arg.islower() and not a.arg.endswith("_desc")
+                   and not (a.annotation is not None and "constexpr" in ast.unparse(a.annotation))}
+
+        def only_scalars(node):
+            names = [n.id for n in ast.walk(node) if isinstance(n, ast.Name)]
+            calls = [n for n in ast.walk(node) if isinstance(n, ast.Call)]
+            return names and not calls and all(name in scalars for name in names)
+
+        for node in ast.walk(fn):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "to"
+                    and only_scalars(node.func.value)):
+                found.append((fn.name, ast.unparse(node)))
+    return found
+
+
+def test_no_kernel_casts_a_scalar_argument():
+    """Every Triton kernel of the package: no ``.to()`` on a scalar argument (see ``_scalar_casts``); the check itself
+    finds the cast that broke the direct dW's rank-one kernel for one token on the H100."""
+    from pathlib import Path
+
+    ops = Path(__file__).resolve().parents[1] / "hf_lsce" / "ops"
+    bad = [(f.name, *hit) for f in sorted(ops.glob("*.py")) for hit in _scalar_casts(f.read_text())]
+    assert not bad, bad
+    broken = '''
+@triton.jit
+def _rows_kernel(HS, n, stride_hs, BLOCK: tl.constexpr):
+    tl.store(HS + n.to(tl.int64) * stride_hs, 1.0)
+    tl.store(HS + (n + 1).to(tl.int64) * stride_hs, 1.0)
+'''
+    assert [e for _, e in _scalar_casts(broken)] == ["n.to(tl.int64)", "(n + 1).to(tl.int64)"]
