@@ -106,10 +106,9 @@ _PINNED: list = []
 _PINNED_NEXT = [0]
 
 
-def _pinned(values):
-    """A pinned host buffer of ``values``' shape and dtype for an asynchronous copy (from the ring while it fits)."""
-    if tuple(values.shape) != (SUMMARY_SIZE,) or values.dtype != torch.float64:
-        return torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+def _pinned():
+    """The next pinned host buffer of the ring, for a summary's asynchronous copy (``SUMMARY_SIZE`` fp64 values: what
+    ``_summary`` and ``prepare.prepare`` both write)."""
     with _PINNED_LOCK:
         i = _PINNED_NEXT[0]
         _PINNED_NEXT[0] = (i + 1) % _PINNED_RING
@@ -125,7 +124,7 @@ class _Pending:
         self.context = context
         self.event = None
         if values.is_cuda:
-            self.host = _pinned(values)
+            self.host = _pinned()
             self.host.copy_(values, non_blocking=True)
             self.event = torch.cuda.Event()
             self.event.record()
@@ -176,25 +175,20 @@ def check_device_values(targets, vocab_size: int, ignore_index: int, num_items_i
     if synchronous(targets.device):
         check_now(targets, vocab_size, ignore_index, num_items_in_batch, valid_count, smoothing, name=name)
         return None
-    if not _tracing():  # (no event queries while a CUDA graph is captured)
-        raise_pending_errors(block=False)
     values, bad = _summary(targets, vocab_size, ignore_index, num_items_in_batch, valid_count, smoothing)
-    return check_summary(values, bad, vocab_size, ignore_index, num_items_in_batch, name, earlier_raised=True)
+    return check_summary(values, bad, vocab_size, ignore_index, num_items_in_batch, name)
 
 
-def check_summary(values, bad, vocab_size: int, ignore_index: int, num_items_in_batch, name: str = "targets",
-                  earlier_raised: bool = False):
+def check_summary(values, bad, vocab_size: int, ignore_index: int, num_items_in_batch, name: str = "targets"):
     """The checks' outcome from a summary computed already (``_summary``'s values, or ``prepare.prepare``'s kernel):
-    raise now where checks are synchronous (returns None), else queue the summary and return ``bad`` (asynchronous,
-    as ``check_device_values``). ``earlier_raised``: the earlier calls' pending errors were looked at already."""
+    raise now where checks are synchronous (returns None), else raise an earlier call's error whose summary has
+    reached the host, queue this one and return ``bad`` (asynchronous, as ``check_device_values``)."""
     context = _context(vocab_size, ignore_index, num_items_in_batch, name)
     if synchronous(values.device):
         _raise_from(values.tolist(), *context)
         return None
-    tracing = _tracing()
-    if not tracing and not earlier_raised:
+    if not _tracing():  # (no event queries while a CUDA graph is captured)
         raise_pending_errors(block=False)
-    if not tracing:
         item = _Pending(values, context)
         with _LOCK:
             _PENDING.append(item)

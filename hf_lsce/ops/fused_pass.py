@@ -211,9 +211,8 @@ def _finish_rows_kernel(
 ):
     """Per row: the splits merged (lse = c + log S with the offset R was computed with: ``_effective_offsets``;
     STATS: entropy and argmax), the token's loss and nll (``paths.token_loss_terms``' formula: 0 for an ignored
-    token), and for
-    the gradients (GRAD) a = w / S and u = w b / V, R's target entry made R_ny - (1 - b) S from the fp32 target
-    logit, and (SCALE_H) the rows of a o h in the input dtype for dW."""
+    token), and for the gradients (GRAD) a = w k / S and u = w b / V (k = 1 + 2 z_loss lse), R's target entry made
+    R_ny - (1 - b) S / k from the fp32 target logit, and (SCALE_H) the rows of a o h in the input dtype for dW."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     mask_r = rows < n
     zero = tl.zeros((BLOCK_R,), dtype=tl.float32)

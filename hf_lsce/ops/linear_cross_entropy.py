@@ -464,12 +464,11 @@ def linear_cross_entropy(
             else:
                 loss = loss.reshape(out_shape)
         else:
-            token_weight = prepared_weight
-            if one_pass and token_weight is None:
-                # The weighting the reduction gives each token's loss (the gradients the forward computes).
-                token_weight = valid1.float() if denom is None else valid1.float() / denom
-            elif not one_pass:
-                token_weight = None
+            token_weight = None
+            if one_pass:  # the weighting the reduction gives each token's loss (the gradients the forward computes)
+                token_weight = prepared_weight
+                if token_weight is None:
+                    token_weight = valid1.float() if denom is None else valid1.float() / denom
             loss, lse, argmax, nll, entropy = _LinearCrossEntropy.apply(h2, weight, bias, t1, b1, token_weight,
                                                                         denom, opts)
             if not reduce:

@@ -45,15 +45,12 @@ def _prepare_kernel(
         bad = m & ~(good | ignored)
         n_bad += bad.to(tl.float32)
         first = tl.minimum(first, tl.where(bad, offs.to(tl.int64), 2 ** 62))
-        counts = m & good
-        if SHIFT:  # the first position of each sequence predicts nothing
-            counts = counts & (offs % seq != 0)
-        n_valid += counts.to(tl.float32)
-        if B_TENSOR:  # the values a token uses (with SHIFT, not those of each sequence's first position)
+        used = m
+        if SHIFT:  # the first position of each sequence predicts nothing (its target and smoothing go unused)
+            used = used & (offs % seq != 0)
+        n_valid += (used & good).to(tl.float32)
+        if B_TENSOR:
             b = tl.load(B + offs, mask=m, other=0.0).to(tl.float32)
-            used = m
-            if SHIFT:
-                used = used & (offs % seq != 0)
             b_bad += (used & ~((b >= 0.0) & (b <= 1.0))).to(tl.float32)
     bad_count = tl.sum(n_bad, axis=0)
     first_at = tl.min(first, axis=0)
