@@ -14,4 +14,5 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-}
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export HF_LSCE_CACHE=/tmp/hf_lsce_cache                        # converted checkpoints, kept while warm
 [ -d .gpu/data/shared ] && export HF_LSCE_SHARED_DATA=$PWD/.gpu/data/shared HF_LSCE_ALPACA=$PWD/.gpu/data/shared/alpaca/alpaca_en_demo.json
-[ -d .gpu/data/hf_datasets ] && export HF_LSCE_HUB_DATA=$PWD/.gpu/data/hf_datasets
+if [ -d .gpu/data/hf_datasets ]; then export HF_LSCE_HUB_DATA=$PWD/.gpu/data/hf_datasets; fi
+true  # sourcing succeeds without staged data, so `source gpu_env.sh && ...` runs
