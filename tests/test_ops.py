@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_lsce import linear_cross_entropy
-from hf_lsce.ops.config import backward_config
+from hf_lsce.ops.config import grad_logits_config
 from hf_lsce.ops.reference import torch_forward
 
 N, D, V = 37, 48, 203  # ragged on purpose
@@ -278,7 +278,7 @@ def test_dense_backward_in_several_chunks(softcap):
     lse = torch_forward(h32, w32, b32, t, softcap)[0].float()
     grad = (t >= 0).float()
     dh, dw, db = triton_backward_dense(h32, w32, b32, t, lse, grad, torch.full((N,), 0.1), softcap,
-                                       backward_config(torch.float32, h32.device), chunk_bytes=5 * V * 4)
+                                       grad_logits_config(torch.float32, h32.device), chunk_bytes=5 * V * 4)
     assert rel(dh, ref[1]) < 1e-5 and rel(dw, ref[2]) < 1e-5 and rel(db, ref[3]) < 1e-5
 
 

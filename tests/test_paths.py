@@ -77,13 +77,12 @@ def test_differentiable_lse_output(backend):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", ["plain", "smoothing+bias", "softcap+z_loss"])
 def test_low_memory_mode_equals_the_default_path(dtype, case, monkeypatch):
-    """memory='low' (vocabulary chunks, fp32 dh accumulator) against the default one-pass path and fp64."""
+    """memory='low' (the two-pass computation in vocabulary chunks, fp32 dh accumulator) against the default
+    one-pass path and fp64."""
     from hf_lsce.ops import config
 
+    monkeypatch.setattr(config, "LOW_MEMORY_BYTES", 0)
     monkeypatch.setattr(config, "LOW_MEMORY_CHUNK_BYTES", 37 * 4 * 60)  # several vocabulary chunks here
-    import hf_lsce.ops.train_pass as tp
-
-    monkeypatch.setattr(tp, "LOW_MEMORY_CHUNK_BYTES", 37 * 4 * 60)
     g = torch.Generator().manual_seed(7)
     n, d, v = 37, 20, 333
     h, w = torch.randn(n, d, generator=g) * 2, torch.randn(v, d, generator=g) / 4
@@ -114,10 +113,11 @@ def test_low_memory_mode_allocates_no_chunk_of_rows_by_vocabulary(monkeypatch):
     """The largest tensor the low-memory path creates (in bytes) is the weight's gradient, the fp32 dh accumulator
     or a vocabulary chunk, never an N x V buffer (the fast path's chunk of rows is N x V here). Bytes, because
     Triton's interpreter copies each kernel argument's storage as bytes."""
-    import hf_lsce.ops.train_pass as tp
+    from hf_lsce.ops import config
     from tiny_models import largest_tensor_mode
 
-    monkeypatch.setattr(tp, "LOW_MEMORY_CHUNK_BYTES", 64 * 4 * 100)
+    monkeypatch.setattr(config, "LOW_MEMORY_BYTES", 0)
+    monkeypatch.setattr(config, "LOW_MEMORY_CHUNK_BYTES", 64 * 4 * 100)
 
     n, d, v = 64, 16, 2000
     g = torch.Generator().manual_seed(8)

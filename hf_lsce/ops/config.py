@@ -95,20 +95,18 @@ def _has_tensor_descriptors() -> bool:
     return (major, minor) >= (3, 4)
 
 
-def backward_config(dtype: torch.dtype, device: torch.device) -> KernelConfig:
+def grad_logits_config(dtype: torch.dtype, device: torch.device) -> KernelConfig:
+    """The kernels writing G = dL/dz (``backward._lce_grad_logits*``): the forward's TMA loop and grid where the
+    forward has one (its logits, one more epilogue), else the pointer kernel (autotuned in half precision)."""
+    config = forward_config(dtype, device)
+    if config.tma:
+        return config
     prec = "ieee" if dtype == torch.float32 else "tf32"
     if interpreting():
         return KernelConfig(16, 32, 16, 1, 1, prec, 1, upcast_dot=dtype == torch.bfloat16)
     if dtype == torch.float32:
         return KernelConfig(64, 64, 32, 4, 3, prec, 1)
     return KernelConfig(128, 128, 64, 8, 3, prec, 1, autotune=True)
-
-
-def grad_logits_config(dtype: torch.dtype, device: torch.device) -> KernelConfig:
-    """The kernel writing G = dL/dz (``backward._lce_grad_logits*``): the forward's TMA loop and grid where the
-    forward has one (its logits, one more epilogue), else the autotuned pointer kernel."""
-    config = forward_config(dtype, device)
-    return config if config.tma else backward_config(dtype, device)
 
 
 # The training path by hidden size: up to this D the fused path (bf16 with the TMA kernel; fused_pass.py) or else the
@@ -133,10 +131,17 @@ GRAD_CHUNK_BYTES = 1 << 30
 # mean fewer passes over dW (read and written once per chunk): measured on an H100 at the Gemma2-2B
 # shape, fwd+bwd took 62.4 / 53.6 / 49.9 / 50.5 ms with 0.5 / 1 / 2 / 4 GiB chunks.
 TRAIN_CHUNK_BYTES = 2 << 30
-# The low-memory training path (memory="low"): one chunk of fp32 logits over vocabulary columns. With the fp32
-# dh accumulator (4 N D bytes) it keeps the extra memory near 1% of what a materialising torch.compile loss
-# takes (113 MB at N = 8192, D = 2304, V = 256,000: 75 MB accumulator + 32 MB chunk).
+# The low-memory mode (memory="low"): its extra memory is the fp32 dh accumulator (4 N D bytes) and one chunk of G (the
+# input dtype) over vocabulary columns, which takes what LOW_MEMORY_BYTES leaves beside the accumulator, and at least
+# LOW_MEMORY_CHUNK_BYTES. Small chunks are many launches: at N = 8192 (H100, Gemma-3-270m head, trainable) 32 MiB chunks
+# took 42.4 ms, host-bound (128 chunks; 20.7 ms of kernels), 64 MiB 19.7 ms and 128 MiB 18.7 ms (docs/benchmarks.md).
+LOW_MEMORY_BYTES = 180 << 20
 LOW_MEMORY_CHUNK_BYTES = 32 << 20
+
+
+def low_memory_chunk_bytes(n: int, d: int) -> int:
+    """Bytes of G's vocabulary chunk in the low-memory mode for N rows of hidden size D."""
+    return max(LOW_MEMORY_CHUNK_BYTES, LOW_MEMORY_BYTES - 4 * n * d)
 
 
 def tuning_configs(shapes) -> list:

@@ -91,25 +91,17 @@ def _finish_logits(acc, B, offs_v, mask_v, softcap, HAS_BIAS: tl.constexpr, SOFT
 
 
 @triton.jit
-def _tile_sums(z, v0, offs_v, mask_v, y, m, sz, zy, am, STATS: tl.constexpr):
-    """The parts of a tile's fold that need no exponential: the target logit and the sum of logits added, the new
-    running max and (STATS) argmax; returns (z_valid, z_m (-inf past the columns), new_m, sz, zy, am)."""
+def _fold_tile(z, v0, offs_v, mask_v, y, m, s, t_acc, sz, zy, am, STATS: tl.constexpr):
+    """Fold one fp32 logit tile (columns ``offs_v``, valid where ``mask_v``) into the per-row online
+    softmax state; returns the new (m, s, t_acc, sz, zy, am)."""
     z_valid = tl.where(mask_v[None, :], z, 0.0)
     zy += tl.sum(tl.where(offs_v[None, :] == y[:, None], z_valid, 0.0), axis=1)
     sz += tl.sum(z_valid, axis=1)
     z_m = tl.where(mask_v[None, :], z, float("-inf"))
     tile_max = tl.max(z_m, axis=1)
     if STATS:
-        tile_arg = tl.argmax(z_m, axis=1).to(tl.int32) + v0
-        am = tl.where(tile_max > m, tile_arg, am)
-    return z_valid, z_m, tl.maximum(m, tile_max), sz, zy, am
-
-
-@triton.jit
-def _fold_tile(z, v0, offs_v, mask_v, y, m, s, t_acc, sz, zy, am, STATS: tl.constexpr):
-    """Fold one fp32 logit tile (columns ``offs_v``, valid where ``mask_v``) into the per-row online
-    softmax state; returns the new (m, s, t_acc, sz, zy, am)."""
-    z_valid, z_m, new_m, sz, zy, am = _tile_sums(z, v0, offs_v, mask_v, y, m, sz, zy, am, STATS)
+        am = tl.where(tile_max > m, tl.argmax(z_m, axis=1).to(tl.int32) + v0, am)
+    new_m = tl.maximum(m, tile_max)
     # exp(z - m) as exp2(z log2(e) - m log2(e)): one fused multiply-add per element before exp2.
     alpha = tl.math.exp2((m - new_m) * 1.4426950408889634)
     e = tl.math.exp2(z_m * 1.4426950408889634 - (new_m * 1.4426950408889634)[:, None])

@@ -193,11 +193,17 @@ def _offsets_kernel(H, W, COLSUM, BIAS, BSUM, Y, C, SZ, ZY, n, V, D, stride_h, s
 
 @triton.jit
 def _effective_offsets(M, c, rows, mask_r, n, splits, r_exp_max, BLOCK_R: tl.constexpr):
-    """(the offsets R was finally computed with, the flagged rows): a row's max over the splits more than
-    ``r_exp_max`` above its offset ``c`` is flagged and takes its max as the offset (the fix-up launch's)."""
+    """(the offsets R was finally computed with, the flagged rows) from the splits' row maxima (``_offset_rule``)."""
     m = tl.full((BLOCK_R,), float("-inf"), dtype=tl.float32)
     for k in range(0, splits):
         m = tl.maximum(m, tl.load(M + k * n + rows, mask=mask_r, other=float("-inf")))
+    return _offset_rule(m, c, mask_r, r_exp_max)
+
+
+@triton.jit
+def _offset_rule(m, c, mask_r, r_exp_max):
+    """A row whose max ``m`` is more than ``r_exp_max`` above its offset ``c`` is flagged and takes its max as the
+    offset (the fix-up launch's); returns (offsets, flagged)."""
     flagged = mask_r & (m - c > r_exp_max)
     return tl.where(flagged, m, c), flagged
 
@@ -209,7 +215,7 @@ def _finish_rows_kernel(
     n, splits, D, stride_h, stride_r, stride_hs, inv_v, r_exp_max, z_loss,
     STATS: tl.constexpr, GRAD: tl.constexpr, SCALE_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Per row: the splits merged (lse = c + log S with the offset R was computed with: ``_effective_offsets``;
+    """Per row: the splits merged (lse = c + log S with the offset R was computed with: ``_offset_rule``;
     STATS: entropy and argmax), the token's loss and nll (``paths.token_loss_terms``' formula: 0 for an ignored
     token), and for the gradients (GRAD) a = w k / S and u = w b / V (k = 1 + 2 z_loss lse), R's target entry made
     R_ny - (1 - b) S / k from the fp32 target logit, and (SCALE_H) the rows of a o h in the input dtype for dW."""
@@ -222,13 +228,12 @@ def _finish_rows_kernel(
     for k in range(0, splits):
         at = k * n + rows
         s += tl.load(S + at, mask=mask_r, other=1.0)
+        mk = tl.load(M + at, mask=mask_r, other=float("-inf"))
         if STATS:
             t_acc += tl.load(T + at, mask=mask_r, other=0.0)
-            mk = tl.load(M + at, mask=mask_r, other=float("-inf"))
             am = tl.where(mk > m, tl.load(AM + at, mask=mask_r, other=0), am)  # first split holding the max
-            m = tl.maximum(m, mk)
-    c, _flagged = _effective_offsets(M, tl.load(C + rows, mask=mask_r, other=0.0), rows, mask_r, n, splits, r_exp_max,
-                                     BLOCK_R)
+        m = tl.maximum(m, mk)
+    c, _flagged = _offset_rule(m, tl.load(C + rows, mask=mask_r, other=0.0), mask_r, r_exp_max)
     log_s = tl.log(s)
     lse = c + log_s
     tl.store(LSE_OUT + rows, lse, mask=mask_r)

@@ -352,9 +352,9 @@ def linear_cross_entropy(
         memory: ``"fast"`` (the fastest training path's buffers: the fused path's bf16 ``exp(z - c)`` for every
             row where that costs at most 1 GiB more than 1 GiB chunks and dW's fp32 accumulator (4.2 GB at the
             Gemma2-2B shape, N = 8192), else those chunks; the one-pass path's chunk of up to 2 GiB of fp32 logits),
-            ``"low"`` (the statistics first, then vocabulary chunks of 32 MiB with an fp32 dh accumulator: about
-            ``4 N D`` bytes plus 32 MiB of extra memory, 1% of a materialising torch.compile loss at the Gemma2-2B
-            shape, at the cost of one more logits matmul), ``"auto"``: as ``"fast"``, with the fused path's
+            ``"low"`` (the statistics first, then vocabulary chunks with an fp32 dh accumulator: a budget of
+            180 MiB of extra memory, ``4 N D`` bytes plus a chunk of at least 32 MiB, 2% of a materialising
+            torch.compile loss at the Gemma2-2B shape, at the cost of one more logits matmul), ``"auto"``: as ``"fast"``, with the fused path's
             every-row buffer only where 1.25 x it fits CUDA's free memory, and ``"low"`` when the free memory cannot
             hold the fast path's buffers.
         accum_dtype: dtype of dW's accumulation across the training path's row chunks (``torch.float32``: an

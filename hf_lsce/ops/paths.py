@@ -6,9 +6,9 @@ that neither imports the other for them. Every path is exact:
 * fused (``fused_pass.py``): one logits pass whose kernel stores ``exp(z - c)`` in bf16, the gradients from it by
   cuBLAS; bf16 on a GPU with TMA, no soft-cap (z-loss included);
 * two-pass (``backward.triton_gradients_by_columns``): the forward kernel's lse, then the logits recomputed on chip
-  and G written a chunk of vocabulary columns at a time; also ``memory="low"`` with small chunks;
+  and G written a chunk of vocabulary columns at a time; also ``memory="low"``, with small chunks, on every device;
 * one-pass (``train_pass.py``): fp32 logits from cuBLAS a chunk of rows at a time, read twice; every other case
-  (soft-cap and fp16 above D = 1,024, the interpreter's CPU runs), and the low-memory mode without TMA.
+  (soft-cap and fp16 above D = 1,024, the interpreter's CPU runs).
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ class Options:
     memory: str = "fast"
     accum_dtype: torch.dtype | None = None
     need_stats: bool = False
-    # training: "one-pass" (train_pass), "two-pass" (two_pass_gradients) or "fused" (fused_pass)
+    # training: "one-pass" (train_pass), "two-pass" (two_pass_gradients; memory="low" too) or "fused" (fused_pass)
     path: str = "one-pass"
     reduce: bool = False  # the first output is the reduced loss (sum / denom), not per-token losses
     free_bytes: int | None = None  # CUDA's free memory when memory="auto" resolved (the fused path's layout)
@@ -127,8 +127,8 @@ def free_cuda_memory(device) -> int:
 def training_options(hidden, weight, softcap, backend, z_loss, memory, accum_dtype, one_pass, need_stats=False,
                      reduce=False) -> Options:
     """How a call runs, from the validated arguments: for training, the fused, two-pass or one-pass path, and the
-    memory mode (``"auto"`` resolved against CUDA's free memory; the one-pass name also where the low-memory mode
-    runs instead). The free memory is read (once) only where the path's buffers exceed ``SMALL_BUFFER_FRACTION`` of
+    memory mode (``"auto"`` resolved against CUDA's free memory; ``"low"`` runs the two-pass path's computation).
+    The free memory is read (once) only where the path's buffers exceed ``SMALL_BUFFER_FRACTION`` of
     the device's memory: the query costs host time every call, and a small model's step pays it (host_overhead.py)."""
     free = None
     path = _train_path(hidden, weight, softcap, z_loss, accum_dtype) if one_pass else "one-pass"
@@ -138,7 +138,7 @@ def training_options(hidden, weight, softcap, backend, z_loss, memory, accum_dty
         path = _train_path(hidden, weight, softcap, z_loss, accum_dtype, free)
     mem = _resolve_memory(memory, one_pass, hidden, weight, accum_dtype, path, free)
     return Options(softcap=softcap, backend=backend, z_loss=float(z_loss), memory=mem, accum_dtype=accum_dtype,
-                   need_stats=need_stats, path=path if mem == "fast" else "one-pass", reduce=reduce, free_bytes=free)
+                   need_stats=need_stats, path=path if mem == "fast" else "two-pass", reduce=reduce, free_bytes=free)
 
 
 # memory="auto" reads CUDA's free memory only where the fast path's buffers (times the headroom) exceed this fraction
@@ -184,13 +184,9 @@ def _resolve_memory(memory, one_pass, hidden, weight, accum_dtype, path="one-pas
 def statistics_and_gradients(hidden, weight, bias, targets, smoothing, token_weight, opts, need_dh, need_dw,
                              need_db):
     """The training paths' forward: (statistics, (dh, dw, db) of ``sum_n token_weight_n loss_n``) by the path
-    ``opts`` names (low-memory, fused, two-pass, or the one-pass ``train_pass``)."""
+    ``opts`` names (fused, two-pass, or the one-pass ``train_pass``)."""
     if opts.path == "fused":
         return _fused_gradients(hidden, weight, bias, targets, smoothing, token_weight, opts, need_dh, need_dw, need_db)
-    if opts.memory == "low":
-        stats = forward_stats(hidden, weight, bias, targets, opts.softcap, opts.backend, stats=True)
-        return stats, _low_memory_gradients(hidden, weight, bias, targets, smoothing, token_weight, stats, opts,
-                                            need_dh, need_dw, need_db)
     if opts.path == "two-pass":
         stats = forward_stats(hidden, weight, bias, targets, opts.softcap, opts.backend, stats=opts.need_stats)
         return stats, two_pass_gradients(hidden, weight, bias, targets, smoothing, token_weight, stats[0], opts,
@@ -212,9 +208,6 @@ def recompute_kept(hidden, weight, bias, targets, smoothing, token_weight, lse, 
     if opts.path == "two-pass":
         return two_pass_gradients(hidden, weight, bias, targets, smoothing, token_weight, lse, opts, need_dh, need_dw,
                                   need_db)
-    if opts.memory == "low":
-        return _low_memory_gradients(hidden, weight, bias, targets, smoothing, token_weight, (lse,), opts, need_dh,
-                                     need_dw, need_db)
     return statistics_and_gradients(hidden, weight, bias, targets, smoothing, token_weight, opts, need_dh, need_dw,
                                     need_db)[1]
 
@@ -253,33 +246,19 @@ def _fused_gradients(hidden, weight, bias, targets, smoothing, token_weight, opt
     return stats, (dh, dw, db)
 
 
-def two_pass_gradients(hidden, weight, bias, targets, smoothing, token_weight, lse, opts, need_dh, need_dw, need_db,
-                       chunk_bytes=None):
+def two_pass_gradients(hidden, weight, bias, targets, smoothing, token_weight, lse, opts, need_dh, need_dw, need_db):
     """The two-pass training path's gradients of ``sum_n token_weight_n loss_n``, given the forward kernel's lse:
     the logits recomputed tile by tile on chip, G = dL/dz written in the input dtype a chunk of vocabulary columns
-    at a time (``chunk_bytes``, default 1 GiB), dW (one rounding) and dh (fp32 accumulator) from cuBLAS
-    (``backward.triton_gradients_by_columns``). One more logits matmul than the one-pass path, but no fp32 logits in
-    memory: where D is small the fp32 traffic, not the matmuls, sets the one-pass path's time."""
+    at a time (1 GiB; ``memory="low"``: ``config.low_memory_chunk_bytes``), dW (one rounding) and dh (fp32
+    accumulator) from cuBLAS (``backward.triton_gradients_by_columns``). One more logits matmul than the one-pass
+    path, but no fp32 logits in memory: where D is small the fp32 traffic, not the matmuls, sets the one-pass path's
+    time."""
     from .backward import triton_gradients_by_columns
-    from .config import grad_logits_config
+    from .config import grad_logits_config, low_memory_chunk_bytes
 
     extra = token_weight * (2.0 * opts.z_loss) * lse if opts.z_loss else None
     return triton_gradients_by_columns(hidden, weight, bias, targets, lse, token_weight, smoothing, opts.softcap,
                                        grad_logits_config(hidden.dtype, hidden.device), need_dh=need_dh,
-                                       need_dw=need_dw, need_db=need_db, chunk_bytes=chunk_bytes, extra=extra)
-
-
-def _low_memory_gradients(hidden, weight, bias, targets, smoothing, token_weight, stats, opts, need_dh, need_dw,
-                          need_db):
-    """``memory="low"``: vocabulary-column chunks of ``LOW_MEMORY_CHUNK_BYTES``. Where the TMA G kernel runs, the
-    two-pass path's computation with small chunks (logits recomputed on chip, no fp32 logits); elsewhere the
-    cuBLAS fp32-logits chunks of ``train_pass.triton_train_pass_low_memory``."""
-    from .config import LOW_MEMORY_CHUNK_BYTES, grad_logits_config
-    from .forward import tma_ready
-    from .train_pass import triton_train_pass_low_memory
-
-    if tma_ready(grad_logits_config(hidden.dtype, hidden.device), hidden, weight):
-        return two_pass_gradients(hidden, weight, bias, targets, smoothing, token_weight, stats[0], opts, need_dh,
-                                  need_dw, need_db, chunk_bytes=LOW_MEMORY_CHUNK_BYTES)
-    return triton_train_pass_low_memory(hidden, weight, bias, targets, smoothing, token_weight, opts.softcap, stats,
-                                        need_dh=need_dh, need_dw=need_dw, need_db=need_db, z_loss=opts.z_loss)
+                                       need_dw=need_dw, need_db=need_db, extra=extra,
+                                       chunk_bytes=low_memory_chunk_bytes(*hidden.shape) if opts.memory == "low"
+                                       else None)

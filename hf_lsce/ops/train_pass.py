@@ -20,11 +20,6 @@ with N):
 
 The autograd function keeps dh and dW until backward, which only scales them by the upstream
 gradient (a no-op for the usual 1). The statistics are those of the forward kernel.
-
-``triton_train_pass_low_memory`` gives the same gradients with about ``4 N D`` bytes of extra memory plus a
-small chunk (``LOW_MEMORY_CHUNK_BYTES``): the statistics from the fused forward kernel first, then chunks of
-*vocabulary* columns, each giving its rows of dW completely (written once, one rounding) and adding its part
-of dh into an fp32 accumulator.
 """
 from __future__ import annotations
 
@@ -32,8 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .backward import add_chunk_gradients, add_column_chunk_gradients
-from .config import LOW_MEMORY_CHUNK_BYTES, TRAIN_CHUNK_BYTES, interpreting
+from .backward import add_chunk_gradients
+from .config import TRAIN_CHUNK_BYTES, interpreting
 from .forward import _tanh
 from .matmul import addmm_f32, mm_f32
 
@@ -132,35 +127,6 @@ def _lce_rows_kernel(
             tl.store(g_row + offs, (g * scale).to(G.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _lce_grad_rows_kernel(
-    Z, BIAS, Y, SMOOTH, SCALE, LSE, G,
-    V_CHUNK, v0, stride_z, stride_g, softcap, inv_v, z_loss,
-    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ZLOSS: tl.constexpr, BLOCK: tl.constexpr,
-):
-    """G over columns [v0, v0 + V_CHUNK) of one row, from its logits there and its known lse (in place, as
-    ``_lce_rows_kernel``'s second read): the low-memory path's vocabulary chunks."""
-    row = tl.program_id(0)
-    y = tl.load(Y + row) - v0
-    lse = tl.load(LSE + row)
-    b = tl.load(SMOOTH + row)
-    scale = tl.load(SCALE + row)
-    p_mult = 1.0
-    if HAS_ZLOSS:
-        p_mult = 1.0 + 2.0 * z_loss * lse
-    z_row = Z + row.to(tl.int64) * stride_z
-    g_row = G + row.to(tl.int64) * stride_g
-    for c0 in range(0, V_CHUNK, BLOCK):
-        offs = c0 + tl.arange(0, BLOCK)
-        mask = offs < V_CHUNK
-        z = tl.load(z_row + offs, mask=mask, other=0.0)
-        tl.debug_barrier()
-        if HAS_BIAS:
-            z += tl.load(BIAS + v0 + offs, mask=mask, other=0.0).to(tl.float32)
-        g = _logit_grad(z, offs == y, lse, p_mult, b * inv_v, b, softcap, SOFTCAP)
-        tl.store(g_row + offs, (g * scale).to(G.dtype.element_ty), mask=mask)
-
-
 def supported(hidden: torch.Tensor) -> bool:
     """Whether this pass can run: fp32 logits from half inputs need ``torch.mm(..., out_dtype=)``
     on CUDA (torch >= 2.9); the interpreter (CPU) upcasts instead."""
@@ -239,41 +205,6 @@ def triton_train_pass(hidden, weight, bias, targets, smoothing, scale, softcap,
     if dw is not None and dw.dtype != weight.dtype:
         dw = dw.to(weight.dtype)
     return (lse, zy, sz, am.long(), ent), dh, dw, db
-
-
-def triton_train_pass_low_memory(hidden, weight, bias, targets, smoothing, scale, softcap, stats,
-                                 need_dh=True, need_dw=True, need_db=True, chunk_bytes: int | None = None,
-                                 z_loss: float = 0.0):
-    """The gradients of ``triton_train_pass`` with little extra memory, given the statistics ``stats`` =
-    (lse, ...) from the forward kernel: chunks of vocabulary columns of ``chunk_bytes`` fp32 logits each give
-    their rows of dW whole (one rounding) and add their part of dh into an fp32 accumulator (``4 N D`` bytes).
-    Returns ``dh, dw, db``."""
-    n, d = hidden.shape
-    v = weight.shape[0]
-    dev = hidden.device
-    lse = stats[0]
-    bias = bias.contiguous() if bias is not None else None
-    cols = max(1, min(v, (chunk_bytes or LOW_MEMORY_CHUNK_BYTES) // (max(n, 1) * 4)))
-    buf = torch.empty(n, cols, dtype=torch.float32, device=dev)
-    dh_acc = torch.empty(n, d, dtype=torch.float32, device=dev) if need_dh else None
-    dw = torch.empty(v, d, dtype=weight.dtype, device=dev) if need_dw else None
-    db = torch.empty(v, dtype=torch.float32, device=dev) if need_db else None
-    block = 64 if interpreting() else min(4096, triton.next_power_of_2(cols))
-    warps = 1 if interpreting() else 4
-    for c0 in range(0, v, cols):
-        c1 = min(v, c0 + cols)
-        w_c = weight[c0:c1]
-        z = buf[:, : c1 - c0]
-        mm_f32(hidden, w_c.T, z)
-        g = buf.view(hidden.dtype)[:, : c1 - c0] if hidden.dtype != torch.float32 else z
-        _lce_grad_rows_kernel[(n,)](
-            z, bias if bias is not None else z, targets, smoothing, scale, lse, g,
-            c1 - c0, c0, z.stride(0), g.stride(0), float(softcap) if softcap is not None else 1.0, 1.0 / v,
-            float(z_loss), HAS_BIAS=bias is not None, SOFTCAP=softcap is not None, HAS_ZLOSS=z_loss != 0,
-            BLOCK=block, num_warps=warps)
-        add_column_chunk_gradients(g, hidden, w_c, dh_acc, dw[c0:c1] if need_dw else None,
-                                   db[c0:c1] if need_db else None, first=c0 == 0)
-    return (dh_acc.to(hidden.dtype) if need_dh else None), dw, db
 
 
 @triton.jit
