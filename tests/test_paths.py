@@ -130,6 +130,31 @@ def test_low_memory_mode_allocates_no_chunk_of_rows_by_vocabulary(monkeypatch):
     assert mode.nbytes < 4 * n * v
 
 
+def test_low_memory_chunk_takes_the_budget_beside_the_accumulator(monkeypatch):
+    """memory='low' sizes G's vocabulary chunk by what LOW_MEMORY_BYTES leaves beside the fp32 dh accumulator (at least
+    LOW_MEMORY_CHUNK_BYTES), and by CUDA's free memory where memory='auto' measured it: the largest buffer the call
+    creates is that chunk (the weight's gradient is smaller here), and the gradients stay exact."""
+    from hf_lsce.ops import config
+    from tiny_models import largest_tensor_mode
+
+    n, d, v = 64, 4, 2000
+    acc = 4 * n * d
+    monkeypatch.setattr(config, "LOW_MEMORY_CHUNK_BYTES", 4 * n * 50)
+    monkeypatch.setattr(config, "LOW_MEMORY_BYTES", acc + 4 * n * 300)  # room for 300 fp32 columns
+    assert config.low_memory_chunk_bytes(n, d) == 4 * n * 300
+    assert config.low_memory_chunk_bytes(n, d, free_bytes=int(1.25 * (acc + 4 * n * 120))) == 4 * n * 120
+    assert config.low_memory_chunk_bytes(n, d, free_bytes=acc) == 4 * n * 50  # never below the minimum
+    g = torch.Generator().manual_seed(10)
+    h = torch.randn(n, d, generator=g).requires_grad_()
+    w = (torch.randn(v, d, generator=g) / 2).requires_grad_()
+    y = torch.randint(0, v, (n,), generator=g)
+    with largest_tensor_mode() as mode:
+        linear_cross_entropy(h, w, y, label_smoothing=0.1, backend="triton", memory="low").backward()
+    assert mode.nbytes == 4 * n * 300, mode.nbytes
+    ref = _ref(h.detach(), w.detach(), y, b=0.1)
+    assert rel(h.grad, ref[1]) < 1e-5 and rel(w.grad, ref[2]) < 1e-5
+
+
 def test_fp32_accumulation_of_dw_across_chunks(monkeypatch):
     """accum_dtype=float32: bf16 dW accumulated in fp32 over many row chunks is closer to fp64 than one bf16
     rounding per chunk."""

@@ -139,9 +139,11 @@ LOW_MEMORY_BYTES = 180 << 20
 LOW_MEMORY_CHUNK_BYTES = 32 << 20
 
 
-def low_memory_chunk_bytes(n: int, d: int) -> int:
-    """Bytes of G's vocabulary chunk in the low-memory mode for N rows of hidden size D."""
-    return max(LOW_MEMORY_CHUNK_BYTES, LOW_MEMORY_BYTES - 4 * n * d)
+def low_memory_chunk_bytes(n: int, d: int, free_bytes: int | None = None) -> int:
+    """Bytes of G's vocabulary chunk in the low-memory mode for N rows of hidden size D; ``free_bytes`` (CUDA's free
+    memory, where memory="auto" chose this mode because it was short) lowers the budget to what it holds."""
+    budget = LOW_MEMORY_BYTES if free_bytes is None else min(LOW_MEMORY_BYTES, int(free_bytes / MEMORY_HEADROOM))
+    return max(LOW_MEMORY_CHUNK_BYTES, budget - 4 * n * d)
 
 
 def tuning_configs(shapes) -> list:

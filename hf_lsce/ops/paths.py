@@ -32,7 +32,7 @@ class Options:
     # training: "one-pass" (train_pass), "two-pass" (two_pass_gradients; memory="low" too) or "fused" (fused_pass)
     path: str = "one-pass"
     reduce: bool = False  # the first output is the reduced loss (sum / denom), not per-token losses
-    free_bytes: int | None = None  # CUDA's free memory when memory="auto" resolved (the fused path's layout)
+    free_bytes: int | None = None  # CUDA's free memory when memory="auto" resolved (fused layout, low chunk)
 
 
 MEMORY_MODES = ("auto", "fast", "low")
@@ -260,5 +260,5 @@ def two_pass_gradients(hidden, weight, bias, targets, smoothing, token_weight, l
     return triton_gradients_by_columns(hidden, weight, bias, targets, lse, token_weight, smoothing, opts.softcap,
                                        grad_logits_config(hidden.dtype, hidden.device), need_dh=need_dh,
                                        need_dw=need_dw, need_db=need_db, extra=extra,
-                                       chunk_bytes=low_memory_chunk_bytes(*hidden.shape) if opts.memory == "low"
-                                       else None)
+                                       chunk_bytes=low_memory_chunk_bytes(*hidden.shape, opts.free_bytes)
+                                       if opts.memory == "low" else None)
