@@ -354,9 +354,10 @@ def linear_cross_entropy(
             Gemma2-2B shape, N = 8192), else those chunks; the one-pass path's chunk of up to 2 GiB of fp32 logits),
             ``"low"`` (the statistics first, then vocabulary chunks with an fp32 dh accumulator: a budget of
             180 MiB of extra memory, ``4 N D`` bytes plus a chunk of at least 32 MiB, 2% of a materialising
-            torch.compile loss at the Gemma2-2B shape, at the cost of one more logits matmul), ``"auto"``: as ``"fast"``, with the fused path's
-            every-row buffer only where 1.25 x it fits CUDA's free memory, and ``"low"`` when the free memory cannot
-            hold the fast path's buffers.
+            torch.compile loss at the Gemma2-2B shape, at the cost of one more logits matmul), ``"auto"``: as
+            ``"fast"``, with the fused path's every-row buffer only where 1.25 x it fits CUDA's free memory, and
+            ``"low"`` when the free memory cannot hold the fast path's buffers (its budget then what that memory
+            holds).
         accum_dtype: dtype of dW's accumulation across the training path's row chunks (``torch.float32``: an
             fp32 buffer of V x D, cast once at the end; default: the weight's dtype, one rounding per chunk).
 
