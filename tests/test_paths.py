@@ -133,15 +133,16 @@ def test_low_memory_mode_allocates_no_chunk_of_rows_by_vocabulary(monkeypatch):
 def test_low_memory_chunk_takes_the_budget_beside_the_accumulator(monkeypatch):
     """memory='low' sizes G's vocabulary chunk by what LOW_MEMORY_BYTES leaves beside the fp32 dh accumulator (at least
     LOW_MEMORY_CHUNK_BYTES), and by CUDA's free memory where memory='auto' measured it: the largest buffer the call
-    creates is that chunk (the weight's gradient is smaller here), and the gradients stay exact."""
+    creates is that chunk (the weight's gradient is smaller here; 256 columns, a power of two as the pointer kernel
+    takes), and the gradients stay exact."""
     from hf_lsce.ops import config
     from tiny_models import largest_tensor_mode
 
     n, d, v = 64, 4, 2000
     acc = 4 * n * d
     monkeypatch.setattr(config, "LOW_MEMORY_CHUNK_BYTES", 4 * n * 50)
-    monkeypatch.setattr(config, "LOW_MEMORY_BYTES", acc + 4 * n * 300)  # room for 300 fp32 columns
-    assert config.low_memory_chunk_bytes(n, d) == 4 * n * 300
+    monkeypatch.setattr(config, "LOW_MEMORY_BYTES", acc + 4 * n * 256)  # room for 256 fp32 columns
+    assert config.low_memory_chunk_bytes(n, d) == 4 * n * 256
     assert config.low_memory_chunk_bytes(n, d, free_bytes=int(1.25 * (acc + 4 * n * 120))) == 4 * n * 120
     assert config.low_memory_chunk_bytes(n, d, free_bytes=acc) == 4 * n * 50  # never below the minimum
     g = torch.Generator().manual_seed(10)
@@ -150,9 +151,43 @@ def test_low_memory_chunk_takes_the_budget_beside_the_accumulator(monkeypatch):
     y = torch.randint(0, v, (n,), generator=g)
     with largest_tensor_mode() as mode:
         linear_cross_entropy(h, w, y, label_smoothing=0.1, backend="triton", memory="low").backward()
-    assert mode.nbytes == 4 * n * 300, mode.nbytes
+    assert mode.nbytes == 4 * n * 256, mode.nbytes
     ref = _ref(h.detach(), w.detach(), y, b=0.1)
     assert rel(h.grad, ref[1]) < 1e-5 and rel(w.grad, ref[2]) < 1e-5
+
+
+def test_column_chunks_of_the_pointer_kernel_take_few_widths(monkeypatch):
+    """Without TMA the G kernel is autotuned with the chunk's width in its key, so the vocabulary chunks' widths must
+    not follow the token count: over many N they take a power of two (and the remainder V mod it), and the
+    gradients stay exact."""
+    import hf_lsce.ops.backward as bw
+    from hf_lsce.ops.config import grad_logits_config
+
+    widths = set()
+    real = bw.write_grad_logits
+
+    def spy(config, hidden, weight, *args):
+        widths.add(weight.shape[0])
+        return real(config, hidden, weight, *args)
+
+    monkeypatch.setattr(bw, "write_grad_logits", spy)
+    g = torch.Generator().manual_seed(11)
+    d, v = 8, 700
+    w = torch.randn(v, d, generator=g) / 2
+    cfg = grad_logits_config(torch.float32, torch.device("cpu"))
+    assert not cfg.tma
+    for n in (9, 13, 17, 24, 31):
+        h = torch.randn(n, d, generator=g)
+        y = torch.randint(0, v, (n,), generator=g)
+        lse = torch.logsumexp(h @ w.T, -1)
+        grad = torch.full((n,), 1.0 / n)
+        dh, dw, _ = bw.triton_gradients_by_columns(h, w, None, y, lse, grad, torch.full((n,), 0.1), None, cfg,
+                                                   need_db=False, chunk_bytes=4 * 1000)
+        ref = _ref(h, w, y, b=0.1)
+        assert rel(dh, ref[1]) < 1e-5 and rel(dw, ref[2]) < 1e-5
+    full = {c for c in widths if c & (c - 1) == 0}
+    assert widths <= full | {v % c for c in full}, widths
+    assert len(full) < 5  # 1000 bytes / (4 N) columns: 27 .. 8 for these N, as powers of two 16 and 8
 
 
 def test_fp32_accumulation_of_dw_across_chunks(monkeypatch):

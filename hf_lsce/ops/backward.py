@@ -210,9 +210,11 @@ def triton_gradients_by_columns(hidden, weight, bias, targets, lse, grad, smooth
     v = weight.shape[0]
     dev = hidden.device
     cols = max(1, min(v, (chunk_bytes or GRAD_CHUNK_BYTES) // (max(n, 1) * hidden.element_size())))
-    unit = config.block_v if config.tma else 1
     if cols < v:
-        cols = max(unit, cols // unit * unit)  # whole tiles per chunk
+        # whole tiles per chunk for the TMA kernel; a power of two for the pointer kernel, whose autotuning key holds
+        # the chunk's width: a width that followed N would tune again at every new token count
+        cols = max(config.block_v, cols // config.block_v * config.block_v) if config.tma else 1 << (
+            cols.bit_length() - 1)
     buf = torch.empty(n * cols, dtype=hidden.dtype, device=dev)
     dh_acc = torch.empty(n, d, dtype=torch.float32, device=dev) if need_dh else None
     dw = torch.empty(v, d, dtype=weight.dtype, device=dev) if need_dw else None
