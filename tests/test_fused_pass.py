@@ -186,9 +186,13 @@ def test_fused_layout_and_its_memory():
     assert not fp.preferred(4 * n, v, d, True)  # R for 32,768 rows (16.8 GB) would cost far more: chunked
     v_pad, rows, direct = fp.layout(4 * n, v, d, True)
     assert not direct and rows * v_pad * 2 <= gib and fp.extra_memory(4 * n, v, d) == rows * v_pad * 2 + v * d * 4
-    # Gemma-3-270m shape: R for every row (4.3 GB) against 1 GiB + 0.67 GB: chunked; preferred (D <= 1024) anyway
-    v_pad, rows, direct = fp.layout(8192, 262144, 640, True)
-    assert not direct and rows < 8192 and fp.preferred(8192, 262144, 640, True)
+    # Gemma-3-270m shape: R for every row (4.3 GB) against 1 GiB + 0.67 GB: within 4 GiB more, direct; at N = 16,384
+    # (8.6 GB) chunked, and preferred (D <= 1024) anyway; a frozen head is always chunked (no dW)
+    assert fp.layout(8192, 262144, 640, True)[2]
+    v_pad, rows, direct = fp.layout(16384, 262144, 640, True)
+    assert not direct and rows < 16384 and fp.preferred(16384, 262144, 640, True)
+    v_pad, rows, direct = fp.layout(8192, 262144, 640, False)
+    assert not direct and rows < 8192
     assert fp.extra_memory(8192, 262144, 640, need_dw=False) == rows * v_pad * 2
     # memory="auto" with too little free memory for every row's R: chunked, and above D = 1,024 not preferred
     need = (n + 2) * v * 2

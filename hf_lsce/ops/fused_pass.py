@@ -31,8 +31,8 @@ pass keeps R for every row and writes dW in the weight's dtype with one matmul: 
 in it as two extra rows (R's rows of ones against the hi and lo bf16 halves of ``-sum_n u_n h_n``), so dW is rounded
 once and no ``V x D`` fp32 buffer is written, read back and cast (at the Gemma2-2B shape that traffic was about
 7 ms of 49). Otherwise rows are processed ``FUSED_CHUNK_BYTES`` of R at a time (so memory does not grow with N);
-dW is accumulated across chunks in fp32 (``4 V D`` bytes, one rounding at the end, where the rank-one smoothing
-term is also subtracted). The z-loss ``lam lse^2`` multiplies p by ``k_n = 1 + 2 lam lse_n``, one more factor per
+dW is accumulated across chunks in fp32 (``4 V D`` bytes, one rounding at the end; the last chunk's matmul also adds
+the rank-one term, by the same two rows). The z-loss ``lam lse^2`` multiplies p by ``k_n = 1 + 2 lam lse_n``, one more factor per
 row (``a_n = w_n k_n / S_n``, the target entry ``R_ny - (1 - b_n) S_n / k_n``). bf16 only: fp16's range cannot hold
 R, and W in bf16 for dh's matmul would lose fp16's digits. Not with soft-cap: its derivative ``1 - tanh^2`` is a
 factor per *logit*, so the uniform term ``u 1^T`` times it is no longer rank one and dh, dW would need a second
@@ -55,9 +55,10 @@ R_EXP_MAX = 48.0
 # 1 GiB chunks and 14.6 ms with 2 GiB (fewer passes over dW's fp32 accumulator); 1 GiB keeps the extra memory lower.
 FUSED_CHUNK_BYTES = 1 << 30
 # R for every row (dW by one matmul, no fp32 accumulator) when that costs at most this much more memory than the chunked
-# layout: at N = 8192 the Gemma2-2B shape (4.2 GB against 3.4) and the Llama-3-8B shape (2.1 against 3.2) take it,
-# the Gemma-3-270m shape (4.3 against 1.7) stays chunked.
-DIRECT_DW_EXTRA_BYTES = 1 << 30
+# layout (and, with memory="auto", fits the free memory). Measured on an H100 at N = 8192 (trainable, b = 0.1): the
+# Gemma-3-270m head 13.0 ms direct (4.3 GB) against 15.1 chunked (1.8 GB), a Gemma-3-1B head (D = 1152) 22.4 against
+# 30.6: docs/benchmarks.md. 4 GiB takes both; Gemma-3-270m at N = 16384 (6.9 GB more) stays chunked.
+DIRECT_DW_EXTRA_BYTES = 4 << 30
 
 
 @triton.jit
@@ -359,15 +360,22 @@ def _rank_one_rows_kernel(U, H, HI, LO, n, D, stride_h, BLOCK_R: tl.constexpr, B
     tl.store(LO + cols, (acc - hi.to(tl.float32)).to(LO.dtype.element_ty), mask=mask_d)
 
 
-def _direct_dw(r_buf, hs, u_all, hidden, n: int, v: int, weight) -> torch.Tensor:
-    """dW = R'^T (a o h) - 1 (u^T h)^T in the weight's dtype by one matmul: R's rows n and n + 1 are ones and hs's the
-    hi and lo halves of ``-u^T h`` (so the rank-one term enters the fp32 accumulation to about 2^-16). (A K padded to
-    a multiple of 8 was no faster: docs/benchmarks.md, settled experiments: direct_dw.py.)"""
+def _rank_one_rows(r_buf, hs, u_all, hidden, at: int, v: int) -> None:
+    """R's rows ``at`` and ``at + 1`` made ones and hs's the hi and lo halves of ``-u^T h`` (all N rows of ``hidden``):
+    a matmul over rows ``[0, at + 2)`` then adds dW's rank-one smoothing term ``-1 (u^T h)^T`` in its fp32
+    accumulation, to about 2^-16 (``_rank_one_rows_kernel``)."""
     block_d = 16 if interpreting() else 64
     _rank_one_rows_kernel[(triton.cdiv(hs.shape[1], block_d),)](
-        u_all, hidden, hs[n], hs[n + 1], n, hs.shape[1], hidden.stride(0), BLOCK_R=8 if interpreting() else 64,
-        BLOCK_D=block_d, num_warps=1 if interpreting() else 4)
-    r_buf[n:n + 2, :v].fill_(1.0)
+        u_all, hidden, hs[at], hs[at + 1], hidden.shape[0], hs.shape[1], hidden.stride(0),
+        BLOCK_R=8 if interpreting() else 64, BLOCK_D=block_d, num_warps=1 if interpreting() else 4)
+    r_buf[at:at + 2, :v].fill_(1.0)
+
+
+def _direct_dw(r_buf, hs, u_all, hidden, n: int, v: int, weight) -> torch.Tensor:
+    """dW = R'^T (a o h) - 1 (u^T h)^T in the weight's dtype by one matmul over every row and the rank-one term's two
+    (``_rank_one_rows``). (A K padded to a multiple of 8 was no faster: docs/benchmarks.md, settled experiments:
+    direct_dw.py.)"""
+    _rank_one_rows(r_buf, hs, u_all, hidden, n, v)
     dw = torch.empty(v, hs.shape[1], dtype=weight.dtype, device=hs.device)
     if hs.device.type != "cuda":  # the interpreter: fp32 math, one rounding
         return dw.copy_(r_buf[:n + 2, :v].T.float() @ hs[:n + 2].float())
@@ -399,7 +407,7 @@ def triton_fused_pass(hidden, weight, bias, targets, smoothing, scale, config, n
     v_pad, rows, direct = layout(n, v, d, need_dw, chunk_bytes, free_bytes)
     if rows < n and rows > config.block_n:
         rows = rows // config.block_n * config.block_n  # whole row blocks per chunk
-    extra = 2 if direct else 0  # the rank-one term's rows (see _direct_dw)
+    extra = 2 if need_dw else 0  # the rank-one term's rows (see _rank_one_rows)
     r_buf = torch.empty(rows + extra, v_pad, dtype=hidden.dtype, device=dev)
     colsum = weight.sum(0, dtype=torch.float32)  # the rows' sums of logits (and offsets), and dh's uniform term
     b_sum = bias.sum(dtype=torch.float32).reshape(1) if bias is not None else colsum
@@ -436,10 +444,14 @@ def triton_fused_pass(hidden, weight, bias, targets, smoothing, scale, config, n
             _dh_rows_kernel[grid](t, a, u, colsum, dh[s0:e0], nr, d, t.stride(0), dh.stride(0), BLOCK_R=br,
                                   BLOCK_D=bd, num_warps=warps)
         if need_dw and not direct:
+            k = nr
+            if e0 == n:  # the last chunk also adds the rank-one term (u is whole now)
+                _rank_one_rows(r_buf, hs, u_all, hidden, nr, v)
+                k = nr + 2
             if s0 == 0:
-                mm_f32(r.T, hs[:nr], dw32)
+                mm_f32(r_buf[:k, :v].T, hs[:k], dw32)
             else:
-                addmm_f32(dw32, r.T, hs[:nr])
+                addmm_f32(dw32, r_buf[:k, :v].T, hs[:k])
         if db is not None:
             db_chunk = torch.empty(v, 1, **f32)
             mm_f32(r.T, a.to(r.dtype)[:, None], db_chunk)
@@ -448,9 +460,7 @@ def triton_fused_pass(hidden, weight, bias, targets, smoothing, scale, config, n
     if direct:
         dw = _direct_dw(r_buf, hs, u_all, hidden, n, v, weight)
     elif need_dw:
-        rvec = u_all @ hidden.float()  # the uniform term of dW, the same for every row of it
-        dw = torch.empty(v, d, dtype=weight.dtype, device=dev)
-        torch.sub(dw32, rvec[None, :], out=dw)
+        dw = dw32.to(weight.dtype)
     if db is not None:
         db -= u_all.sum()
     if not need_stats:
