@@ -88,7 +88,7 @@ def test_fused_path_matches_fp64_and_the_two_pass_path(tma, monkeypatch, bias, r
                         lambda *a, **k: calls.append(1) or real(*a, **dict(k, chunk_bytes=16 * 208 * 2)))
     monkeypatch.setattr(fp, "_direct_dw", lambda *a: direct.append(1) or real_direct(*a))
     if layout == "chunked":
-        monkeypatch.setattr(fp, "DIRECT_DW_EXTRA_BYTES", -(1 << 40))
+        monkeypatch.setattr(fp, "EVERY_ROW_EXTRA_BYTES", -(1 << 40))
     items = 29 if reduction == "sum" else None
     got = run("fused", h, w, y, b, sm, reduction, items, weights)
     assert calls, "the fused pass did not run"
@@ -111,7 +111,7 @@ def test_fused_direct_dw_carries_the_smoothing_term(tma, monkeypatch):
     sm = torch.ones(N)
     ref = fp64(h.bfloat16().double(), w.bfloat16().double(), y, None, sm, 29.0)
     direct = run("fused", h, w, y, None, sm, "sum", 29)
-    monkeypatch.setattr(fp, "DIRECT_DW_EXTRA_BYTES", -(1 << 40))
+    monkeypatch.setattr(fp, "EVERY_ROW_EXTRA_BYTES", -(1 << 40))
     chunked = run("fused", h, w, y, None, sm, "sum", 29)
     assert rel(direct[2], ref[2]) < 2e-2
     assert rel(direct[2], ref[2]) < 1.5 * rel(chunked[2], ref[2]) + 1e-3
@@ -152,14 +152,19 @@ def test_fused_path_with_z_loss(tma, monkeypatch, z_loss):
         assert frozen or rel(w2.grad, ww.grad) < 2e-2
 
 
-def test_fused_path_with_a_frozen_head(tma, monkeypatch):
-    """A frozen head (LoRA): no dW, so no direct layout; dh against fp64."""
+@pytest.mark.parametrize("layout", ["chunked", "every row"])
+def test_fused_path_with_a_frozen_head(tma, monkeypatch, layout):
+    """A frozen head (LoRA): no dW, so no direct dW; dh against fp64, in row chunks or with every row in one."""
     h, w, y, _ = inputs(seed=7)
     sm = torch.full((N,), 0.1)
     config.TRAIN_PATH = "fused"
-    direct = []
-    real_direct = fp._direct_dw
+    direct, rows = [], []
+    real_direct, real_layout = fp._direct_dw, fp.layout
     monkeypatch.setattr(fp, "_direct_dw", lambda *a: direct.append(1) or real_direct(*a))
+    monkeypatch.setattr(fp, "layout", lambda *a, **k: rows.append(real_layout(*a, **k)[1]) or real_layout(*a, **k))
+    if layout == "chunked":
+        monkeypatch.setattr(fp, "EVERY_ROW_EXTRA_BYTES", -(1 << 40))
+        monkeypatch.setattr(fp, "FUSED_CHUNK_BYTES", 16 * 208 * 2)
     try:
         hh = h.bfloat16().requires_grad_()
         loss = linear_cross_entropy(hh, w.bfloat16(), y, label_smoothing=sm, reduction="sum", num_items_in_batch=29,
@@ -168,13 +173,13 @@ def test_fused_path_with_a_frozen_head(tma, monkeypatch):
     finally:
         config.TRAIN_PATH = None
     ref = fp64(h.bfloat16().double(), w.bfloat16().double(), y, None, sm, 29.0)
-    assert not direct
+    assert not direct and rows and all((r < N) == (layout == "chunked") for r in rows), rows
     assert rel(loss, ref[0]) < 1e-5 and rel(hh.grad, ref[1]) < 2e-2
 
 
 def test_fused_layout_and_its_memory():
     """Which layout the fused path takes, the memory it reports for memory='auto', and where it is preferred above
-    TWO_PASS_MAX_D: R for every row where that costs at most DIRECT_DW_EXTRA_BYTES more than a chunk of R and dW's
+    TWO_PASS_MAX_D: R for every row where that costs at most EVERY_ROW_EXTRA_BYTES more than a chunk of R and dW's
     fp32 accumulator."""
     gib = 1 << 30
     # Gemma2-2B shape, N = 8192: every row's R (4.2 GB) against 1 GiB + 2.4 GB: direct, and preferred above D = 1024
@@ -182,18 +187,19 @@ def test_fused_layout_and_its_memory():
     assert fp.layout(n, v, d, True) == (256000, n, True)
     assert fp.extra_memory(n, v, d) == (n + 2) * v * 2  # N rows and the rank-one term's two
     assert fp.preferred(n, v, d, True)
-    assert fp.preferred(n, v, d, False)  # frozen head (LoRA): no dW, R read by dh's matmul a chunk at a time
+    assert fp.preferred(n, v, d, False)  # frozen head (LoRA): no dW, R read by dh's matmul alone
     assert not fp.preferred(4 * n, v, d, True)  # R for 32,768 rows (16.8 GB) would cost far more: chunked
     v_pad, rows, direct = fp.layout(4 * n, v, d, True)
     assert not direct and rows * v_pad * 2 <= gib and fp.extra_memory(4 * n, v, d) == rows * v_pad * 2 + v * d * 4
     # Gemma-3-270m shape: R for every row (4.3 GB) against 1 GiB + 0.67 GB: within 4 GiB more, direct; at N = 16,384
-    # (8.6 GB) chunked, and preferred (D <= 1024) anyway; a frozen head is always chunked (no dW)
+    # (8.6 GB) chunked, and preferred (D <= 1024) anyway
     assert fp.layout(8192, 262144, 640, True)[2]
     v_pad, rows, direct = fp.layout(16384, 262144, 640, True)
     assert not direct and rows < 16384 and fp.preferred(16384, 262144, 640, True)
-    v_pad, rows, direct = fp.layout(8192, 262144, 640, False)
-    assert not direct and rows < 8192
-    assert fp.extra_memory(8192, 262144, 640, need_dw=False) == rows * v_pad * 2
+    v_pad, rows, direct = fp.layout(8192, 262144, 640, False)  # frozen: every row too (4.3 GB, no dW), not direct
+    assert not direct and rows == 8192 and fp.extra_memory(8192, 262144, 640, need_dw=False) == 8192 * v_pad * 2
+    v_pad, rows, direct = fp.layout(16384, 262144, 640, False)
+    assert not direct and rows < 16384 and fp.extra_memory(16384, 262144, 640, need_dw=False) == rows * v_pad * 2
     # memory="auto" with too little free memory for every row's R: chunked, and above D = 1,024 not preferred
     need = (n + 2) * v * 2
     assert fp.layout(n, v, d, True, free_bytes=int(1.25 * need))[2]

@@ -25,9 +25,9 @@ the entries that matter (within about 60 nats of the max) above bf16's smallest 
 the device and redone by the same kernel with ``c_n = m_n`` (its exact max) in a second launch whose programs return
 at once on blocks without a flagged row. No host synchronisation.
 
-Where the weight needs a gradient, dW's product runs over all N rows. When R for every row costs at most
-``DIRECT_DW_EXTRA_BYTES`` more memory than the chunked layout below (a chunk of R plus dW's fp32 accumulator), the
-pass keeps R for every row and writes dW in the weight's dtype with one matmul: the rank-one smoothing term rides
+When R for every row costs at most ``EVERY_ROW_EXTRA_BYTES`` more memory than the chunked layout below (a chunk of R
+plus, where the weight needs a gradient, dW's fp32 accumulator), one chunk holds every row. dW's product runs over all
+N rows: with every row kept, the pass writes dW in the weight's dtype with one matmul: the rank-one smoothing term rides
 in it as two extra rows (R's rows of ones against the hi and lo bf16 halves of ``-sum_n u_n h_n``), so dW is rounded
 once and no ``V x D`` fp32 buffer is written, read back and cast (at the Gemma2-2B shape that traffic was about
 7 ms of 49). Otherwise rows are processed ``FUSED_CHUNK_BYTES`` of R at a time (so memory does not grow with N);
@@ -54,11 +54,12 @@ R_EXP_MAX = 48.0
 # Memory for one chunk of R (rows x V in bf16). Measured at the Gemma-3-270m shape (H100): the pass took 15.7 ms with
 # 1 GiB chunks and 14.6 ms with 2 GiB (fewer passes over dW's fp32 accumulator); 1 GiB keeps the extra memory lower.
 FUSED_CHUNK_BYTES = 1 << 30
-# R for every row (dW by one matmul, no fp32 accumulator) when that costs at most this much more memory than the chunked
-# layout (and, with memory="auto", fits the free memory). Measured on an H100 at N = 8192 (trainable, b = 0.1): the
-# Gemma-3-270m head 13.0 ms direct (4.3 GB) against 15.1 chunked (1.8 GB), a Gemma-3-1B head (D = 1152) 22.4 against
-# 30.6: docs/benchmarks.md. 4 GiB takes both; Gemma-3-270m at N = 16384 (6.9 GB more) stays chunked.
-DIRECT_DW_EXTRA_BYTES = 4 << 30
+# R for every row in one chunk (with dW: written by one matmul, no fp32 accumulator) when that costs at most this much
+# more memory than the chunked layout (and, with memory="auto", fits the free memory). Measured on an H100 at N = 8192
+# (b = 0.1): trainable, the Gemma-3-270m head 13.0 ms with every row (4.3 GB) against 15.1 chunked (1.8 GB), a
+# Gemma-3-1B head (D = 1152) 22.4 against 30.6; frozen, Gemma-3-270m 8.9 against 9.5 ms, Gemma2-2B 27.7 against 29.2
+# (docs/benchmarks.md). 4 GiB takes these; Gemma-3-270m at N = 16384 (6.9 GB more) stays chunked.
+EVERY_ROW_EXTRA_BYTES = 4 << 30
 
 
 @triton.jit
@@ -293,17 +294,17 @@ def chunk_rows(n: int, v: int, chunk_bytes: int | None = None) -> tuple[int, int
 
 def layout(n: int, v: int, d: int, need_dw: bool, chunk_bytes: int | None = None,
            free_bytes: int | None = None) -> tuple[int, int, bool]:
-    """(R's padded row length, rows per chunk, direct): ``direct`` when dW is needed and R for all rows plus the two
-    rows of the rank-one term fits within the chunked layout's memory (a chunk of R, dW's fp32 accumulator) plus
-    ``DIRECT_DW_EXTRA_BYTES`` and, where ``free_bytes`` (CUDA's free memory, ``memory="auto"``) is given, within it
-    with the op's headroom; then one chunk holds every row and dW is written by one matmul."""
+    """(R's padded row length, rows per chunk, direct). One chunk holds every row where R for all of them (with dW,
+    plus the rank-one term's two rows) costs at most ``EVERY_ROW_EXTRA_BYTES`` more than the chunked layout (a chunk
+    of R and, with dW, its fp32 accumulator) and, where ``free_bytes`` (CUDA's free memory, ``memory="auto"``) is
+    given, fits it with the op's headroom; ``direct``: dW is needed and then written by one matmul."""
     from .config import MEMORY_HEADROOM
 
     v_pad, rows = chunk_rows(n, v, chunk_bytes)
-    need = (n + 2) * v_pad * 2
-    direct = (need_dw and need <= rows * v_pad * 2 + v * d * 4 + DIRECT_DW_EXTRA_BYTES
-              and (free_bytes is None or MEMORY_HEADROOM * need <= free_bytes))
-    return v_pad, (n if direct else rows), direct
+    need = (n + (2 if need_dw else 0)) * v_pad * 2
+    whole = (need <= rows * v_pad * 2 + (v * d * 4 if need_dw else 0) + EVERY_ROW_EXTRA_BYTES
+             and (free_bytes is None or MEMORY_HEADROOM * need <= free_bytes))
+    return v_pad, (n if whole else rows), whole and need_dw
 
 
 def preferred(n: int, v: int, d: int, need_dw: bool, free_bytes: int | None = None) -> bool:
@@ -324,7 +325,7 @@ def extra_memory(n: int, v: int, d: int, need_dw: bool = True, free_bytes: int |
     v_pad, rows, direct = layout(n, v, d, need_dw, free_bytes=free_bytes)
     if direct:
         return (n + 2) * v_pad * 2
-    return rows * v_pad * 2 + (v * d * 4 if need_dw else 0)
+    return rows * v_pad * 2 + (v * d * 4 if need_dw else 0)  # (a frozen head: every row where that fits, rows = n)
 
 
 class _ExactBf16Reduction:
