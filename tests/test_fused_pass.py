@@ -200,6 +200,9 @@ def test_fused_layout_and_its_memory():
     assert not direct and rows == 8192 and fp.extra_memory(8192, 262144, 640, need_dw=False) == 8192 * v_pad * 2
     v_pad, rows, direct = fp.layout(16384, 262144, 640, False)
     assert not direct and rows < 16384 and fp.extra_memory(16384, 262144, 640, need_dw=False) == rows * v_pad * 2
+    whole = 8192 * 262144 * 2  # a frozen head's every row, without the free memory for it: chunks again
+    assert fp.layout(8192, 262144, 640, False, free_bytes=int(1.25 * whole))[1] == 8192
+    assert fp.layout(8192, 262144, 640, False, free_bytes=int(1.25 * whole) - 1)[1] < 8192
     # memory="auto" with too little free memory for every row's R: chunked, and above D = 1,024 not preferred
     need = (n + 2) * v * 2
     assert fp.layout(n, v, d, True, free_bytes=int(1.25 * need))[2]
