@@ -30,8 +30,8 @@ import torch
 
 _PENDING: list = []
 _LOCK = threading.Lock()
-SUMMARY_SIZE = 6  # the summary's values (``_summary``): bad targets, first bad target, items, valid tokens, bad b,
-# items bad
+# the summary's values (``_summary``): bad targets, first bad target, items, valid tokens, bad b, items bad
+SUMMARY_SIZE = 6
 
 
 def _check_num_items(value: float, valid_tokens: int | None = None) -> None:
@@ -172,9 +172,6 @@ def check_device_values(targets, vocab_size: int, ignore_index: int, num_items_i
                         smoothing=None, name: str = "targets"):
     """Run the checks (see the module docstring). Returns a 0-d bool tensor that is True where a check failed
     (asynchronous mode), or None (synchronous: an error was raised already, or all is well)."""
-    if synchronous(targets.device):
-        check_now(targets, vocab_size, ignore_index, num_items_in_batch, valid_count, smoothing, name=name)
-        return None
     values, bad = _summary(targets, vocab_size, ignore_index, num_items_in_batch, valid_count, smoothing)
     return check_summary(values, bad, vocab_size, ignore_index, num_items_in_batch, name)
 

@@ -130,7 +130,8 @@ def _backward(ctx, grad_loss, grad_lse, *unused):
                                       None if grad_lse is None else grad_lse.to(lse.dtype).contiguous(), softcap,
                                       backend, z_loss, memory, accum_dtype, one_pass, need_dh, need_dw,
                                       need_db and bias is not None)
-    return (dh if need_dh else None, dw if need_dw else None, db if need_db and bias is not None else None) + (None,) * 11
+    return (dh if need_dh else None, dw if need_dw else None,
+            db if need_db and bias is not None else None) + (None,) * 11
 
 
 torch.library.register_autograd("hf_lsce::token_losses", _backward, setup_context=_setup_context)

@@ -52,8 +52,8 @@ def _forward_config(dtype: torch.dtype, device: torch.device, interp: bool) -> K
     if torch.version.cuda is not None and tma_capable(props) and _has_tensor_descriptors():
         # The TMA kernel, one block shape: 128 x 256 x 64 tiles, 8 warps, 3 stages was the fastest candidate at
         # every shape and split count measured on an H100 (256 x 128, 128 x 128 and 4 stages were slower;
-        # docs/benchmarks.md, settled experiments: forward_variants.py). About two waves of programs: as few vocabulary splits
-        # as fill the GPU, so the programs resident at once share each W tile through L2; 4 / 8 / 16 splits at
+        # docs/benchmarks.md, settled experiments: forward_variants.py). About two waves of programs: as few vocabulary
+        # splits as fill the GPU, so the programs resident at once share each W tile through L2; 4 / 8 / 16 splits at
         # N = 8192 took 14.5 / 15.7 / 20.1 ms (Gemma2-2B shape). At least 2, or the rows of h the resident
         # programs read no longer fit in L2: at N = 32768, 1 / 2 / 4 splits took 77.2 / 60.8 / 58.8 ms.
         return KernelConfig(128, 256, 64, 8, 3, prec, 2 * sms, min_splits=2, tma=True)

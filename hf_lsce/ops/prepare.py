@@ -8,9 +8,9 @@ operations, and at a small batch their host time was a fifth of the op's (benchm
 docs/benchmarks.md). Here one program computes all of them: a first sweep over the tokens counts (bad targets, the
 first bad value, valid tokens, bad smoothing values), then the divisor is known and a second sweep writes the
 per-token outputs (one program, so its time grows with the tokens: about 20 bytes a token over two sweeps, small
-beside the logits' N x V work). The summary it writes is the one ``checks._summary`` computes (``checks.check_summary`` reads it,
-at once or later), so the errors and the NaN loss are the same. The torch computation stays for the torch backend,
-``torch.compile`` and the vocabulary-parallel op; tests hold the two equal.
+beside the logits' N x V work). The summary it writes is the one ``checks._summary`` computes
+(``checks.check_summary`` reads it, at once or later), so the errors and the NaN loss are the same. The torch
+computation stays for the torch backend, ``torch.compile`` and the vocabulary-parallel op; tests hold the two equal.
 """
 from __future__ import annotations
 
