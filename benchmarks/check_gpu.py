@@ -1,8 +1,8 @@
 """Are the kernels right on this GPU? One process; JSON lines as it goes, ``check_gpu.json`` and a table at the end.
 
-1. paths: every training path (fused, one-pass, two-pass, the default) with a trainable and a frozen head, against
-   fp64 on materialised logits: bf16 (and fp16), ragged and aligned vocabularies (TMA and pointer kernels), soft-cap,
-   bias, per-token b, a tensor ``num_items_in_batch``; each call and its backward under
+1. paths: every training path (fused, one-pass, two-pass, the default, ``memory="low"``) with a trainable and a
+   frozen head, against fp64 on materialised logits: bf16 (and fp16), ragged and aligned vocabularies (TMA and
+   pointer kernels), soft-cap, bias, per-token b, a tensor ``num_items_in_batch``; each call and its backward under
    ``torch.cuda.set_sync_debug_mode("error")`` (no host synchronisation).
 2. real sizes: Gemma2-2B and Llama-3-8B heads (N = 8,192) on the realistic generator, the default path and
    ``memory="low"``, trainable and frozen, beside torch's own bf16 path (bf16 logits, as Hugging Face computes).
@@ -101,17 +101,18 @@ def paths_section(emit):
                         head="frozen" if frozen else "trainable")
             emit(dict(base, path="torch half logits", **errors(
                 reference(h, w, bias, y, b, cap, items, dtype=dt, frozen=frozen, z_loss=zl), ref)))
-            for path in ("fused", "one-pass", "two-pass", None):
-                config.TRAIN_PATH = path
+            for path in ("fused", "one-pass", "two-pass", None, "memory=low"):
+                config.TRAIN_PATH = path if path != "memory=low" else None
+                kw = dict(memory="low") if path == "memory=low" else {}
                 try:
                     torch.cuda.synchronize()
                     torch.cuda.set_sync_debug_mode("error")
-                    got = run_op(h, w, bias, y, b, cap, items, frozen, z_loss=zl)
+                    got = run_op(h, w, bias, y, b, cap, items, frozen, z_loss=zl, **kw)
                     sync_free = True
                 except RuntimeError as e:
                     sync_free = f"{type(e).__name__}: {str(e)[:160]}"
                     torch.cuda.set_sync_debug_mode("default")
-                    got = run_op(h, w, bias, y, b, cap, items, frozen, z_loss=zl)
+                    got = run_op(h, w, bias, y, b, cap, items, frozen, z_loss=zl, **kw)
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
                     config.TRAIN_PATH = None

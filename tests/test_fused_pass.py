@@ -253,3 +253,62 @@ def test_fused_pass_only_where_it_applies(tma):
         assert _train_path(h.half(), w.half(), None, 0.0, None) != "fused"
     finally:
         config.TRAIN_PATH = None
+
+
+@pytest.mark.parametrize("case", ["plain", "spike+stats", "bias+z_loss"])
+def test_frozen_head_low_memory_by_vocabulary_columns(tma, monkeypatch, case):
+    """memory='low' with a frozen head runs the fused pass over chunks of vocabulary columns (the logits once, dh
+    accumulated in fp32 across chunks): loss, lse, entropy, argmax and dh against fp64, over several chunks, with rows
+    whose max lies past their offset in a later chunk than the first (redone, their earlier sums rescaled); the
+    two-pass computation does not run."""
+    import hf_lsce.ops.backward as bw
+
+    monkeypatch.setattr(config, "LOW_MEMORY_BYTES", 0)
+    monkeypatch.setattr(config, "LOW_MEMORY_CHUNK_BYTES", N * 2 * 64)  # R's chunk: 64 columns of 203
+    monkeypatch.setattr(bw, "triton_gradients_by_columns", lambda *a, **k: pytest.fail("the two-pass path ran"))
+    widths = []
+    real = fp._exp_tiles
+    monkeypatch.setattr(fp, "_exp_tiles", lambda cfg, h, w, *a, **k: widths.append(w.shape[0]) or real(cfg, h, w, *a,
+                                                                                                         **k))
+    h, w, y, b = inputs(seed=11, bias=case == "bias+z_loss", spike=case == "spike+stats")
+    if case == "spike+stats":  # rows 0-4 peak at column 7 (first chunk), rows 5-7 at column 150 (the third)
+        h[5:8] = 160.0 * w[150] / w[150].norm() ** 2
+    z_loss = 1e-2 if case == "bias+z_loss" else 0.0
+    sm = torch.rand(N, generator=torch.Generator().manual_seed(3)) * 0.3
+    hh, wb = h.bfloat16().requires_grad_(), w.bfloat16()
+    bb = b.bfloat16() if b is not None else None
+    loss, stats = linear_cross_entropy(hh, wb, y, bias=bb, label_smoothing=sm, reduction="sum", num_items_in_batch=29,
+                                       backend="triton", memory="low", z_loss=z_loss, return_stats=True)
+    loss.backward()
+    assert widths == [64] * 6 + [203 - 3 * 64] * 2, widths  # R by 64 columns: four chunks, each launched twice
+    h64, w64 = h.bfloat16().double().requires_grad_(), w.bfloat16().double()
+    zz = h64 @ w64.T + (bb.double() if bb is not None else 0)
+    lse = torch.logsumexp(zz, -1)
+    logp = zz - lse[:, None]
+    tok = -(1 - sm.double()) * logp.gather(1, y.clamp(min=0)[:, None])[:, 0] - sm.double() * logp.mean(-1)
+    tok = torch.where(y != -100, tok + z_loss * lse * lse, 0.0)
+    ref = tok.sum() / 29
+    ref.backward()
+    assert rel(loss, ref.detach()) < 1e-5
+    assert rel(stats.lse, lse.detach()) < 1e-6
+    assert torch.equal(stats.argmax, zz.argmax(-1))
+    ent = -(logp.exp() * logp).sum(-1)
+    assert rel(stats.entropy, ent.detach()) < 1e-4
+    assert rel(hh.grad, h64.grad) < 2e-2
+
+
+@pytest.mark.parametrize("trainable", ["weight", "bias"])
+def test_low_memory_takes_the_two_pass_computation_where_dw_or_db_is_needed(tma, monkeypatch, trainable):
+    """memory='low' with a trainable head (or bias) on the fused path's inputs: dW and db need every row's
+    normalisation before a column chunk's product, so the two-pass computation runs (the fused columns do not), and
+    the gradients match fp64."""
+    monkeypatch.setattr(fp, "triton_fused_columns", lambda *a, **k: pytest.fail("the fused columns ran"))
+    h, w, y, b = inputs(seed=12, bias=True)
+    sm = torch.full((N,), 0.1)
+    hh, ww, bb = h.bfloat16().requires_grad_(), w.bfloat16(), b.bfloat16()
+    (ww if trainable == "weight" else bb).requires_grad_()
+    linear_cross_entropy(hh, ww, y, bias=bb, label_smoothing=sm, reduction="sum", num_items_in_batch=29,
+                         backend="triton", memory="low").backward()
+    ref = fp64(h.bfloat16().double(), w.bfloat16().double(), y, b.bfloat16().double(), sm, 29.0)
+    got = ww.grad if trainable == "weight" else bb.grad
+    assert rel(hh.grad, ref[1]) < 2e-2 and rel(got, ref[2 if trainable == "weight" else 3]) < 2e-2

@@ -211,18 +211,8 @@ def _offset_rule(m, c, mask_r, r_exp_max):
 
 
 @triton.jit
-def _finish_rows_kernel(
-    S, T, M, AM, C, ZY, SZ, Y, SMOOTH, SCALE, H, R, HS,
-    LSE_OUT, ENT_OUT, AM_OUT, A_OUT, U_OUT, LOSS_OUT, NLL_OUT,
-    n, splits, D, stride_h, stride_r, stride_hs, inv_v, r_exp_max, z_loss,
-    STATS: tl.constexpr, GRAD: tl.constexpr, SCALE_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    """Per row: the splits merged (lse = c + log S with the offset R was computed with: ``_offset_rule``;
-    STATS: entropy and argmax), the token's loss and nll (``paths.token_loss_terms``' formula: 0 for an ignored
-    token), and for the gradients (GRAD) a = w k / S and u = w b / V (k = 1 + 2 z_loss lse), R's target entry made
-    R_ny - (1 - b) S / k from the fp32 target logit, and (SCALE_H) the rows of a o h in the input dtype for dW."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    mask_r = rows < n
+def _merge_splits(S, T, M, AM, rows, mask_r, n, splits, STATS: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Per row, the splits' (sum of R, T, max, first index of the max) merged; they share the row's offset."""
     zero = tl.zeros((BLOCK_R,), dtype=tl.float32)
     s, t_acc = zero, zero
     m = tl.full((BLOCK_R,), float("-inf"), dtype=tl.float32)
@@ -235,6 +225,57 @@ def _finish_rows_kernel(
             t_acc += tl.load(T + at, mask=mask_r, other=0.0)
             am = tl.where(mk > m, tl.load(AM + at, mask=mask_r, other=0), am)  # first split holding the max
         m = tl.maximum(m, mk)
+    return s, t_acc, m, am
+
+
+@triton.jit
+def _merge_columns_kernel(S, T, M, AM, C, S_RUN, T_RUN, M_RUN, AM_RUN, ACC, n, splits, D, stride_acc, col0,
+                          r_exp_max, STATS: tl.constexpr, HAS_ACC: tl.constexpr, BLOCK_R: tl.constexpr,
+                          BLOCK_D: tl.constexpr):
+    """One vocabulary chunk's splits (``triton_fused_columns``) folded into the rows' running sums, max and argmax. A
+    row whose offset the chunk raised (``_offset_rule``: its max past the running offset) has its running sums and
+    (HAS_ACC) its row of the dh accumulator scaled by exp(c_old - c_new), and C takes the new offset."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    mask_r = rows < n
+    s, t_acc, m, am = _merge_splits(S, T, M, AM, rows, mask_r, n, splits, STATS, BLOCK_R)
+    c_old = tl.load(C + rows, mask=mask_r, other=0.0)
+    c, flagged = _offset_rule(m, c_old, mask_r, r_exp_max)
+    f = tl.exp(c_old - c)
+    s_run = tl.load(S_RUN + rows, mask=mask_r, other=0.0)
+    if STATS:
+        t_run = tl.load(T_RUN + rows, mask=mask_r, other=0.0)
+        tl.store(T_RUN + rows, f * (t_run + s_run * (c_old - c)) + t_acc, mask=mask_r)
+        m_run = tl.load(M_RUN + rows, mask=mask_r, other=0.0)
+        tl.store(AM_RUN + rows, tl.where(m > m_run, am + col0, tl.load(AM_RUN + rows, mask=mask_r, other=0)),
+                 mask=mask_r)
+        tl.store(M_RUN + rows, tl.maximum(m, m_run), mask=mask_r)
+    tl.store(S_RUN + rows, s_run * f + s, mask=mask_r)
+    tl.store(C + rows, c, mask=mask_r)
+    if HAS_ACC:
+        if tl.max(flagged.to(tl.int32), axis=0) > 0:
+            for d0 in range(0, D, BLOCK_D):
+                cols = d0 + tl.arange(0, BLOCK_D)
+                m2 = flagged[:, None] & (cols < D)[None, :]
+                at = ACC + rows[:, None].to(tl.int64) * stride_acc + cols[None, :]
+                tl.store(at, tl.load(at, mask=m2, other=0.0) * f[:, None], mask=m2)
+
+
+@triton.jit
+def _finish_rows_kernel(
+    S, T, M, AM, C, ZY, SZ, Y, SMOOTH, SCALE, H, R, HS,
+    LSE_OUT, ENT_OUT, AM_OUT, A_OUT, U_OUT, LOSS_OUT, NLL_OUT,
+    n, splits, D, stride_h, stride_r, stride_hs, inv_v, r_exp_max, z_loss,
+    STATS: tl.constexpr, GRAD: tl.constexpr, R_TARGET: tl.constexpr, SCALE_H: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Per row: the splits merged (lse = c + log S with the offset R was computed with: ``_offset_rule``;
+    STATS: entropy and argmax), the token's loss and nll (``paths.token_loss_terms``' formula: 0 for an ignored
+    token), and for the gradients (GRAD) a = w k / S and u = w b / V (k = 1 + 2 z_loss lse), (R_TARGET) R's target
+    entry made R_ny - (1 - b) S / k from the fp32 target logit, and (SCALE_H) the rows of a o h in the input dtype for
+    dW."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    mask_r = rows < n
+    s, t_acc, m, am = _merge_splits(S, T, M, AM, rows, mask_r, n, splits, STATS, BLOCK_R)
     c, _flagged = _offset_rule(m, tl.load(C + rows, mask=mask_r, other=0.0), mask_r, r_exp_max)
     log_s = tl.log(s)
     lse = c + log_s
@@ -257,9 +298,10 @@ def _finish_rows_kernel(
         a = w * k / s
         tl.store(A_OUT + rows, a, mask=mask_r)
         tl.store(U_OUT + rows, w * b * inv_v, mask=mask_r)
-        tgt = tl.exp(zy - c) - (1.0 - b) * s / k
-        ok = mask_r & (y >= 0)
-        tl.store(R + rows.to(tl.int64) * stride_r + tl.maximum(y, 0), tgt.to(R.dtype.element_ty), mask=ok)
+        if R_TARGET:
+            tgt = tl.exp(zy - c) - (1.0 - b) * s / k
+            ok = mask_r & (y >= 0)
+            tl.store(R + rows.to(tl.int64) * stride_r + tl.maximum(y, 0), tgt.to(R.dtype.element_ty), mask=ok)
         if SCALE_H:
             for d0 in range(0, D, BLOCK_D):
                 cols = d0 + tl.arange(0, BLOCK_D)
@@ -270,18 +312,28 @@ def _finish_rows_kernel(
 
 
 @triton.jit
-def _dh_rows_kernel(T, A, U, COLSUM, DH, n, D, stride_t, stride_dh, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    """dh = a o (R' W) - u colsum(W), in dh's dtype (one rounding)."""
+def _dh_rows_kernel(T, A, U, COLSUM, DH, Y, W, SCALE, SMOOTH, n, D, stride_t, stride_dh, stride_w,
+                    TARGET: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """dh = a o (R' W) - u colsum(W), in dh's dtype (one rounding); TARGET (R without the target entry's change,
+    ``triton_fused_columns``): also - w (1 - b) W_y."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     mask_r = rows < n
     a = tl.load(A + rows, mask=mask_r, other=0.0)
     u = tl.load(U + rows, mask=mask_r, other=0.0)
+    if TARGET:
+        y = tl.load(Y + rows, mask=mask_r, other=-1)
+        has_y = mask_r & (y >= 0)
+        tw = tl.load(SCALE + rows, mask=mask_r, other=0.0) * (1.0 - tl.load(SMOOTH + rows, mask=mask_r, other=0.0))
+        y_row = tl.maximum(y, 0).to(tl.int64) * stride_w
     for d0 in range(0, D, BLOCK_D):
         cols = d0 + tl.arange(0, BLOCK_D)
         mask_d = cols < D
         m2 = mask_r[:, None] & mask_d[None, :]
         t = tl.load(T + rows[:, None].to(tl.int64) * stride_t + cols[None, :], mask=m2, other=0.0)
         g = a[:, None] * t - u[:, None] * tl.load(COLSUM + cols, mask=mask_d, other=0.0)[None, :]
+        if TARGET:
+            w_y = tl.load(W + y_row[:, None] + cols[None, :], mask=has_y[:, None] & mask_d[None, :], other=0.0)
+            g -= tw[:, None] * w_y.to(tl.float32)
         tl.store(DH + rows[:, None].to(tl.int64) * stride_dh + cols[None, :], g.to(DH.dtype.element_ty), mask=m2)
 
 
@@ -385,6 +437,15 @@ def _direct_dw(r_buf, hs, u_all, hidden, n: int, v: int, weight) -> torch.Tensor
     return dw
 
 
+def _column_sums(weight):
+    """``sum_v W_v`` in fp32 by one matmul with a row of ones (fp32 accumulation and output): ``weight.sum(0,
+    dtype=torch.float32)`` allocated a reduction buffer of 139-295 MB at the Gemma-3-270m, Llama-3-8B and Gemma2-2B
+    heads (H100, memory snapshot), more than the low-memory mode's whole budget."""
+    out = torch.empty(1, weight.shape[1], dtype=torch.float32, device=weight.device)
+    mm_f32(torch.ones(1, weight.shape[0], dtype=weight.dtype, device=weight.device), weight, out)
+    return out[0]
+
+
 def _rows_launch(n: int):
     """(grid, BLOCK_R, BLOCK_D, num_warps) of the row kernels."""
     if interpreting():
@@ -410,7 +471,7 @@ def triton_fused_pass(hidden, weight, bias, targets, smoothing, scale, config, n
         rows = rows // config.block_n * config.block_n  # whole row blocks per chunk
     extra = 2 if need_dw else 0  # the rank-one term's rows (see _rank_one_rows)
     r_buf = torch.empty(rows + extra, v_pad, dtype=hidden.dtype, device=dev)
-    colsum = weight.sum(0, dtype=torch.float32)  # the rows' sums of logits (and offsets), and dh's uniform term
+    colsum = _column_sums(weight)  # the rows' sums of logits (and offsets), and dh's uniform term
     b_sum = bias.sum(dtype=torch.float32).reshape(1) if bias is not None else colsum
     rowbuf = torch.empty(8, n, **f32)  # per-row fp32 outputs and scratch in one allocation
     lse, zy, sz, ent, a_all, u_all, loss, nll = rowbuf
@@ -438,12 +499,12 @@ def triton_fused_pass(hidden, weight, bias, targets, smoothing, scale, config, n
             lse[s0:e0], ent[s0:e0], am[s0:e0], a, u, loss[s0:e0], nll[s0:e0],
             nr, st[0].shape[0], d, h.stride(0), r.stride(0), hs.stride(0) if need_dw else 0, 1.0 / v, R_EXP_MAX,
             float(z_loss),
-            STATS=need_stats, GRAD=grad, SCALE_H=need_dw, BLOCK_R=br, BLOCK_D=bd, num_warps=warps)
+            STATS=need_stats, GRAD=grad, R_TARGET=True, SCALE_H=need_dw, BLOCK_R=br, BLOCK_D=bd, num_warps=warps)
         if need_dh:
             t = dh32[:nr]
             mm_f32(r, weight, t)
-            _dh_rows_kernel[grid](t, a, u, colsum, dh[s0:e0], nr, d, t.stride(0), dh.stride(0), BLOCK_R=br,
-                                  BLOCK_D=bd, num_warps=warps)
+            _dh_rows_kernel[grid](t, a, u, colsum, dh[s0:e0], y, weight, a, a, nr, d, t.stride(0), dh.stride(0),
+                                  weight.stride(0), TARGET=False, BLOCK_R=br, BLOCK_D=bd, num_warps=warps)
         if need_dw and not direct:
             k = nr
             if e0 == n:  # the last chunk also adds the rank-one term (u is whole now)
@@ -467,3 +528,58 @@ def triton_fused_pass(hidden, weight, bias, targets, smoothing, scale, config, n
     if not need_stats:
         ent.zero_()
     return (lse, zy, sz, am, ent, loss, nll), dh, dw, db
+
+
+def triton_fused_columns(hidden, weight, bias, targets, smoothing, scale, config, chunk_bytes: int,
+                         need_stats=False, z_loss: float = 0.0):
+    """A frozen head's statistics and dh in bounded memory (``memory="low"``): the fused pass over chunks of
+    vocabulary *columns*, every row at once, with the logits computed once. R of a chunk needs only the offsets, fixed
+    before the pass, and a factor per row passes through ``R W``, so dh's unnormalised product adds up in an fp32
+    accumulator (``4 N D`` bytes) across chunks, as do the rows' sums of R; the normalisation, the uniform term and
+    the target's term (``- w (1 - b) W_y``, where the fast layouts change R's target entry) come once, at the end. A
+    chunk that holds a row's max past its offset (``_offset_rule``) redoes that row with the max as its offset and
+    scales what the row accumulated so far by exp(c_old - c_new). ``chunk_bytes``: R's chunk (N x columns, bf16).
+    Returns what ``triton_fused_pass`` returns, without dW and db (None)."""
+    n, d = hidden.shape
+    v = weight.shape[0]
+    dev = hidden.device
+    cols = min(v, max(config.block_v, chunk_bytes // (2 * n) // config.block_v * config.block_v))
+    r_buf = torch.empty(n, cols, dtype=hidden.dtype, device=dev)
+    colsum = _column_sums(weight)
+    b_sum = bias.sum(dtype=torch.float32).reshape(1) if bias is not None else colsum
+    rowbuf = torch.empty(12, n, dtype=torch.float32, device=dev)
+    lse, zy, sz, ent, a, u, loss, nll, c, s_run, t_run, m_run = rowbuf
+    rowbuf[9:11].zero_()
+    m_run.fill_(float("-inf"))
+    am_run = torch.zeros(n, dtype=torch.int32, device=dev)
+    am = torch.zeros(n, dtype=torch.long, device=dev)
+    acc = torch.empty(n, d, dtype=torch.float32, device=dev)
+    grid, br, bd, warps = _rows_launch(n)
+    _offsets_kernel[grid](hidden, weight, colsum, bias if bias is not None else colsum, b_sum, targets, c, sz, zy, n,
+                          v, d, hidden.stride(0), weight.stride(0), C_SHIFT, HAS_BIAS=bias is not None, BLOCK_R=br,
+                          BLOCK_D=bd, num_warps=warps)
+    for c0 in range(0, v, cols):
+        c1 = min(v, c0 + cols)
+        wc, r = weight[c0:c1], r_buf[:, :c1 - c0]
+        bc = bias[c0:c1] if bias is not None else None
+        st, descs = _exp_tiles(config, hidden, wc, bc, c, r, need_stats)
+        _exp_tiles(config, hidden, wc, bc, c, r, need_stats, bufs=st, descs=descs)  # the flagged rows redone
+        _merge_columns_kernel[grid](*st, c, s_run, t_run, m_run, am_run, acc, n, st[0].shape[0], d, acc.stride(0),
+                                    c0, R_EXP_MAX, STATS=need_stats, HAS_ACC=c0 > 0, BLOCK_R=br, BLOCK_D=bd,
+                                    num_warps=warps)
+        if c0 == 0:
+            mm_f32(r, wc, acc)
+        else:
+            addmm_f32(acc, r, wc)
+    # the running state as one split; M = the final offsets, which no row's max exceeds by more than R_EXP_MAX
+    _finish_rows_kernel[grid](
+        s_run, t_run, c, am_run, c, zy, sz, targets, smoothing, scale, hidden, r_buf, hidden,
+        lse, ent, am, a, u, loss, nll, n, 1, d, hidden.stride(0), r_buf.stride(0), 0, 1.0 / v, R_EXP_MAX,
+        float(z_loss), STATS=need_stats, GRAD=True, R_TARGET=False, SCALE_H=False, BLOCK_R=br, BLOCK_D=bd,
+        num_warps=warps)
+    dh = torch.empty(n, d, dtype=hidden.dtype, device=dev)
+    _dh_rows_kernel[grid](acc, a, u, colsum, dh, targets, weight, scale, smoothing, n, d, acc.stride(0), dh.stride(0),
+                          weight.stride(0), TARGET=True, BLOCK_R=br, BLOCK_D=bd, num_warps=warps)
+    if not need_stats:
+        ent.zero_()
+    return (lse, zy, sz, am, ent, loss, nll), dh, None, None

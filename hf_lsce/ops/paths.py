@@ -6,7 +6,9 @@ that neither imports the other for them. Every path is exact:
 * fused (``fused_pass.py``): one logits pass whose kernel stores ``exp(z - c)`` in bf16, the gradients from it by
   cuBLAS; bf16 on a GPU with TMA, no soft-cap (z-loss included);
 * two-pass (``backward.triton_gradients_by_columns``): the forward kernel's lse, then the logits recomputed on chip
-  and G written a chunk of vocabulary columns at a time; also ``memory="low"``, with small chunks, on every device;
+  and G written a chunk of vocabulary columns at a time; also ``memory="low"``, with small chunks, on every device,
+  except for a frozen head where the fused path runs: there the fused pass by vocabulary columns
+  (``fused_pass.triton_fused_columns``, the logits once);
 * one-pass (``train_pass.py``): fp32 logits from cuBLAS a chunk of rows at a time, read twice; every other case
   (soft-cap and fp16 above D = 1,024, the interpreter's CPU runs).
 """
@@ -29,7 +31,8 @@ class Options:
     memory: str = "fast"
     accum_dtype: torch.dtype | None = None
     need_stats: bool = False
-    # training: "one-pass" (train_pass), "two-pass" (two_pass_gradients; memory="low" too) or "fused" (fused_pass)
+    # training: "one-pass" (train_pass), "two-pass" (two_pass_gradients; memory="low" too) or "fused" (fused_pass;
+    # with memory="low", a frozen head by vocabulary columns: _route)
     path: str = "one-pass"
     reduce: bool = False  # the first output is the reduced loss (sum / denom), not per-token losses
     free_bytes: int | None = None  # CUDA's free memory when memory="auto" resolved (fused layout, low chunk)
@@ -94,10 +97,8 @@ def _train_path(hidden, weight, softcap, z_loss, accum_dtype, free_bytes=None) -
     Measured: see docs/how_it_works.md ("Fused training path")."""
     from . import config
     from .fused_pass import preferred
-    from .fused_pass import supported as fused_supported
 
-    cfg = config.forward_config(hidden.dtype, hidden.device) if hidden.is_cuda or config.interpreting() else None
-    can = {"fused": cfg is not None and fused_supported(hidden, weight, softcap, z_loss, cfg),
+    can = {"fused": _fused_runs(hidden, weight, softcap, z_loss),
            "two-pass": accum_dtype in (None, weight.dtype), "one-pass": True}
     if config.TRAIN_PATH is not None and can[config.TRAIN_PATH]:
         return config.TRAIN_PATH
@@ -109,6 +110,15 @@ def _train_path(hidden, weight, softcap, z_loss, accum_dtype, free_bytes=None) -
     if d <= config.TWO_PASS_MAX_D and can["two-pass"]:
         return "two-pass"
     return "one-pass"
+
+
+def _fused_runs(hidden, weight, softcap, z_loss) -> bool:
+    """Whether the fused pass can run these inputs (``fused_pass.supported``, with the forward kernel's config)."""
+    from . import config
+    from .fused_pass import supported
+
+    cfg = config.forward_config(hidden.dtype, hidden.device) if hidden.is_cuda or config.interpreting() else None
+    return cfg is not None and supported(hidden, weight, softcap, z_loss, cfg)
 
 
 def free_cuda_memory(device) -> int:
@@ -137,8 +147,10 @@ def training_options(hidden, weight, softcap, backend, z_loss, memory, accum_dty
         free = free_cuda_memory(hidden.device)
         path = _train_path(hidden, weight, softcap, z_loss, accum_dtype, free)
     mem = _resolve_memory(memory, one_pass, hidden, weight, accum_dtype, path, free)
+    if mem == "low":  # a frozen head: the fused pass by vocabulary columns where it runs (see _route)
+        path = "fused" if one_pass and _fused_runs(hidden, weight, softcap, z_loss) else "two-pass"
     return Options(softcap=softcap, backend=backend, z_loss=float(z_loss), memory=mem, accum_dtype=accum_dtype,
-                   need_stats=need_stats, path=path if mem == "fast" else "two-pass", reduce=reduce, free_bytes=free)
+                   need_stats=need_stats, path=path, reduce=reduce, free_bytes=free)
 
 
 # memory="auto" reads CUDA's free memory only where the fast path's buffers (times the headroom) exceed this fraction
@@ -181,13 +193,22 @@ def _resolve_memory(memory, one_pass, hidden, weight, accum_dtype, path="one-pas
     return "low" if free < MEMORY_HEADROOM * _buffer_bytes(hidden, weight, accum_dtype, path, free) else "fast"
 
 
+def _route(opts, need_dw, need_db) -> str:
+    """The path a training call runs: ``opts.path``, except that under ``memory="low"`` the fused pass (by vocabulary
+    columns: ``fused_pass.triton_fused_columns``) serves a frozen head only; dW or db take the two-pass computation."""
+    if opts.memory == "low" and opts.path == "fused" and (need_dw or need_db):
+        return "two-pass"
+    return opts.path
+
+
 def statistics_and_gradients(hidden, weight, bias, targets, smoothing, token_weight, opts, need_dh, need_dw,
                              need_db):
     """The training paths' forward: (statistics, (dh, dw, db) of ``sum_n token_weight_n loss_n``) by the path
     ``opts`` names (fused, two-pass, or the one-pass ``train_pass``)."""
-    if opts.path == "fused":
+    path = _route(opts, need_dw, need_db)
+    if path == "fused":
         return _fused_gradients(hidden, weight, bias, targets, smoothing, token_weight, opts, need_dh, need_dw, need_db)
-    if opts.path == "two-pass":
+    if path == "two-pass":
         stats = forward_stats(hidden, weight, bias, targets, opts.softcap, opts.backend, stats=opts.need_stats)
         return stats, two_pass_gradients(hidden, weight, bias, targets, smoothing, token_weight, stats[0], opts,
                                          need_dh, need_dw, need_db)
@@ -202,10 +223,11 @@ def statistics_and_gradients(hidden, weight, bias, targets, smoothing, token_wei
 def recompute_kept(hidden, weight, bias, targets, smoothing, token_weight, lse, opts, need_dh, need_dw, need_db):
     """The training path's gradients again, by the same computation as the forward's (a second backward, or the
     compiled backward of per-token losses)."""
-    if opts.path == "fused":
+    path = _route(opts, need_dw, need_db)
+    if path == "fused":
         return _fused_gradients(hidden, weight, bias, targets, smoothing, token_weight, opts, need_dh, need_dw,
                                 need_db)[1]
-    if opts.path == "two-pass":
+    if path == "two-pass":
         return two_pass_gradients(hidden, weight, bias, targets, smoothing, token_weight, lse, opts, need_dh, need_dw,
                                   need_db)
     return statistics_and_gradients(hidden, weight, bias, targets, smoothing, token_weight, opts, need_dh, need_dw,
@@ -236,9 +258,14 @@ def loss_gradients(hidden, weight, bias, targets, lse, smoothing, grad, grad_lse
 def _fused_gradients(hidden, weight, bias, targets, smoothing, token_weight, opts, need_dh, need_dw, need_db):
     """The fused training path (``fused_pass``): statistics and gradients from one logits pass whose kernel stores
     the shifted exponentials; ``(stats, (dh, dw, db))``."""
-    from .config import forward_config
-    from .fused_pass import triton_fused_pass
+    from .config import forward_config, low_memory_chunk_bytes
+    from .fused_pass import triton_fused_columns, triton_fused_pass
 
+    if opts.memory == "low":
+        stats, dh, dw, db = triton_fused_columns(
+            hidden, weight, bias, targets, smoothing, token_weight, forward_config(hidden.dtype, hidden.device),
+            low_memory_chunk_bytes(*hidden.shape, opts.free_bytes), need_stats=opts.need_stats, z_loss=opts.z_loss)
+        return stats, (dh, dw, db)
     stats, dh, dw, db = triton_fused_pass(hidden, weight, bias, targets, smoothing, token_weight,
                                           forward_config(hidden.dtype, hidden.device), need_dh=need_dh,
                                           need_dw=need_dw, need_db=need_db, need_stats=opts.need_stats,
