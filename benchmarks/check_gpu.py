@@ -101,22 +101,21 @@ def paths_section(emit):
                         head="frozen" if frozen else "trainable")
             emit(dict(base, path="torch half logits", **errors(
                 reference(h, w, bias, y, b, cap, items, dtype=dt, frozen=frozen, z_loss=zl), ref)))
-            for path in ("fused", "one-pass", "two-pass", None, "memory=low"):
-                config.TRAIN_PATH = path if path != "memory=low" else None
-                kw = dict(memory="low") if path == "memory=low" else {}
+            for path, mem in zip(("fused", "one-pass", "two-pass", "default", "memory=low"), ["auto"] * 4 + ["low"]):
+                config.TRAIN_PATH = path if path in ("fused", "one-pass", "two-pass") else None
                 try:
                     torch.cuda.synchronize()
                     torch.cuda.set_sync_debug_mode("error")
-                    got = run_op(h, w, bias, y, b, cap, items, frozen, z_loss=zl, **kw)
+                    got = run_op(h, w, bias, y, b, cap, items, frozen, z_loss=zl, memory=mem)
                     sync_free = True
                 except RuntimeError as e:
                     sync_free = f"{type(e).__name__}: {str(e)[:160]}"
                     torch.cuda.set_sync_debug_mode("default")
-                    got = run_op(h, w, bias, y, b, cap, items, frozen, z_loss=zl, **kw)
+                    got = run_op(h, w, bias, y, b, cap, items, frozen, z_loss=zl, memory=mem)
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
                     config.TRAIN_PATH = None
-                emit(dict(base, path=path or "default", sync_free=sync_free, **errors(got, ref)))
+                emit(dict(base, path=path, sync_free=sync_free, **errors(got, ref)))
 
 
 def real_section(emit):

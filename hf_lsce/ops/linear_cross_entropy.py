@@ -353,9 +353,10 @@ def linear_cross_entropy(
             row where that costs at most 4 GiB more than 1 GiB chunks and dW's fp32 accumulator (4.2-4.3 GB at the
             Gemma2-2B and Gemma-3-270m shapes, N = 8192), else those chunks; the one-pass path's chunk of up to
             2 GiB of fp32 logits),
-            ``"low"`` (the statistics first, then vocabulary chunks with an fp32 dh accumulator: a budget of
-            180 MiB of extra memory, ``4 N D`` bytes plus a chunk of at least 32 MiB, 2% of a materialising
-            torch.compile loss at the Gemma2-2B shape, at the cost of one more logits matmul), ``"auto"``: as
+            ``"low"`` (vocabulary chunks with an fp32 dh accumulator: a budget of 180 MiB of extra memory,
+            ``4 N D`` bytes plus a chunk of at least 32 MiB, 2% of a materialising torch.compile loss at the
+            Gemma2-2B shape; a frozen bf16 head on a GPU with TMA in one logits pass, otherwise the statistics first,
+            at the cost of one more logits matmul), ``"auto"``: as
             ``"fast"``, with the fused path's every-row buffer only where 1.25 x it fits CUDA's free memory, and
             ``"low"`` when the free memory cannot hold the fast path's buffers (its budget then what that memory
             holds).
