@@ -268,8 +268,8 @@ def test_triton_backend_on_cpu_without_interpreter_is_a_clear_error(monkeypatch)
 
 @pytest.mark.parametrize("softcap", [None, 4.0])
 def test_dense_backward_in_several_chunks(softcap):
-    """The default Triton backward, forced through chunks of 5 rows, equals the fp64 reference."""
-    from hf_lsce.ops.backward import triton_backward_dense
+    """The recomputing Triton backward, forced through chunks of 5 vocabulary columns, equals the fp64 reference."""
+    from hf_lsce.ops.backward import triton_gradients_by_columns
 
     h, w, y, b = make_inputs(seed=18, bias=True)
     ref = reference(h, w, y, b, smoothing=0.1, softcap=softcap, reduction="sum")
@@ -277,8 +277,8 @@ def test_dense_backward_in_several_chunks(softcap):
     t = y.masked_fill(y < 0, -1)
     lse = torch_forward(h32, w32, b32, t, softcap)[0].float()
     grad = (t >= 0).float()
-    dh, dw, db = triton_backward_dense(h32, w32, b32, t, lse, grad, torch.full((N,), 0.1), softcap,
-                                       grad_logits_config(torch.float32, h32.device), chunk_bytes=5 * V * 4)
+    dh, dw, db = triton_gradients_by_columns(h32, w32, b32, t, lse, grad, torch.full((N,), 0.1), softcap,
+                                             grad_logits_config(torch.float32, h32.device), chunk_bytes=5 * N * 4)
     assert rel(dh, ref[1]) < 1e-5 and rel(dw, ref[2]) < 1e-5 and rel(db, ref[3]) < 1e-5
 
 
@@ -317,9 +317,9 @@ def test_training_takes_the_one_pass_path_and_scales_by_the_upstream_gradient(mo
     from hf_lsce.ops import backward as bw
 
     calls, recomputed = [], []
-    real, real_dense = tp.triton_train_pass, bw.triton_backward_dense
+    real, real_dense = tp.triton_train_pass, bw.triton_gradients_by_columns
     monkeypatch.setattr(tp, "triton_train_pass", lambda *a, **k: calls.append(1) or real(*a, **k))
-    monkeypatch.setattr(bw, "triton_backward_dense", lambda *a, **k: recomputed.append(1) or real_dense(*a, **k))
+    monkeypatch.setattr(bw, "triton_gradients_by_columns", lambda *a, **k: recomputed.append(1) or real_dense(*a, **k))
     h, w, y, _ = make_inputs(seed=22)
     ref = reference(h, w, y, smoothing=0.1)
     hh, ww = h.float().requires_grad_(), w.float().requires_grad_()
@@ -476,11 +476,12 @@ def test_tma_kernel_only_where_its_shared_memory_fits(major, smem, expected):
 @pytest.mark.parametrize("splits", [1, 3])
 def test_tma_grad_logits_kernel_matches_fp64(dtype, softcap, bias, splits):
     """The TMA kernel writing G = dL/dz (the two-pass path and the recomputing backward on Hopper) gives the fp64
-    gradients through cuBLAS-style products, at ragged sizes, in chunks of rows, with per-token b, a per-token
-    upstream gradient, an extra p term (z-loss, lse output) and an ignored row."""
+    gradients through cuBLAS-style products, at ragged sizes, in chunks of vocabulary columns, with per-token b, a
+    per-token upstream gradient, an extra p term (z-loss, lse output) and an ignored row; the pointer kernel (GPUs
+    without TMA) agrees with it."""
     import dataclasses
 
-    from hf_lsce.ops.backward import triton_backward_dense
+    from hf_lsce.ops.backward import triton_gradients_by_columns
     from hf_lsce.ops.config import forward_config
     from hf_lsce.ops.reference import torch_backward
 
@@ -492,27 +493,17 @@ def test_tma_grad_logits_kernel_matches_fp64(dtype, softcap, bias, splits):
     sm, grad, extra = torch.rand(37, generator=g) * 0.3, torch.rand(37, generator=g), torch.rand(37, generator=g)
     lse = torch_forward(hh.double(), ww.double(), bb.double() if bias else None, t, softcap)[0].float()
     cfg = dataclasses.replace(forward_config(dtype, hh.device), tma=True, min_splits=splits, min_programs=1)
-    got = triton_backward_dense(hh, ww, bb, t, lse, grad, sm, softcap, cfg, extra=extra,
-                                chunk_bytes=11 * 203 * hh.element_size())
     ref = torch_backward(hh.double(), ww.double(), bb.double() if bias else None, t, lse.double(), grad.double(),
                          sm.double(), softcap, extra=extra.double())
     tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: G and the products in bf16
-    for a, r in zip(got, ref):
-        if r is not None:
-            assert rel(a, r) < tol
-    # by chunks of vocabulary columns (the two-pass training path): dW written once per row, dh in fp32
-    from hf_lsce.ops.backward import triton_gradients_by_columns
-
+    got = {}
     for c in (cfg, dataclasses.replace(cfg, tma=False)):
-        cols = triton_gradients_by_columns(hh, ww, bb, t, lse, grad, sm, softcap, c, extra=extra,
-                                           chunk_bytes=37 * 70 * hh.element_size())
-        for a, r in zip(cols, ref):
+        got[c.tma] = triton_gradients_by_columns(hh, ww, bb, t, lse, grad, sm, softcap, c, extra=extra,
+                                                 chunk_bytes=37 * 70 * hh.element_size())
+        for a, r in zip(got[c.tma], ref):
             if r is not None:
                 assert rel(a, r) < tol
-    # and the pointer kernel agrees
-    old = triton_backward_dense(hh, ww, bb, t, lse, grad, sm, softcap, dataclasses.replace(cfg, tma=False),
-                                extra=extra, chunk_bytes=11 * 203 * hh.element_size())
-    for a, o in zip(got, old):
+    for a, o in zip(got[True], got[False]):
         if a is not None:
             assert rel(a, o) < tol
 

@@ -5,13 +5,9 @@ The logits are recomputed on chip from h and W (the lse is known), and each fini
     G_nv = grad_n (p_nv (1 + extra_n / grad_n) - b_n / V - (1 - b_n) [v == y_n]) (1 - tanh^2)
 
 (the last factor with soft-cap) is written in the input dtype; cuBLAS then computes ``dh = G W`` and ``dW = G^T h``.
-Two ways to chunk G so that its memory stays bounded:
-
-* by rows (``triton_backward_dense``, the recomputing backward for an arbitrary upstream gradient): a chunk of rows
-  x V, ``dW += G^T h`` per chunk;
-* by vocabulary columns (``triton_gradients_by_columns``, the two-pass training path and ``memory="low"``): every
-  row x a chunk of columns, so each chunk's rows of dW are written once (one rounding) and dh adds into an fp32
-  accumulator.
+G goes a chunk of vocabulary columns at a time (``triton_gradients_by_columns``: the two-pass training path,
+``memory="low"`` and the recomputing backward for an arbitrary upstream gradient), every row by a chunk of columns,
+so each chunk's rows of dW are written once (one rounding) and dh adds into an fp32 accumulator.
 """
 from __future__ import annotations
 
@@ -112,20 +108,6 @@ _lce_grad_logits_autotuned = triton.autotune(
     key=["D", "V", "DOT_PRECISION"])(_lce_grad_logits_kernel)
 
 
-def add_chunk_gradients(g, hidden_chunk, weight, dh_chunk, dw, db, first: bool) -> None:
-    """From G = dL/dz of one chunk of rows (rows x V): ``dh_chunk = G W``, ``dW += G^T h`` (written,
-    not added, on the first chunk) and ``db += sum of G's rows``, by cuBLAS; any of them may be None."""
-    if dh_chunk is not None:
-        torch.mm(g, weight, out=dh_chunk)
-    if dw is not None:
-        if first:
-            torch.mm(g.T, hidden_chunk, out=dw)
-        else:
-            dw.addmm_(g.T, hidden_chunk)
-    if db is not None:
-        db += g.sum(0, dtype=torch.float32)
-
-
 def write_grad_logits(config, hidden, weight, bias, targets, lse, grad, smoothing, extra, g, v_total: int,
                       softcap) -> None:
     """G (rows of ``hidden`` x rows of ``weight``) = ``grad_n dL/dz + extra_n p``, for the columns ``weight`` holds
@@ -173,34 +155,11 @@ def add_column_chunk_gradients(g, hidden, weight_cols, dh_acc, dw_rows, db_rows,
         db_rows.copy_(g.sum(0, dtype=torch.float32))
 
 
-def triton_backward_dense(hidden, weight, bias, targets, lse, grad, smoothing, softcap, config,
-                          need_dh: bool = True, need_dw: bool = True, chunk_bytes: int | None = None,
-                          extra: torch.Tensor | None = None):
-    """Full gradients (dh in hidden's dtype, dW in weight's dtype, db fp32) through chunks of G."""
-    from .config import GRAD_CHUNK_BYTES
-
-    n, d = hidden.shape
-    v = weight.shape[0]
-    dev = hidden.device
-    rows = max(1, min(n, (chunk_bytes or GRAD_CHUNK_BYTES) // (v * hidden.element_size())))
-    g = torch.empty(rows, v, dtype=hidden.dtype, device=dev)
-    dh = torch.empty(n, d, dtype=hidden.dtype, device=dev) if need_dh else None
-    dw = torch.empty(v, d, dtype=weight.dtype, device=dev) if need_dw else None
-    db = torch.zeros(v, dtype=torch.float32, device=dev) if bias is not None else None
-    for s in range(0, n, rows):
-        e = min(n, s + rows)
-        gc = g[: e - s]
-        write_grad_logits(config, hidden[s:e], weight, bias, targets[s:e], lse[s:e], grad[s:e], smoothing[s:e],
-                          extra[s:e] if extra is not None else None, gc, v, softcap)
-        add_chunk_gradients(gc, hidden[s:e], weight, dh[s:e] if need_dh else None, dw, db, first=s == 0)
-    return dh, dw, db
-
-
 def triton_gradients_by_columns(hidden, weight, bias, targets, lse, grad, smoothing, softcap, config,
                                 need_dh: bool = True, need_dw: bool = True, need_db: bool = True,
                                 chunk_bytes: int | None = None, extra: torch.Tensor | None = None):
-    """The gradients of ``triton_backward_dense`` (dh in hidden's dtype, dW in weight's, db fp32), through chunks
-    of vocabulary *columns* of G: the lse is known, so each chunk of columns is complete for every row. Its rows of
+    """(dh, dW, db) of ``sum_n grad_n loss_n (+ extra_n p_n)`` (dh in hidden's dtype, dW in weight's, db fp32),
+    through chunks of vocabulary *columns* of G: the lse is known, so each chunk of columns is complete for every row. Its rows of
     dW come from one matmul over all N (written once, one rounding, as torch's own bf16 path), its part of dh is
     added into an fp32 accumulator (``4 N D`` bytes; one rounding at the end). The logits are recomputed on chip
     (the TMA kernel where the device has one); G is written in the input dtype, ``chunk_bytes`` at a time."""

@@ -23,11 +23,11 @@ def dense_backward(hidden, weight, bias, targets, lse, grad, smoothing, softcap,
     """(dh, dw, db) of ``sum_n grad_n loss_n`` (+ ``extra_n p_n`` on the logits' gradient), exact, from the chosen
     backend."""
     if backend == "triton":
-        from .backward import triton_backward_dense
+        from .backward import triton_gradients_by_columns
         from .config import grad_logits_config
 
-        return triton_backward_dense(hidden, weight, bias, targets, lse, grad, smoothing, softcap,
-                                     grad_logits_config(hidden.dtype, hidden.device), need_dh=need_dh, need_dw=need_dw,
-                                     extra=extra)
+        return triton_gradients_by_columns(hidden, weight, bias, targets, lse, grad, smoothing, softcap,
+                                           grad_logits_config(hidden.dtype, hidden.device), need_dh=need_dh,
+                                           need_dw=need_dw, need_db=bias is not None, extra=extra)
     return reference.torch_backward(hidden, weight, bias, targets, lse, grad, smoothing, softcap,
                                     need_dh=need_dh, need_dw=need_dw, extra=extra)

@@ -27,7 +27,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .backward import add_chunk_gradients
 from .config import TRAIN_CHUNK_BYTES, interpreting
 from .forward import _tanh
 from .matmul import addmm_f32, mm_f32
@@ -125,6 +124,20 @@ def _lce_rows_kernel(
                 z += tl.load(BIAS + offs, mask=mask, other=0.0).to(tl.float32)
             g = _logit_grad(z, offs == y, lse, p_mult, uniform, b, softcap, SOFTCAP)
             tl.store(g_row + offs, (g * scale).to(G.dtype.element_ty), mask=mask)
+
+
+def add_chunk_gradients(g, hidden_chunk, weight, dh_chunk, dw, db, first: bool) -> None:
+    """From G = dL/dz of one chunk of rows (rows x V): ``dh_chunk = G W``, ``dW += G^T h`` (written,
+    not added, on the first chunk) and ``db += sum of G's rows``, by cuBLAS; any of them may be None."""
+    if dh_chunk is not None:
+        torch.mm(g, weight, out=dh_chunk)
+    if dw is not None:
+        if first:
+            torch.mm(g.T, hidden_chunk, out=dw)
+        else:
+            dw.addmm_(g.T, hidden_chunk)
+    if db is not None:
+        db += g.sum(0, dtype=torch.float32)
 
 
 def supported(hidden: torch.Tensor) -> bool:
