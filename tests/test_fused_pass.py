@@ -154,14 +154,17 @@ def test_fused_path_with_z_loss(tma, monkeypatch, z_loss):
 
 @pytest.mark.parametrize("layout", ["chunked", "every row"])
 def test_fused_path_with_a_frozen_head(tma, monkeypatch, layout):
-    """A frozen head (LoRA): no dW, so no direct dW; dh against fp64, in row chunks or with every row in one."""
+    """A frozen head (LoRA): no dW, so no direct dW; dh against fp64, by the fused pass over vocabulary columns, in
+    1 GiB (here: 64-column) chunks where every row's R does not fit the allowance, else in one chunk."""
     h, w, y, _ = inputs(seed=7)
     sm = torch.full((N,), 0.1)
     config.TRAIN_PATH = "fused"
-    direct, rows = [], []
-    real_direct, real_layout = fp._direct_dw, fp.layout
+    direct, rows, widths = [], [], []
+    real_direct, real_layout, real_tiles = fp._direct_dw, fp.layout, fp._exp_tiles
     monkeypatch.setattr(fp, "_direct_dw", lambda *a: direct.append(1) or real_direct(*a))
     monkeypatch.setattr(fp, "layout", lambda *a, **k: rows.append(real_layout(*a, **k)[1]) or real_layout(*a, **k))
+    monkeypatch.setattr(fp, "_exp_tiles", lambda cfg, h, w, *a, **k: widths.append(w.shape[0]) or real_tiles(
+        cfg, h, w, *a, **k))
     if layout == "chunked":
         monkeypatch.setattr(fp, "EVERY_ROW_EXTRA_BYTES", -(1 << 40))
         monkeypatch.setattr(fp, "FUSED_CHUNK_BYTES", 16 * 208 * 2)
@@ -174,6 +177,7 @@ def test_fused_path_with_a_frozen_head(tma, monkeypatch, layout):
         config.TRAIN_PATH = None
     ref = fp64(h.bfloat16().double(), w.bfloat16().double(), y, None, sm, 29.0)
     assert not direct and rows and all((r < N) == (layout == "chunked") for r in rows), rows
+    assert widths == ([64] * 6 + [V - 3 * 64] * 2 if layout == "chunked" else [V] * 2), widths
     assert rel(loss, ref[0]) < 1e-5 and rel(hh.grad, ref[1]) < 2e-2
 
 

@@ -532,54 +532,69 @@ def triton_fused_pass(hidden, weight, bias, targets, smoothing, scale, config, n
 
 def triton_fused_columns(hidden, weight, bias, targets, smoothing, scale, config, chunk_bytes: int,
                          need_stats=False, z_loss: float = 0.0):
-    """A frozen head's statistics and dh in bounded memory (``memory="low"``): the fused pass over chunks of
-    vocabulary *columns*, every row at once, with the logits computed once. R of a chunk needs only the offsets, fixed
-    before the pass, and a factor per row passes through ``R W``, so dh's unnormalised product adds up in an fp32
-    accumulator (``4 N D`` bytes) across chunks, as do the rows' sums of R; the normalisation, the uniform term and
-    the target's term (``- w (1 - b) W_y``, where the fast layouts change R's target entry) come once, at the end. A
-    chunk that holds a row's max past its offset (``_offset_rule``) redoes that row with the max as its offset and
-    scales what the row accumulated so far by exp(c_old - c_new). ``chunk_bytes``: R's chunk (N x columns, bf16).
-    Returns what ``triton_fused_pass`` returns, without dW and db (None)."""
+    """A frozen head's statistics and dh (LoRA: no dW, no db) by the fused pass over chunks of vocabulary *columns*,
+    every row at once, the logits computed once (``frozen_chunk_bytes``; ``memory="low"``: the low-memory budget).
+    R of a chunk needs only the offsets, fixed before the pass, and a factor per row passes through ``R W``, so dh's
+    unnormalised product adds up in an fp32 accumulator (``4 N D`` bytes) across chunks, as do the rows' sums of R;
+    the normalisation, the uniform term and the target's term (``- w (1 - b) W_y``, where the trainable head's layouts
+    change R's target entry) come once, at the end. A chunk that holds a row's max past its offset (``_offset_rule``)
+    redoes that row with the max as its offset and scales what the row accumulated so far by exp(c_old - c_new).
+    ``chunk_bytes``: R's chunk (N x columns, bf16); one chunk where it holds every column. Returns what
+    ``triton_fused_pass`` returns, without dW and db (None)."""
     n, d = hidden.shape
     v = weight.shape[0]
     dev = hidden.device
-    cols = min(v, max(config.block_v, chunk_bytes // (2 * n) // config.block_v * config.block_v))
-    r_buf = torch.empty(n, cols, dtype=hidden.dtype, device=dev)
+    one = chunk_bytes >= 2 * n * v  # every column in one chunk: the split statistics go straight to the row kernel
+    cols = v if one else min(v, max(config.block_v, chunk_bytes // (2 * n) // config.block_v * config.block_v))
+    r_buf = torch.empty(n, triton.cdiv(cols, 8) * 8, dtype=hidden.dtype, device=dev)  # 16-byte rows for cuBLAS
     colsum = _column_sums(weight)
     b_sum = bias.sum(dtype=torch.float32).reshape(1) if bias is not None else colsum
     rowbuf = torch.empty(12, n, dtype=torch.float32, device=dev)
     lse, zy, sz, ent, a, u, loss, nll, c, s_run, t_run, m_run = rowbuf
-    rowbuf[9:11].zero_()
-    m_run.fill_(float("-inf"))
-    am_run = torch.zeros(n, dtype=torch.int32, device=dev)
     am = torch.zeros(n, dtype=torch.long, device=dev)
     acc = torch.empty(n, d, dtype=torch.float32, device=dev)
     grid, br, bd, warps = _rows_launch(n)
     _offsets_kernel[grid](hidden, weight, colsum, bias if bias is not None else colsum, b_sum, targets, c, sz, zy, n,
                           v, d, hidden.stride(0), weight.stride(0), C_SHIFT, HAS_BIAS=bias is not None, BLOCK_R=br,
                           BLOCK_D=bd, num_warps=warps)
+    if not one:
+        rowbuf[9:11].zero_()
+        m_run.fill_(float("-inf"))
+        am_run = torch.zeros(n, dtype=torch.int32, device=dev)
     for c0 in range(0, v, cols):
         c1 = min(v, c0 + cols)
         wc, r = weight[c0:c1], r_buf[:, :c1 - c0]
         bc = bias[c0:c1] if bias is not None else None
         st, descs = _exp_tiles(config, hidden, wc, bc, c, r, need_stats)
         _exp_tiles(config, hidden, wc, bc, c, r, need_stats, bufs=st, descs=descs)  # the flagged rows redone
-        _merge_columns_kernel[grid](*st, c, s_run, t_run, m_run, am_run, acc, n, st[0].shape[0], d, acc.stride(0),
-                                    c0, R_EXP_MAX, STATS=need_stats, HAS_ACC=c0 > 0, BLOCK_R=br, BLOCK_D=bd,
-                                    num_warps=warps)
+        if not one:
+            _merge_columns_kernel[grid](*st, c, s_run, t_run, m_run, am_run, acc, n, st[0].shape[0], d,
+                                        acc.stride(0), c0, R_EXP_MAX, STATS=need_stats, HAS_ACC=c0 > 0, BLOCK_R=br,
+                                        BLOCK_D=bd, num_warps=warps)
         if c0 == 0:
             mm_f32(r, wc, acc)
         else:
             addmm_f32(acc, r, wc)
-    # the running state as one split; M = the final offsets, which no row's max exceeds by more than R_EXP_MAX
+    # several chunks: the running state as one split, M = the final offsets (no row's max exceeds them by more than
+    # R_EXP_MAX, so the row kernel keeps them)
+    state = st if one else (s_run, t_run, c, am_run)
     _finish_rows_kernel[grid](
-        s_run, t_run, c, am_run, c, zy, sz, targets, smoothing, scale, hidden, r_buf, hidden,
-        lse, ent, am, a, u, loss, nll, n, 1, d, hidden.stride(0), r_buf.stride(0), 0, 1.0 / v, R_EXP_MAX,
-        float(z_loss), STATS=need_stats, GRAD=True, R_TARGET=False, SCALE_H=False, BLOCK_R=br, BLOCK_D=bd,
-        num_warps=warps)
+        *state, c, zy, sz, targets, smoothing, scale, hidden, r_buf, hidden,
+        lse, ent, am, a, u, loss, nll, n, state[0].shape[0] if one else 1, d, hidden.stride(0), r_buf.stride(0), 0,
+        1.0 / v, R_EXP_MAX, float(z_loss), STATS=need_stats, GRAD=True, R_TARGET=False, SCALE_H=False, BLOCK_R=br,
+        BLOCK_D=bd, num_warps=warps)
     dh = torch.empty(n, d, dtype=hidden.dtype, device=dev)
     _dh_rows_kernel[grid](acc, a, u, colsum, dh, targets, weight, scale, smoothing, n, d, acc.stride(0), dh.stride(0),
                           weight.stride(0), TARGET=True, BLOCK_R=br, BLOCK_D=bd, num_warps=warps)
     if not need_stats:
         ent.zero_()
     return (lse, zy, sz, am, ent, loss, nll), dh, None, None
+
+
+def frozen_chunk_bytes(n: int, v: int, d: int, free_bytes: int | None = None) -> int:
+    """R's column chunk for a frozen head (``triton_fused_columns``) outside the low-memory mode: every column where
+    ``layout`` keeps every row (the same allowance and free-memory rule), else ``FUSED_CHUNK_BYTES``. Measured on an
+    H100 (b = 0.1): at the Gemma-3-270m head with N = 16,384, 1 GiB chunks of columns 18.3 ms against 19.5 for 1 GiB
+    chunks of rows, the layout before (docs/benchmarks.md, settled experiments: frozen_cols_fast.py)."""
+    v_pad, rows, _ = layout(n, v, d, False, free_bytes=free_bytes)
+    return n * v_pad * 2 if rows == n else FUSED_CHUNK_BYTES

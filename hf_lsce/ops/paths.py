@@ -259,12 +259,15 @@ def _fused_gradients(hidden, weight, bias, targets, smoothing, token_weight, opt
     """The fused training path (``fused_pass``): statistics and gradients from one logits pass whose kernel stores
     the shifted exponentials; ``(stats, (dh, dw, db))``."""
     from .config import forward_config, low_memory_chunk_bytes
-    from .fused_pass import triton_fused_columns, triton_fused_pass
+    from .fused_pass import frozen_chunk_bytes, triton_fused_columns, triton_fused_pass
 
-    if opts.memory == "low":
-        stats, dh, dw, db = triton_fused_columns(
-            hidden, weight, bias, targets, smoothing, token_weight, forward_config(hidden.dtype, hidden.device),
-            low_memory_chunk_bytes(*hidden.shape, opts.free_bytes), need_stats=opts.need_stats, z_loss=opts.z_loss)
+    if not (need_dw or need_db):  # a frozen head: by vocabulary columns
+        (n, d), v = hidden.shape, weight.shape[0]
+        chunk = (low_memory_chunk_bytes(n, d, opts.free_bytes) if opts.memory == "low"
+                 else frozen_chunk_bytes(n, v, d, opts.free_bytes))
+        stats, dh, dw, db = triton_fused_columns(hidden, weight, bias, targets, smoothing, token_weight,
+                                                 forward_config(hidden.dtype, hidden.device), chunk,
+                                                 need_stats=opts.need_stats, z_loss=opts.z_loss)
         return stats, (dh, dw, db)
     stats, dh, dw, db = triton_fused_pass(hidden, weight, bias, targets, smoothing, token_weight,
                                           forward_config(hidden.dtype, hidden.device), need_dh=need_dh,
