@@ -57,8 +57,8 @@ FUSED_CHUNK_BYTES = 1 << 30
 # R for every row in one chunk (with dW: written by one matmul, no fp32 accumulator) when that costs at most this much
 # more memory than the chunked layout (and, with memory="auto", fits the free memory). Measured on an H100 at N = 8192
 # (b = 0.1): trainable, the Gemma-3-270m head 13.0 ms with every row (4.3 GB) against 15.1 chunked (1.8 GB), a
-# Gemma-3-1B head (D = 1152) 22.4 against 30.6; frozen, Gemma-3-270m 8.9 against 9.5 ms, Gemma2-2B 27.7 against 29.2
-# (docs/benchmarks.md). 4 GiB takes these; Gemma-3-270m at N = 16384 (6.9 GB more) stays chunked.
+# Gemma-3-1B head (D = 1152) 22.4 against 30.6; frozen (every column in one chunk), Gemma-3-270m 8.9 against 9.3 ms in
+# 1 GiB of columns (docs/benchmarks.md). 4 GiB takes these; Gemma-3-270m at N = 16384 (6.9 GB more) stays chunked.
 EVERY_ROW_EXTRA_BYTES = 4 << 30
 
 

@@ -4,11 +4,11 @@ Shared by the eager op (``linear_cross_entropy._LinearCrossEntropy``) and the co
 that neither imports the other for them. Every path is exact:
 
 * fused (``fused_pass.py``): one logits pass whose kernel stores ``exp(z - c)`` in bf16, the gradients from it by
-  cuBLAS; bf16 on a GPU with TMA, no soft-cap (z-loss included);
+  cuBLAS; bf16 on a GPU with TMA, no soft-cap (z-loss included); a frozen head by chunks of vocabulary columns
+  (``fused_pass.triton_fused_columns``), ``memory="low"`` included;
 * two-pass (``backward.triton_gradients_by_columns``): the forward kernel's lse, then the logits recomputed on chip
-  and G written a chunk of vocabulary columns at a time; also ``memory="low"``, with small chunks, on every device,
-  except for a frozen head where the fused path runs: there the fused pass by vocabulary columns
-  (``fused_pass.triton_fused_columns``, the logits once);
+  and G written a chunk of vocabulary columns at a time; also ``memory="low"`` wherever dW or db is needed or the
+  fused pass cannot run, with small chunks, on every device;
 * one-pass (``train_pass.py``): fp32 logits from cuBLAS a chunk of rows at a time, read twice; every other case
   (soft-cap and fp16 above D = 1,024, the interpreter's CPU runs).
 """
