@@ -111,3 +111,18 @@ def test_patched_model_compiles_fullgraph_with_hf_loss_and_proof():
         assert abs(out.loss.item() - ref.item()) < 1e-5 * ref.item()
         for (name, p), q in zip(model.named_parameters(), stock.parameters()):
             assert rel(p.grad, q.grad) < 1e-4, name
+
+
+@pytest.mark.parametrize("backend,path", [("torch", None), ("triton", "one-pass"), ("triton", "two-pass")])
+def test_a_frozen_head_compiles(backend, path, monkeypatch):
+    """A frozen head without a bias (LoRA) under torch.compile: dW and db are both not needed, and the compiled
+    operator's outputs may not alias one another (torch refuses the call); dh against fp64."""
+    monkeypatch.setattr(config, "TRAIN_PATH", path)
+    h, w, y, _ = make_inputs(peaked=True)
+    hc = h.float().requires_grad_()
+    loss = _compiled(lambda h, w, y: linear_cross_entropy(h, w, y, label_smoothing=B, backend=backend))(
+        hc, w.float(), y)
+    loss.backward()
+    ref, dh, _, _ = reference(h, w, y, smoothing=B)
+    assert abs(loss.item() - ref.item()) < 1e-5 * abs(ref.item())
+    assert rel(hc.grad, dh) < 1e-5

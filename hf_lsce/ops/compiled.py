@@ -86,6 +86,12 @@ def _(hidden, weight, bias, targets, smoothing, softcap, backend, z_loss, need_s
             hidden.new_empty(n, dtype=dt), hidden.new_empty(n, dtype=dt))
 
 
+def _none(hidden):
+    """A gradient not needed: an empty tensor of its own (a custom operator's outputs may not alias each other; one
+    empty tensor returned for both dW and db made torch refuse a frozen head without a bias, LoRA's case)."""
+    return hidden.new_empty(0)
+
+
 @torch.library.custom_op("hf_lsce::token_loss_gradients", mutates_args=())
 def token_loss_gradients(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, lse: Tensor,
                          smoothing: Tensor, grad: Tensor, grad_lse: Optional[Tensor], softcap: Optional[float],
@@ -96,17 +102,16 @@ def token_loss_gradients(hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
     need_db = need_db and bias is not None
     dh, dw, db = loss_gradients(hidden, weight, bias, targets, lse, smoothing, grad, grad_lse, opts, one_pass,
                                 need_dh, need_dw, need_db)
-    empty = hidden.new_empty(0)
-    return (dh.to(hidden.dtype) if need_dh else empty, dw.to(weight.dtype) if need_dw else empty,
-            db.to(bias.dtype) if need_db and db is not None else empty)
+    return (dh.to(hidden.dtype) if need_dh else _none(hidden), dw.to(weight.dtype) if need_dw else _none(hidden),
+            db.to(bias.dtype) if need_db and db is not None else _none(hidden))
 
 
 @token_loss_gradients.register_fake
 def _(hidden, weight, bias, targets, lse, smoothing, grad, grad_lse, softcap, backend, z_loss, memory, accum_dtype,
       one_pass, need_dh, need_dw, need_db):
-    empty = hidden.new_empty(0)
-    return (torch.empty_like(hidden) if need_dh else empty, torch.empty_like(weight) if need_dw else empty,
-            torch.empty_like(bias) if need_db and bias is not None else empty)
+    return (torch.empty_like(hidden) if need_dh else _none(hidden),
+            torch.empty_like(weight) if need_dw else _none(hidden),
+            torch.empty_like(bias) if need_db and bias is not None else _none(hidden))
 
 
 def _setup_context(ctx, inputs, output):
@@ -148,11 +153,10 @@ def reduced_training_loss(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]
     gradient not needed is an empty tensor."""
     n, dt = hidden.shape[0], _stats_dtype(hidden)
     need_db = need_db and bias is not None
-    empty = hidden.new_empty(0)
     if n == 0:
         e = torch.zeros(0, dtype=dt, device=hidden.device)
-        kept = (torch.zeros_like(hidden) if need_dh else empty, torch.zeros_like(weight) if need_dw else empty,
-                torch.zeros_like(bias) if need_db else empty)
+        kept = (torch.zeros_like(hidden) if need_dh else _none(hidden), torch.zeros_like(weight) if need_dw
+                else _none(hidden), torch.zeros_like(bias) if need_db else _none(hidden))
         return (torch.zeros((), dtype=dt, device=hidden.device), e, torch.zeros(0, dtype=torch.long,
                 device=hidden.device), e.clone(), e.clone(), *kept)
     opts = training_options(hidden, weight, softcap, backend, z_loss, memory, accum_dtype, True,
@@ -163,19 +167,19 @@ def reduced_training_loss(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]
     per, nll = loss_terms(stats, smoothing, targets, weight.shape[0], z_loss)
     loss = per.sum() if denom is None else per.sum() / denom
     notify_training_call(observed_smoothing)
-    return (loss, lse.clone(), argmax.clone(), nll.clone(), entropy.clone(), dh.to(hidden.dtype) if need_dh else empty,
-            dw.to(weight.dtype) if need_dw else empty, db.to(bias.dtype) if need_db and db is not None else empty)
+    return (loss, lse.clone(), argmax.clone(), nll.clone(), entropy.clone(),
+            dh.to(hidden.dtype) if need_dh else _none(hidden), dw.to(weight.dtype) if need_dw else _none(hidden),
+            db.to(bias.dtype) if need_db and db is not None else _none(hidden))
 
 
 @reduced_training_loss.register_fake
 def _(hidden, weight, bias, targets, smoothing, token_weight, denom, softcap, backend, z_loss, need_stats, memory,
       accum_dtype, observed_smoothing, need_dh, need_dw, need_db):
     n, dt = hidden.shape[0], _stats_dtype(hidden)
-    empty = hidden.new_empty(0)
     return (hidden.new_empty((), dtype=dt), hidden.new_empty(n, dtype=dt), hidden.new_empty(n, dtype=torch.long),
             hidden.new_empty(n, dtype=dt), hidden.new_empty(n, dtype=dt),
-            torch.empty_like(hidden) if need_dh else empty, torch.empty_like(weight) if need_dw else empty,
-            torch.empty_like(bias) if need_db and bias is not None else empty)
+            torch.empty_like(hidden) if need_dh else _none(hidden), torch.empty_like(weight) if need_dw
+            else _none(hidden), torch.empty_like(bias) if need_db and bias is not None else _none(hidden))
 
 
 def _setup_reduced(ctx, inputs, output):
