@@ -31,8 +31,8 @@ class Options:
     memory: str = "fast"
     accum_dtype: torch.dtype | None = None
     need_stats: bool = False
-    # training: "one-pass" (train_pass), "two-pass" (two_pass_gradients; memory="low" too) or "fused" (fused_pass;
-    # with memory="low", a frozen head by vocabulary columns: _route)
+    # training: "one-pass" (train_pass), "two-pass" (two_pass_gradients; memory="low" too) or "fused" (fused_pass; a
+    # frozen head by vocabulary columns in every memory mode; under memory="low" dW or db take two-pass: _route)
     path: str = "one-pass"
     reduce: bool = False  # the first output is the reduced loss (sum / denom), not per-token losses
     free_bytes: int | None = None  # CUDA's free memory when memory="auto" resolved (fused layout, low chunk)
