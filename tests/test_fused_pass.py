@@ -304,15 +304,26 @@ def test_frozen_head_low_memory_by_vocabulary_columns(tma, monkeypatch, case):
 @pytest.mark.parametrize("trainable", ["weight", "bias"])
 def test_low_memory_takes_the_two_pass_computation_where_dw_or_db_is_needed(tma, monkeypatch, trainable):
     """memory='low' with a trainable head (or bias) on the fused path's inputs: dW and db need every row's
-    normalisation before a column chunk's product, so the two-pass computation runs (the fused columns do not), and
-    the gradients match fp64."""
-    monkeypatch.setattr(fp, "triton_fused_columns", lambda *a, **k: pytest.fail("the fused columns ran"))
-    h, w, y, b = inputs(seed=12, bias=True)
+    normalisation before a column chunk's product, so the gradients come from the two-pass computation, its
+    statistics from the fused pass without R (no dh there, no R stored), rows past the exponent range included: loss,
+    lse, argmax and the gradients against fp64."""
+    import hf_lsce.ops.backward as bw
+
+    calls, two_pass = [], []
+    real_cols, real_two = fp.triton_fused_columns, bw.triton_gradients_by_columns
+    monkeypatch.setattr(fp, "triton_fused_columns", lambda *a, **k: calls.append(k.get("need_dh", True)) or real_cols(
+        *a, **k))
+    monkeypatch.setattr(bw, "triton_gradients_by_columns", lambda *a, **k: two_pass.append(1) or real_two(*a, **k))
+    h, w, y, b = inputs(seed=12, bias=True, spike=True)
     sm = torch.full((N,), 0.1)
     hh, ww, bb = h.bfloat16().requires_grad_(), w.bfloat16(), b.bfloat16()
     (ww if trainable == "weight" else bb).requires_grad_()
-    linear_cross_entropy(hh, ww, y, bias=bb, label_smoothing=sm, reduction="sum", num_items_in_batch=29,
-                         backend="triton", memory="low").backward()
+    loss, stats = linear_cross_entropy(hh, ww, y, bias=bb, label_smoothing=sm, reduction="sum", num_items_in_batch=29,
+                                       backend="triton", memory="low", return_stats=True)
+    loss.backward()
+    assert calls == [False] and two_pass == [1], (calls, two_pass)
     ref = fp64(h.bfloat16().double(), w.bfloat16().double(), y, b.bfloat16().double(), sm, 29.0)
+    z = h.bfloat16().double() @ w.bfloat16().double().T + b.bfloat16().double()
     got = ww.grad if trainable == "weight" else bb.grad
+    assert rel(loss, ref[0]) < 1e-5 and rel(stats.lse, ref[4]) < 1e-6 and torch.equal(stats.argmax, z.argmax(-1))
     assert rel(hh.grad, ref[1]) < 2e-2 and rel(got, ref[2 if trainable == "weight" else 3]) < 2e-2

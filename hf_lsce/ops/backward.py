@@ -159,10 +159,11 @@ def triton_gradients_by_columns(hidden, weight, bias, targets, lse, grad, smooth
                                 need_dh: bool = True, need_dw: bool = True, need_db: bool = True,
                                 chunk_bytes: int | None = None, extra: torch.Tensor | None = None):
     """(dh, dW, db) of ``sum_n grad_n loss_n (+ extra_n p_n)`` (dh in hidden's dtype, dW in weight's, db fp32),
-    through chunks of vocabulary *columns* of G: the lse is known, so each chunk of columns is complete for every row. Its rows of
-    dW come from one matmul over all N (written once, one rounding, as torch's own bf16 path), its part of dh is
-    added into an fp32 accumulator (``4 N D`` bytes; one rounding at the end). The logits are recomputed on chip
-    (the TMA kernel where the device has one); G is written in the input dtype, ``chunk_bytes`` at a time."""
+    through chunks of vocabulary *columns* of G: the lse is known, so each chunk of columns is complete for every
+    row. Its rows of dW come from one matmul over all N (written once, one rounding, as torch's own bf16 path), its
+    part of dh is added into an fp32 accumulator (``4 N D`` bytes; one rounding at the end). The logits are
+    recomputed on chip (the TMA kernel where the device has one); G is written in the input dtype, ``chunk_bytes``
+    at a time."""
     from .config import GRAD_CHUNK_BYTES
 
     n, d = hidden.shape

@@ -125,7 +125,7 @@ TRAIN_PATH = os.environ.get("HF_LSCE_TRAIN_PATH") or None
 if TRAIN_PATH not in (None, "fused", "one-pass", "two-pass"):
     raise ValueError(f"HF_LSCE_TRAIN_PATH must be 'fused', 'one-pass' or 'two-pass' (or unset), got {TRAIN_PATH!r}.")
 
-# Memory for one chunk of G, the gradient of the logits, in the two-pass path and the recomputing backward (backward.py).
+# Memory for one chunk of G (the logits' gradient) in the two-pass path and the recomputing backward (backward.py).
 GRAD_CHUNK_BYTES = 1 << 30
 # Memory for one chunk of fp32 logits of the one-pass training path (train_pass.py). Larger chunks
 # mean fewer passes over dW (read and written once per chunk): measured on an H100 at the Gemma2-2B

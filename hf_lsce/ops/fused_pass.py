@@ -68,15 +68,16 @@ def _exp_tiles_tma_kernel(
     S_OUT, T_OUT, M_OUT, AM_OUT,
     N, V, D, NUM_SPLITS, stride_rn, r_exp_max,
     HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, STATS: tl.constexpr,
-    FIXUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    FIXUP: tl.constexpr, STORE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Per (vocabulary split, row block): R = exp(z - c) stored tile by tile, and per row over the split
     S = sum R, the max and (STATS) T = sum R (z - c) (entropy) and the argmax. The target logit and the sum of logits
     come from ``_offsets_kernel`` (a dot product per row), so the epilogue is a select, a max, an exponential, a sum
-    and a store per logit. FIXUP: the second launch, after the first wrote every split's row maxima:
-    a row whose max exceeds its offset by more than ``r_exp_max`` is flagged and redone with its max as the offset
-    (``_effective_offsets``, as ``_finish_rows_kernel`` does); only blocks holding a flagged row run (the others
-    return at once), and they redo every row of the block (the others with their own offsets, the same R)."""
+    and a store per logit (STORE; without it, the statistics alone). FIXUP: the second launch, after the first wrote
+    every split's row maxima: a row whose max exceeds its offset by more than ``r_exp_max`` is flagged and redone
+    with its max as the offset (``_effective_offsets``, as ``_finish_rows_kernel`` does); only blocks holding a
+    flagged row run (the others return at once), and they redo every row of the block (the others with their own
+    offsets, the same R)."""
     n0 = tl.program_id(1) * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -111,8 +112,9 @@ def _exp_tiles_tma_kernel(
                     t_acc += tl.sum(r * (tl.where(mask_v[None, :], z, 0.0) - c[:, None]), axis=1)
                 m = tl.maximum(m, tile_max)
                 s += tl.sum(r, axis=1)
-                tl.store(R + offs_n[:, None].to(tl.int64) * stride_rn + offs_v[None, :], r.to(R.dtype.element_ty),
-                         mask=mask_n[:, None] & mask_v[None, :])
+                if STORE:
+                    tl.store(R + offs_n[:, None].to(tl.int64) * stride_rn + offs_v[None, :],
+                             r.to(R.dtype.element_ty), mask=mask_n[:, None] & mask_v[None, :])
                 acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
         out = tl.program_id(0) * N + offs_n
         tl.store(S_OUT + out, s, mask=mask_n)
@@ -128,7 +130,7 @@ def supported(hidden, weight, softcap, z_loss, config) -> bool:
             and tma_ready(config, hidden, weight))
 
 
-def _exp_tiles(config, h, weight, bias, c, r, stats: bool, bufs=None, descs=None):
+def _exp_tiles(config, h, weight, bias, c, r, stats: bool, bufs=None, descs=None, store: bool = True):
     """Launch the kernel on the rows ``h`` (offsets ``c``, R into ``r``); returns (per-split buffers S, T, max,
     argmax; the tensor descriptors of h and W). ``bufs`` given: the fix-up launch, into the buffers and with the
     descriptors ``descs`` the first launch returned."""
@@ -151,7 +153,7 @@ def _exp_tiles(config, h, weight, bias, c, r, stats: bool, bufs=None, descs=None
         h_desc, w_desc, r, bias if bias is not None else weight, c,
         *bufs, n, v, d, splits, r.stride(0), R_EXP_MAX,
         HAS_BIAS=bias is not None, DOT_PRECISION=config.dot_precision, UPCAST=config.upcast_dot,
-        STATS=stats, FIXUP=fixup, BLOCK_N=config.block_n, BLOCK_V=config.block_v,
+        STATS=stats, FIXUP=fixup, STORE=store, BLOCK_N=config.block_n, BLOCK_V=config.block_v,
         BLOCK_D=config.block_d, num_warps=config.num_warps, num_stages=config.num_stages)
     return bufs, descs
 
@@ -530,8 +532,8 @@ def triton_fused_pass(hidden, weight, bias, targets, smoothing, scale, config, n
     return (lse, zy, sz, am, ent, loss, nll), dh, dw, db
 
 
-def triton_fused_columns(hidden, weight, bias, targets, smoothing, scale, config, chunk_bytes: int,
-                         need_stats=False, z_loss: float = 0.0):
+def triton_fused_columns(hidden, weight, bias, targets, smoothing, scale, config, chunk_bytes: int | None = None,
+                         need_stats=False, z_loss: float = 0.0, need_dh: bool = True):
     """A frozen head's statistics and dh (LoRA: no dW, no db) by the fused pass over chunks of vocabulary *columns*,
     every row at once, the logits computed once (``frozen_chunk_bytes``; ``memory="low"``: the low-memory budget).
     R of a chunk needs only the offsets, fixed before the pass, and a factor per row passes through ``R W``, so dh's
@@ -539,20 +541,23 @@ def triton_fused_columns(hidden, weight, bias, targets, smoothing, scale, config
     the normalisation, the uniform term and the target's term (``- w (1 - b) W_y``, where the trainable head's layouts
     change R's target entry) come once, at the end. A chunk that holds a row's max past its offset (``_offset_rule``)
     redoes that row with the max as its offset and scales what the row accumulated so far by exp(c_old - c_new).
-    ``chunk_bytes``: R's chunk (N x columns, bf16); one chunk where it holds every column. Returns what
-    ``triton_fused_pass`` returns, without dW and db (None)."""
+    ``chunk_bytes``: R's chunk (N x columns, bf16); one chunk where it holds every column (or None). Returns what
+    ``triton_fused_pass`` returns, without dW and db (None); ``need_dh=False``: the statistics alone, no R stored
+    (the low-memory mode's first pass where dW is needed: ``paths.statistics_and_gradients``)."""
     n, d = hidden.shape
     v = weight.shape[0]
     dev = hidden.device
-    one = chunk_bytes >= 2 * n * v  # every column in one chunk: the split statistics go straight to the row kernel
+    # every column in one chunk: the split statistics go straight to the row kernel
+    one = not need_dh or chunk_bytes is None or chunk_bytes >= 2 * n * v
     cols = v if one else min(v, max(config.block_v, chunk_bytes // (2 * n) // config.block_v * config.block_v))
-    r_buf = torch.empty(n, triton.cdiv(cols, 8) * 8, dtype=hidden.dtype, device=dev)  # 16-byte rows for cuBLAS
+    # 16-byte rows for cuBLAS; without dh no R is stored (hidden stands in for the pointer)
+    r_buf = torch.empty(n, triton.cdiv(cols, 8) * 8, dtype=hidden.dtype, device=dev) if need_dh else hidden
     colsum = _column_sums(weight)
     b_sum = bias.sum(dtype=torch.float32).reshape(1) if bias is not None else colsum
     rowbuf = torch.empty(12, n, dtype=torch.float32, device=dev)
     lse, zy, sz, ent, a, u, loss, nll, c, s_run, t_run, m_run = rowbuf
     am = torch.zeros(n, dtype=torch.long, device=dev)
-    acc = torch.empty(n, d, dtype=torch.float32, device=dev)
+    acc = torch.empty(n, d, dtype=torch.float32, device=dev) if need_dh else None
     grid, br, bd, warps = _rows_launch(n)
     _offsets_kernel[grid](hidden, weight, colsum, bias if bias is not None else colsum, b_sum, targets, c, sz, zy, n,
                           v, d, hidden.stride(0), weight.stride(0), C_SHIFT, HAS_BIAS=bias is not None, BLOCK_R=br,
@@ -565,15 +570,15 @@ def triton_fused_columns(hidden, weight, bias, targets, smoothing, scale, config
         c1 = min(v, c0 + cols)
         wc, r = weight[c0:c1], r_buf[:, :c1 - c0]
         bc = bias[c0:c1] if bias is not None else None
-        st, descs = _exp_tiles(config, hidden, wc, bc, c, r, need_stats)
-        _exp_tiles(config, hidden, wc, bc, c, r, need_stats, bufs=st, descs=descs)  # the flagged rows redone
+        st, descs = _exp_tiles(config, hidden, wc, bc, c, r, need_stats, store=need_dh)
+        _exp_tiles(config, hidden, wc, bc, c, r, need_stats, bufs=st, descs=descs, store=need_dh)  # flagged rows
         if not one:
             _merge_columns_kernel[grid](*st, c, s_run, t_run, m_run, am_run, acc, n, st[0].shape[0], d,
                                         acc.stride(0), c0, R_EXP_MAX, STATS=need_stats, HAS_ACC=c0 > 0, BLOCK_R=br,
                                         BLOCK_D=bd, num_warps=warps)
-        if c0 == 0:
+        if need_dh and c0 == 0:
             mm_f32(r, wc, acc)
-        else:
+        elif need_dh:
             addmm_f32(acc, r, wc)
     # several chunks: the running state as one split, M = the final offsets (no row's max exceeds them by more than
     # R_EXP_MAX, so the row kernel keeps them)
@@ -581,11 +586,13 @@ def triton_fused_columns(hidden, weight, bias, targets, smoothing, scale, config
     _finish_rows_kernel[grid](
         *state, c, zy, sz, targets, smoothing, scale, hidden, r_buf, hidden,
         lse, ent, am, a, u, loss, nll, n, state[0].shape[0] if one else 1, d, hidden.stride(0), r_buf.stride(0), 0,
-        1.0 / v, R_EXP_MAX, float(z_loss), STATS=need_stats, GRAD=True, R_TARGET=False, SCALE_H=False, BLOCK_R=br,
-        BLOCK_D=bd, num_warps=warps)
-    dh = torch.empty(n, d, dtype=hidden.dtype, device=dev)
-    _dh_rows_kernel[grid](acc, a, u, colsum, dh, targets, weight, scale, smoothing, n, d, acc.stride(0), dh.stride(0),
-                          weight.stride(0), TARGET=True, BLOCK_R=br, BLOCK_D=bd, num_warps=warps)
+        1.0 / v, R_EXP_MAX, float(z_loss), STATS=need_stats, GRAD=need_dh, R_TARGET=False, SCALE_H=False,
+        BLOCK_R=br, BLOCK_D=bd, num_warps=warps)
+    dh = None
+    if need_dh:
+        dh = torch.empty(n, d, dtype=hidden.dtype, device=dev)
+        _dh_rows_kernel[grid](acc, a, u, colsum, dh, targets, weight, scale, smoothing, n, d, acc.stride(0),
+                              dh.stride(0), weight.stride(0), TARGET=True, BLOCK_R=br, BLOCK_D=bd, num_warps=warps)
     if not need_stats:
         ent.zero_()
     return (lse, zy, sz, am, ent, loss, nll), dh, None, None

@@ -209,7 +209,15 @@ def statistics_and_gradients(hidden, weight, bias, targets, smoothing, token_wei
     if path == "fused":
         return _fused_gradients(hidden, weight, bias, targets, smoothing, token_weight, opts, need_dh, need_dw, need_db)
     if path == "two-pass":
-        stats = forward_stats(hidden, weight, bias, targets, opts.softcap, opts.backend, stats=opts.need_stats)
+        if opts.path == "fused":  # memory="low" with dW or db (_route): the fused pass's statistics, no R stored
+            from .config import forward_config
+            from .fused_pass import triton_fused_columns
+
+            stats = triton_fused_columns(hidden, weight, bias, targets, smoothing, token_weight,
+                                         forward_config(hidden.dtype, hidden.device), need_stats=opts.need_stats,
+                                         z_loss=opts.z_loss, need_dh=False)[0]
+        else:
+            stats = forward_stats(hidden, weight, bias, targets, opts.softcap, opts.backend, stats=opts.need_stats)
         return stats, two_pass_gradients(hidden, weight, bias, targets, smoothing, token_weight, stats[0], opts,
                                          need_dh, need_dw, need_db)
     from .train_pass import triton_train_pass
