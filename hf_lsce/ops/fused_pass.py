@@ -32,11 +32,13 @@ in it as two extra rows (R's rows of ones against the hi and lo bf16 halves of `
 once and no ``V x D`` fp32 buffer is written, read back and cast (at the Gemma2-2B shape that traffic was about
 7 ms of 49). Otherwise rows are processed ``FUSED_CHUNK_BYTES`` of R at a time (so memory does not grow with N);
 dW is accumulated across chunks in fp32 (``4 V D`` bytes, one rounding at the end; the last chunk's matmul also adds
-the rank-one term, by the same two rows). The z-loss ``lam lse^2`` multiplies p by ``k_n = 1 + 2 lam lse_n``, one
-more factor per row (``a_n = w_n k_n / S_n``, the target entry ``R_ny - (1 - b_n) S_n / k_n``). bf16 only: fp16's
-range cannot hold R, and W in bf16 for dh's matmul would lose fp16's digits. Not with soft-cap: its derivative
-``1 - tanh^2`` is a factor per *logit*, so the uniform term ``u 1^T`` times it is no longer rank one and dh, dW would
-need a second N x V matrix (soft-cap and fp16 take the one-pass path: docs/how_it_works.md).
+the rank-one term, by the same two rows). A frozen head (no dW, no db: LoRA) goes by chunks of vocabulary
+*columns* instead, every row at once (``triton_fused_columns``; ``memory="low"`` too). The z-loss ``lam lse^2``
+multiplies p by ``k_n = 1 + 2 lam lse_n``, one more factor per row (``a_n = w_n k_n / S_n``, the target entry
+``R_ny - (1 - b_n) S_n / k_n``). bf16 only: fp16's range cannot hold R, and W in bf16 for dh's matmul would lose
+fp16's digits. Not with soft-cap: its derivative ``1 - tanh^2`` is a factor per *logit*, so the uniform term
+``u 1^T`` times it is no longer rank one and dh, dW would need a second N x V matrix (soft-cap and fp16 take the
+one-pass path: docs/how_it_works.md).
 """
 from __future__ import annotations
 
