@@ -377,11 +377,12 @@ def preferred(n: int, v: int, d: int, need_dw: bool, free_bytes: int | None = No
 
 def extra_memory(n: int, v: int, d: int, need_dw: bool = True, free_bytes: int | None = None) -> int:
     """Bytes the fused path holds beyond its inputs and outputs, for ``memory="auto"``: R for every row (direct
-    layout), or one chunk of R and (dW needed) dW's fp32 accumulator."""
+    layout), or one chunk of R and dW's fp32 accumulator; a frozen head: R (every column where it fits, else a chunk
+    of ``FUSED_CHUNK_BYTES``) and dh's fp32 accumulator (``triton_fused_columns``: 1 GiB at N = 65,536, D = 4,096)."""
     v_pad, rows, direct = layout(n, v, d, need_dw, free_bytes=free_bytes)
     if direct:
         return (n + 2) * v_pad * 2
-    return rows * v_pad * 2 + (v * d * 4 if need_dw else 0)  # (a frozen head: every row where that fits, rows = n)
+    return rows * v_pad * 2 + (v * d * 4 if need_dw else 4 * n * d)
 
 
 class _ExactBf16Reduction:
