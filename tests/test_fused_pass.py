@@ -152,10 +152,11 @@ def test_fused_path_with_z_loss(tma, monkeypatch, z_loss):
         assert frozen or rel(w2.grad, ww.grad) < 2e-2
 
 
-@pytest.mark.parametrize("layout", ["chunked", "every row"])
+@pytest.mark.parametrize("layout", ["every row", "column chunks", "row chunks"])
 def test_fused_path_with_a_frozen_head(tma, monkeypatch, layout):
     """A frozen head (LoRA): no dW, so no direct dW; dh against fp64, by the fused pass over vocabulary columns, in
-    1 GiB (here: 64-column) chunks where every row's R does not fit the allowance, else in one chunk."""
+    one chunk where every row's R fits the allowance, else in chunks (here 64 columns), or in chunks of rows where
+    the columns' fp32 dh accumulator would be large (``frozen_chunk_bytes``: here a chunk of 16 rows' R)."""
     h, w, y, _ = inputs(seed=7)
     sm = torch.full((N,), 0.1)
     config.TRAIN_PATH = "fused"
@@ -163,11 +164,13 @@ def test_fused_path_with_a_frozen_head(tma, monkeypatch, layout):
     real_direct, real_layout, real_tiles = fp._direct_dw, fp.layout, fp._exp_tiles
     monkeypatch.setattr(fp, "_direct_dw", lambda *a: direct.append(1) or real_direct(*a))
     monkeypatch.setattr(fp, "layout", lambda *a, **k: rows.append(real_layout(*a, **k)[1]) or real_layout(*a, **k))
-    monkeypatch.setattr(fp, "_exp_tiles", lambda cfg, h, w, *a, **k: widths.append(w.shape[0]) or real_tiles(
-        cfg, h, w, *a, **k))
-    if layout == "chunked":
+    monkeypatch.setattr(fp, "_exp_tiles", lambda cfg, h, w, *a, **k: widths.append((h.shape[0], w.shape[0])) or
+                        real_tiles(cfg, h, w, *a, **k))
+    if layout != "every row":
         monkeypatch.setattr(fp, "EVERY_ROW_EXTRA_BYTES", -(1 << 40))
-        monkeypatch.setattr(fp, "FUSED_CHUNK_BYTES", 16 * 208 * 2)
+        monkeypatch.setattr(fp, "FUSED_CHUNK_BYTES", 16 * 208 * 2)  # 4 N D = 7,104 bytes: over a quarter of it
+    if layout == "column chunks":
+        monkeypatch.setattr(fp, "frozen_chunk_bytes", lambda *a, **k: N * 2 * 64)
     try:
         hh = h.bfloat16().requires_grad_()
         loss = linear_cross_entropy(hh, w.bfloat16(), y, label_smoothing=sm, reduction="sum", num_items_in_batch=29,
@@ -176,8 +179,10 @@ def test_fused_path_with_a_frozen_head(tma, monkeypatch, layout):
     finally:
         config.TRAIN_PATH = None
     ref = fp64(h.bfloat16().double(), w.bfloat16().double(), y, None, sm, 29.0)
-    assert not direct and rows and all((r < N) == (layout == "chunked") for r in rows), rows
-    assert widths == ([64] * 6 + [V - 3 * 64] * 2 if layout == "chunked" else [V] * 2), widths
+    assert not direct
+    expected = {"every row": [(N, V)] * 2, "column chunks": [(N, 64)] * 6 + [(N, V - 3 * 64)] * 2,
+                "row chunks": [(16, V)] * 4 + [(N - 32, V)] * 2}[layout]
+    assert widths == expected, widths
     assert rel(loss, ref[0]) < 1e-5 and rel(hh.grad, ref[1]) < 2e-2
 
 
@@ -206,6 +211,13 @@ def test_fused_layout_and_its_memory():
     v_pad, rows, direct = fp.layout(16384, 262144, 640, False)
     assert not direct and rows < 16384
     assert fp.extra_memory(16384, 262144, 640, need_dw=False) == rows * v_pad * 2 + 2 * acc
+    # a frozen head by chunks of columns while dh's fp32 accumulator (4 N D) is within a quarter of the chunk, else
+    # by chunks of rows: the Gemma-3-270m head at N = 16,384 by columns, LoRA on Llama-3-8B at 28 x 4,096 by rows
+    assert fp.frozen_chunk_bytes(16384, 262144, 640) == fp.FUSED_CHUNK_BYTES
+    assert fp.frozen_chunk_bytes(8192, 262144, 640) == 8192 * 262144 * 2  # every column, one chunk
+    assert fp.frozen_chunk_bytes(28 * 4096, 128256, 4096) is None
+    rows_8b = fp.layout(28 * 4096, 128256, 4096, False)[1]
+    assert fp.extra_memory(28 * 4096, 128256, 4096, need_dw=False) == rows_8b * 128256 * 2 + 4 * rows_8b * 4096
     whole = 8192 * 262144 * 2  # a frozen head's every row, without the free memory for it: chunks again
     assert fp.layout(8192, 262144, 640, False, free_bytes=int(1.25 * whole))[1] == 8192
     assert fp.layout(8192, 262144, 640, False, free_bytes=int(1.25 * whole) - 1)[1] < 8192

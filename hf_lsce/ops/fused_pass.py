@@ -378,11 +378,14 @@ def preferred(n: int, v: int, d: int, need_dw: bool, free_bytes: int | None = No
 def extra_memory(n: int, v: int, d: int, need_dw: bool = True, free_bytes: int | None = None) -> int:
     """Bytes the fused path holds beyond its inputs and outputs, for ``memory="auto"``: R for every row (direct
     layout), or one chunk of R and dW's fp32 accumulator; a frozen head: R (every column where it fits, else a chunk
-    of ``FUSED_CHUNK_BYTES``) and dh's fp32 accumulator (``triton_fused_columns``: 1 GiB at N = 65,536, D = 4,096)."""
+    of ``FUSED_CHUNK_BYTES``) and dh's fp32 accumulator (every row by columns, one chunk of rows: see
+    ``frozen_chunk_bytes``)."""
     v_pad, rows, direct = layout(n, v, d, need_dw, free_bytes=free_bytes)
     if direct:
         return (n + 2) * v_pad * 2
-    return rows * v_pad * 2 + (v * d * 4 if need_dw else 4 * n * d)
+    if need_dw:
+        return rows * v_pad * 2 + v * d * 4
+    return rows * v_pad * 2 + 4 * (n if frozen_chunk_bytes(n, v, d, free_bytes) else rows) * d
 
 
 class _ExactBf16Reduction:
@@ -601,10 +604,15 @@ def triton_fused_columns(hidden, weight, bias, targets, smoothing, scale, config
     return (lse, zy, sz, am, ent, loss, nll), dh, None, None
 
 
-def frozen_chunk_bytes(n: int, v: int, d: int, free_bytes: int | None = None) -> int:
+def frozen_chunk_bytes(n: int, v: int, d: int, free_bytes: int | None = None) -> int | None:
     """R's column chunk for a frozen head (``triton_fused_columns``) outside the low-memory mode: every column where
-    ``layout`` keeps every row (the same allowance and free-memory rule), else ``FUSED_CHUNK_BYTES``. Measured on an
-    H100 (b = 0.1): at the Gemma-3-270m head with N = 16,384, 1 GiB chunks of columns 18.3 ms against 19.5 for 1 GiB
-    chunks of rows, the layout before (docs/benchmarks.md, settled experiments: frozen_cols_fast.py)."""
+    ``layout`` keeps every row (the same allowance and free-memory rule), else ``FUSED_CHUNK_BYTES`` while dh's fp32
+    accumulator (``4 N D`` bytes) stays within a quarter of it; past that None: the chunks of rows
+    (``triton_fused_pass``), whose accumulator covers one chunk of rows, so the call's memory stays about the chunk's
+    (the columns' accumulator is 1.9 GB for LoRA on Llama-3-8B at 28 x 4,096 tokens). Measured on an H100 (b = 0.1):
+    at the Gemma-3-270m head with N = 16,384 (a 42 MB accumulator), 1 GiB chunks of columns 18.3 ms against 19.5 for
+    1 GiB chunks of rows (docs/benchmarks.md, settled experiments: frozen_cols_fast.py)."""
     v_pad, rows, _ = layout(n, v, d, False, free_bytes=free_bytes)
-    return n * v_pad * 2 if rows == n else FUSED_CHUNK_BYTES
+    if rows == n:
+        return n * v_pad * 2
+    return FUSED_CHUNK_BYTES if 4 * n * d <= FUSED_CHUNK_BYTES // 4 else None

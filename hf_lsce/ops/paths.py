@@ -269,10 +269,12 @@ def _fused_gradients(hidden, weight, bias, targets, smoothing, token_weight, opt
     from .config import forward_config, low_memory_chunk_bytes
     from .fused_pass import frozen_chunk_bytes, triton_fused_columns, triton_fused_pass
 
-    if not (need_dw or need_db):  # a frozen head: by vocabulary columns
-        (n, d), v = hidden.shape, weight.shape[0]
+    (n, d), v = hidden.shape, weight.shape[0]
+    chunk = None
+    if not (need_dw or need_db):  # a frozen head: by vocabulary columns (unless their accumulator is large)
         chunk = (low_memory_chunk_bytes(n, d, opts.free_bytes) if opts.memory == "low"
                  else frozen_chunk_bytes(n, v, d, opts.free_bytes))
+    if chunk is not None:
         stats, dh, dw, db = triton_fused_columns(hidden, weight, bias, targets, smoothing, token_weight,
                                                  forward_config(hidden.dtype, hidden.device), chunk,
                                                  need_stats=opts.need_stats, z_loss=opts.z_loss)
