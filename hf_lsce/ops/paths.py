@@ -32,7 +32,8 @@ class Options:
     accum_dtype: torch.dtype | None = None
     need_stats: bool = False
     # training: "one-pass" (train_pass), "two-pass" (two_pass_gradients; memory="low" too) or "fused" (fused_pass; a
-    # frozen head by vocabulary columns in every memory mode; under memory="low" dW or db take two-pass: _route)
+    # frozen head by vocabulary columns in every memory mode; under memory="low" dW or db take two passes:
+    # _fused_gradients)
     path: str = "one-pass"
     reduce: bool = False  # the first output is the reduced loss (sum / denom), not per-token losses
     free_bytes: int | None = None  # CUDA's free memory when memory="auto" resolved (fused layout, low chunk)
@@ -147,7 +148,7 @@ def training_options(hidden, weight, softcap, backend, z_loss, memory, accum_dty
         free = free_cuda_memory(hidden.device)
         path = _train_path(hidden, weight, softcap, z_loss, accum_dtype, free)
     mem = _resolve_memory(memory, one_pass, hidden, weight, accum_dtype, path, free)
-    if mem == "low":  # a frozen head: the fused pass by vocabulary columns where it runs (see _route)
+    if mem == "low":  # the fused pass's statistics and a frozen head's columns where it runs (see _fused_gradients)
         path = "fused" if one_pass and _fused_runs(hidden, weight, softcap, z_loss) else "two-pass"
     return Options(softcap=softcap, backend=backend, z_loss=float(z_loss), memory=mem, accum_dtype=accum_dtype,
                    need_stats=need_stats, path=path, reduce=reduce, free_bytes=free)
@@ -193,31 +194,14 @@ def _resolve_memory(memory, one_pass, hidden, weight, accum_dtype, path="one-pas
     return "low" if free < MEMORY_HEADROOM * _buffer_bytes(hidden, weight, accum_dtype, path, free) else "fast"
 
 
-def _route(opts, need_dw, need_db) -> str:
-    """The path a training call runs: ``opts.path``, except that under ``memory="low"`` the fused pass (by vocabulary
-    columns: ``fused_pass.triton_fused_columns``) serves a frozen head only; dW or db take the two-pass computation."""
-    if opts.memory == "low" and opts.path == "fused" and (need_dw or need_db):
-        return "two-pass"
-    return opts.path
-
-
 def statistics_and_gradients(hidden, weight, bias, targets, smoothing, token_weight, opts, need_dh, need_dw,
                              need_db):
     """The training paths' forward: (statistics, (dh, dw, db) of ``sum_n token_weight_n loss_n``) by the path
     ``opts`` names (fused, two-pass, or the one-pass ``train_pass``)."""
-    path = _route(opts, need_dw, need_db)
-    if path == "fused":
+    if opts.path == "fused":
         return _fused_gradients(hidden, weight, bias, targets, smoothing, token_weight, opts, need_dh, need_dw, need_db)
-    if path == "two-pass":
-        if opts.path == "fused":  # memory="low" with dW or db (_route): the fused pass's statistics, no R stored
-            from .config import forward_config
-            from .fused_pass import triton_fused_columns
-
-            stats = triton_fused_columns(hidden, weight, bias, targets, smoothing, token_weight,
-                                         forward_config(hidden.dtype, hidden.device), need_stats=opts.need_stats,
-                                         z_loss=opts.z_loss, need_dh=False)[0]
-        else:
-            stats = forward_stats(hidden, weight, bias, targets, opts.softcap, opts.backend, stats=opts.need_stats)
+    if opts.path == "two-pass":
+        stats = forward_stats(hidden, weight, bias, targets, opts.softcap, opts.backend, stats=opts.need_stats)
         return stats, two_pass_gradients(hidden, weight, bias, targets, smoothing, token_weight, stats[0], opts,
                                          need_dh, need_dw, need_db)
     from .train_pass import triton_train_pass
@@ -231,11 +215,10 @@ def statistics_and_gradients(hidden, weight, bias, targets, smoothing, token_wei
 def recompute_kept(hidden, weight, bias, targets, smoothing, token_weight, lse, opts, need_dh, need_dw, need_db):
     """The training path's gradients again, by the same computation as the forward's (a second backward, or the
     compiled backward of per-token losses)."""
-    path = _route(opts, need_dw, need_db)
-    if path == "fused":
+    if opts.path == "fused":
         return _fused_gradients(hidden, weight, bias, targets, smoothing, token_weight, opts, need_dh, need_dw,
-                                need_db)[1]
-    if path == "two-pass":
+                                need_db, lse)[1]
+    if opts.path == "two-pass":
         return two_pass_gradients(hidden, weight, bias, targets, smoothing, token_weight, lse, opts, need_dh, need_dw,
                                   need_db)
     return statistics_and_gradients(hidden, weight, bias, targets, smoothing, token_weight, opts, need_dh, need_dw,
@@ -263,26 +246,37 @@ def loss_gradients(hidden, weight, bias, targets, lse, smoothing, grad, grad_lse
                           need_dw=need_dw, extra=extra)
 
 
-def _fused_gradients(hidden, weight, bias, targets, smoothing, token_weight, opts, need_dh, need_dw, need_db):
+def _fused_gradients(hidden, weight, bias, targets, smoothing, token_weight, opts, need_dh, need_dw, need_db,
+                     lse=None):
     """The fused training path (``fused_pass``): statistics and gradients from one logits pass whose kernel stores
-    the shifted exponentials; ``(stats, (dh, dw, db))``."""
+    the shifted exponentials; ``(stats, (dh, dw, db))``. A frozen head goes by vocabulary columns
+    (``fused_pass.triton_fused_columns``). Under ``memory="low"`` dW or db need every row's normalisation before a
+    chunk's product: the fused pass gives the statistics alone (no R stored; ``lse`` given, as a second backward has
+    it: none) and the two-pass computation the gradients."""
     from .config import forward_config, low_memory_chunk_bytes
     from .fused_pass import frozen_chunk_bytes, triton_fused_columns, triton_fused_pass
 
+    cfg = forward_config(hidden.dtype, hidden.device)
     (n, d), v = hidden.shape, weight.shape[0]
+    if opts.memory == "low" and (need_dw or need_db):
+        stats = None
+        if lse is None:
+            stats = triton_fused_columns(hidden, weight, bias, targets, smoothing, token_weight, cfg,
+                                         need_stats=opts.need_stats, z_loss=opts.z_loss, need_dh=False)[0]
+            lse = stats[0]
+        return stats, two_pass_gradients(hidden, weight, bias, targets, smoothing, token_weight, lse, opts, need_dh,
+                                         need_dw, need_db)
     chunk = None
     if not (need_dw or need_db):  # a frozen head: by vocabulary columns (unless their accumulator is large)
         chunk = (low_memory_chunk_bytes(n, d, opts.free_bytes) if opts.memory == "low"
                  else frozen_chunk_bytes(n, v, d, opts.free_bytes))
     if chunk is not None:
-        stats, dh, dw, db = triton_fused_columns(hidden, weight, bias, targets, smoothing, token_weight,
-                                                 forward_config(hidden.dtype, hidden.device), chunk,
+        stats, dh, dw, db = triton_fused_columns(hidden, weight, bias, targets, smoothing, token_weight, cfg, chunk,
                                                  need_stats=opts.need_stats, z_loss=opts.z_loss)
         return stats, (dh, dw, db)
-    stats, dh, dw, db = triton_fused_pass(hidden, weight, bias, targets, smoothing, token_weight,
-                                          forward_config(hidden.dtype, hidden.device), need_dh=need_dh,
-                                          need_dw=need_dw, need_db=need_db, need_stats=opts.need_stats,
-                                          free_bytes=opts.free_bytes, z_loss=opts.z_loss)
+    stats, dh, dw, db = triton_fused_pass(hidden, weight, bias, targets, smoothing, token_weight, cfg,
+                                          need_dh=need_dh, need_dw=need_dw, need_db=need_db,
+                                          need_stats=opts.need_stats, free_bytes=opts.free_bytes, z_loss=opts.z_loss)
     return stats, (dh, dw, db)
 
 
