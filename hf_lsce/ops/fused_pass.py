@@ -445,13 +445,24 @@ def _direct_dw(r_buf, hs, u_all, hidden, n: int, v: int, weight) -> torch.Tensor
     return dw
 
 
-def _column_sums(weight):
-    """``sum_v W_v`` in fp32 by one matmul with a row of ones (fp32 accumulation and output): ``weight.sum(0,
-    dtype=torch.float32)`` allocated a reduction buffer of 139-295 MB at the Gemma-3-270m, Llama-3-8B and Gemma2-2B
-    heads (H100, memory snapshot), more than the low-memory mode's whole budget."""
+def _column_sums(weight, bias):
+    """(``sum_v W_v``, the bias's sum or that same tensor without a bias) in fp32: the rows' sums of logits and
+    offsets (``_row_offsets``) and dh's uniform term. The first by one matmul with a row of ones (fp32 accumulation
+    and output): ``weight.sum(0, dtype=torch.float32)`` allocated a reduction buffer of 139-295 MB at the
+    Gemma-3-270m, Llama-3-8B and Gemma2-2B heads (H100, memory snapshot), more than the low-memory mode's budget."""
     out = torch.empty(1, weight.shape[1], dtype=torch.float32, device=weight.device)
     mm_f32(torch.ones(1, weight.shape[0], dtype=weight.dtype, device=weight.device), weight, out)
-    return out[0]
+    return out[0], (bias.sum(dtype=torch.float32).reshape(1) if bias is not None else out[0])
+
+
+def _row_offsets(h, weight, bias, sums, y, c, sz, zy) -> None:
+    """``_offsets_kernel`` on the rows ``h`` (``sums``: ``_column_sums``): their offsets, sums of logits and target
+    logits into ``c``, ``sz`` and ``zy``."""
+    grid, br, bd, warps = _rows_launch(h.shape[0])
+    colsum, b_sum = sums
+    _offsets_kernel[grid](h, weight, colsum, bias if bias is not None else colsum, b_sum, y, c, sz, zy, h.shape[0],
+                          weight.shape[0], h.shape[1], h.stride(0), weight.stride(0), C_SHIFT,
+                          HAS_BIAS=bias is not None, BLOCK_R=br, BLOCK_D=bd, num_warps=warps)
 
 
 def _rows_launch(n: int):
@@ -479,8 +490,8 @@ def triton_fused_pass(hidden, weight, bias, targets, smoothing, scale, config, n
         rows = rows // config.block_n * config.block_n  # whole row blocks per chunk
     extra = 2 if need_dw else 0  # the rank-one term's rows (see _rank_one_rows)
     r_buf = torch.empty(rows + extra, v_pad, dtype=hidden.dtype, device=dev)
-    colsum = _column_sums(weight)  # the rows' sums of logits (and offsets), and dh's uniform term
-    b_sum = bias.sum(dtype=torch.float32).reshape(1) if bias is not None else colsum
+    sums = _column_sums(weight, bias)
+    colsum = sums[0]  # also dh's uniform term
     rowbuf = torch.empty(8, n, **f32)  # per-row fp32 outputs and scratch in one allocation
     lse, zy, sz, ent, a_all, u_all, loss, nll = rowbuf
     am = torch.zeros(n, dtype=torch.long, device=dev)
@@ -496,9 +507,7 @@ def triton_fused_pass(hidden, weight, bias, targets, smoothing, scale, config, n
         nr = e0 - s0
         h, y, r, c = hidden[s0:e0], targets[s0:e0], r_buf[:nr, :v], c_buf[:nr]
         grid, br, bd, warps = _rows_launch(nr)
-        _offsets_kernel[grid](h, weight, colsum, bias if bias is not None else colsum, b_sum, y, c, sz[s0:e0],
-                              zy[s0:e0], nr, v, d, h.stride(0), weight.stride(0), C_SHIFT,
-                              HAS_BIAS=bias is not None, BLOCK_R=br, BLOCK_D=bd, num_warps=warps)
+        _row_offsets(h, weight, bias, sums, y, c, sz[s0:e0], zy[s0:e0])
         st, descs = _exp_tiles(config, h, weight, bias, c, r, need_stats)
         _exp_tiles(config, h, weight, bias, c, r, need_stats, bufs=st, descs=descs)  # the flagged rows redone
         a, u = a_all[s0:e0], u_all[s0:e0]
@@ -558,16 +567,14 @@ def triton_fused_columns(hidden, weight, bias, targets, smoothing, scale, config
     cols = v if one else min(v, max(config.block_v, chunk_bytes // (2 * n) // config.block_v * config.block_v))
     # 16-byte rows for cuBLAS; without dh no R is stored (hidden stands in for the pointer)
     r_buf = torch.empty(n, triton.cdiv(cols, 8) * 8, dtype=hidden.dtype, device=dev) if need_dh else hidden
-    colsum = _column_sums(weight)
-    b_sum = bias.sum(dtype=torch.float32).reshape(1) if bias is not None else colsum
+    sums = _column_sums(weight, bias)
+    colsum = sums[0]  # also dh's uniform term
     rowbuf = torch.empty(12, n, dtype=torch.float32, device=dev)
     lse, zy, sz, ent, a, u, loss, nll, c, s_run, t_run, m_run = rowbuf
     am = torch.zeros(n, dtype=torch.long, device=dev)
     acc = torch.empty(n, d, dtype=torch.float32, device=dev) if need_dh else None
     grid, br, bd, warps = _rows_launch(n)
-    _offsets_kernel[grid](hidden, weight, colsum, bias if bias is not None else colsum, b_sum, targets, c, sz, zy, n,
-                          v, d, hidden.stride(0), weight.stride(0), C_SHIFT, HAS_BIAS=bias is not None, BLOCK_R=br,
-                          BLOCK_D=bd, num_warps=warps)
+    _row_offsets(hidden, weight, bias, sums, targets, c, sz, zy)
     if not one:
         rowbuf[9:11].zero_()
         m_run.fill_(float("-inf"))
