@@ -4,8 +4,9 @@
    frozen head, against fp64 on materialised logits: bf16 (and fp16), ragged and aligned vocabularies (TMA and
    pointer kernels), soft-cap, bias, per-token b, a tensor ``num_items_in_batch``; each call and its backward under
    ``torch.cuda.set_sync_debug_mode("error")`` (no host synchronisation).
-2. real sizes: Gemma2-2B and Llama-3-8B heads (N = 8,192) on the realistic generator, the default path and
-   ``memory="low"``, trainable and frozen, beside torch's own bf16 path (bf16 logits, as Hugging Face computes).
+2. real sizes: Gemma2-2B (also soft-capped at 30) and Llama-3-8B heads (N = 8,192) on the realistic generator, the
+   default path and ``memory="low"``, trainable and frozen, beside torch's own bf16 path (bf16 logits, as Hugging
+   Face computes).
 3. evaluation: the forward kernel's loss, lse, entropy and argmax against fp32 logits.
 4. edge shapes: fewer rows than a block, a vocabulary smaller than a tile, odd V, D = 40.
 5. behaviour: a bad target gives a NaN loss and no gradient, the next call raises the ValueError, the one after is
@@ -121,19 +122,73 @@ def paths_section(emit):
 def real_section(emit):
     from real_inputs import fitted_params, realistic_batch
 
-    for shape, (n, d, v) in (("gemma2-2b", (8192, 2304, 256000)), ("llama3-8b", (8192, 4096, 128256))):
+    for shape, (n, d, v), cap in (("gemma2-2b", (8192, 2304, 256000), None), ("gemma2-2b", (8192, 2304, 256000), 30.0),
+                                  ("llama3-8b", (8192, 4096, 128256), None)):
         h, w, y = realistic_batch(n, d, v, seed=3, device=DEV, **fitted_params())
         y = y.masked_fill(torch.rand(n, device=DEV, generator=torch.Generator(DEV).manual_seed(1)) < 0.2, -100)
         items = (y >= 0).sum()
         for frozen in (False, True):
-            ref = reference(h, w, None, y, 0.1, None, items, frozen=frozen)
-            base = dict(section="real", shape=shape, head="frozen" if frozen else "trainable", b=0.1)
+            ref = reference(h, w, None, y, 0.1, cap, items, frozen=frozen)
+            base = dict(section="real", shape=shape, softcap=cap, head="frozen" if frozen else "trainable", b=0.1)
             emit(dict(base, path="torch bf16 logits", **errors(
-                reference(h, w, None, y, 0.1, None, items, dtype=torch.bfloat16, frozen=frozen), ref)))
+                reference(h, w, None, y, 0.1, cap, items, dtype=torch.bfloat16, frozen=frozen), ref)))
             for name, kw in (("default", {}), ("memory=low", dict(memory="low"))):
-                emit(dict(base, path=name, **errors(run_op(h, w, None, y, 0.1, None, items, frozen, **kw), ref)))
+                emit(dict(base, path=name, **errors(run_op(h, w, None, y, 0.1, cap, items, frozen, **kw), ref)))
         del h, w, y
         torch.cuda.empty_cache()
+    gemma2_patched(emit)
+
+
+def gemma2_patched(emit):
+    """A patched Gemma 2 (Gemma2-2B's width, vocabulary and soft-cap of 30; two layers, bf16, 4 x 1,024 tokens): its
+    loss against the stock model's smoothed loss of its own capped logits, and its gradients against the stock
+    model's in fp32 (the relative errors of the stock bf16 model's gradients beside them), with the fused pass run on
+    the capped logits and no logits returned."""
+    import torch.nn.functional as F
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import hf_lsce.ops.fused_pass as fp
+    from hf_lsce import apply_lsce_patch
+
+    cfg = AutoConfig.for_model("gemma2", vocab_size=256000, hidden_size=2304, intermediate_size=9216,
+                               num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                               final_logit_softcapping=30.0, attn_implementation="eager")
+    g = torch.Generator(device=DEV).manual_seed(5)
+    ids = torch.randint(0, cfg.vocab_size, (4, 1024), device=DEV, generator=g)
+    labels = ids.masked_fill(torch.rand(ids.shape, device=DEV, generator=g) < 0.1, -100)
+    items = (labels[:, 1:] != -100).sum()
+    grads, losses = {}, {}
+    for name, dt in (("fp32", torch.float32), ("stock", torch.bfloat16), ("patched", torch.bfloat16)):
+        torch.manual_seed(0)
+        with torch.device(DEV):
+            model = AutoModelForCausalLM.from_config(cfg, dtype=dt).train()
+        capped = []
+        if name == "patched":
+            apply_lsce_patch(model, label_smoothing=0.1)
+            real = fp.triton_fused_pass
+            fp.triton_fused_pass = lambda *a, **k: capped.append(k.get("softcap")) or real(*a, **k)
+            try:
+                out = model(input_ids=ids, labels=labels, num_items_in_batch=items)
+                loss = out.loss
+                loss.backward()
+            finally:
+                fp.triton_fused_pass = real
+        else:
+            out = model(input_ids=ids)
+            loss = F.cross_entropy(out.logits.float()[:, :-1].flatten(0, 1), labels[:, 1:].flatten(),
+                                   label_smoothing=0.1, reduction="sum") / items
+            loss.backward()
+        losses[name] = float(loss)
+        grads[name] = {k: p.grad.float() for k, p in model.named_parameters()}
+        if name == "patched":
+            engaged = capped == [30.0] and out.logits is None
+        del model, out, loss
+        torch.cuda.empty_cache()
+    worst = lambda a: max(rel(grads[a][k], grads["fp32"][k]) for k in grads[a])  # noqa: E731
+    emit(dict(section="real", check="patched Gemma 2 (soft-cap 30)", loss_fp32=losses["fp32"],
+              loss_err=abs(losses["patched"] - losses["fp32"]) / losses["fp32"],
+              stock_bf16_loss_err=abs(losses["stock"] - losses["fp32"]) / losses["fp32"],
+              grad_err=worst("patched"), stock_bf16_grad_err=worst("stock"), ok=engaged))
 
 
 def eval_section(emit):

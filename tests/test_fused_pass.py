@@ -13,7 +13,7 @@ import torch
 import hf_lsce.ops.config as config
 import hf_lsce.ops.fused_pass as fp
 from hf_lsce import linear_cross_entropy
-from hf_lsce.ops.paths import _train_path
+from hf_lsce.ops.paths import _train_path, training_options
 
 N, D, V = 37, 48, 203  # ragged on purpose (R's rows padded to 208)
 
@@ -43,10 +43,12 @@ def inputs(seed=0, bias=False, spike=False):
     return h, w, y, b
 
 
-def fp64(h, w, y, b, smoothing, num_items, weights=None):
+def fp64(h, w, y, b, smoothing, num_items, weights=None, softcap=None):
     hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
     bb = b.clone().requires_grad_() if b is not None else None
     z = hh @ ww.T + (bb if bb is not None else 0)
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
     logp = torch.log_softmax(z, -1)
     valid = y != -100
     sm = smoothing.double()
@@ -57,13 +59,14 @@ def fp64(h, w, y, b, smoothing, num_items, weights=None):
     return out.detach(), hh.grad, ww.grad, bb.grad if bb is not None else None, torch.logsumexp(z, -1).detach()
 
 
-def run(path, h, w, y, b, smoothing, reduction, num_items, weights=None, stats=False):
+def run(path, h, w, y, b, smoothing, reduction, num_items, weights=None, stats=False, softcap=None):
     config.TRAIN_PATH = path
     try:
         hh, ww = h.bfloat16().requires_grad_(), w.bfloat16().requires_grad_()
         bb = b.bfloat16().requires_grad_() if b is not None else None
         out = linear_cross_entropy(hh, ww, y, bias=bb, label_smoothing=smoothing, reduction=reduction,
-                                   num_items_in_batch=num_items, backend="triton", return_stats=stats)
+                                   num_items_in_batch=num_items, backend="triton", return_stats=stats,
+                                   softcap=softcap)
         loss = out[0] if stats else out
         (loss * weights).sum().backward() if weights is not None else loss.backward()
         return (loss.detach(), hh.grad, ww.grad, bb.grad if b is not None else None) + ((out[1],) if stats else ())
@@ -74,11 +77,12 @@ def run(path, h, w, y, b, smoothing, reduction, num_items, weights=None, stats=F
 @pytest.mark.parametrize("layout", ["chunked", "direct"])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("reduction", ["sum", "none"])
-def test_fused_path_matches_fp64_and_the_two_pass_path(tma, monkeypatch, bias, reduction, layout):
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_fused_path_matches_fp64_and_the_two_pass_path(tma, monkeypatch, bias, reduction, layout, softcap):
     """Loss, dh, dW and db of the fused path against fp64 (per-token b, ignored rows, num_items_in_batch, bias, a
-    per-token upstream gradient) and against the two-pass path on the same bf16 inputs; the fused pass ran, in
-    several row chunks with dW's fp32 accumulator ("chunked"), or over every row with dW written by one matmul
-    ("direct")."""
+    per-token upstream gradient, soft-cap) and against the two-pass path on the same bf16 inputs; the fused pass ran,
+    in several row chunks with dW's fp32 accumulator ("chunked"), or over every row with dW written by one matmul
+    ("direct"). A cap of 5 puts most of the peaked rows' largest logits where the cap bends them (tanh' < 0.5)."""
     h, w, y, b = inputs(seed=1, bias=bias)
     sm = torch.rand(N, generator=torch.Generator().manual_seed(3)) * 0.3
     weights = torch.rand(N, generator=torch.Generator().manual_seed(4)) if reduction == "none" else None
@@ -90,12 +94,12 @@ def test_fused_path_matches_fp64_and_the_two_pass_path(tma, monkeypatch, bias, r
     if layout == "chunked":
         monkeypatch.setattr(fp, "EVERY_ROW_EXTRA_BYTES", -(1 << 40))
     items = 29 if reduction == "sum" else None
-    got = run("fused", h, w, y, b, sm, reduction, items, weights)
+    got = run("fused", h, w, y, b, sm, reduction, items, weights, softcap=softcap)
     assert calls, "the fused pass did not run"
     assert bool(direct) == (layout == "direct")
-    two = run("two-pass", h, w, y, b, sm, reduction, items, weights)
+    two = run("two-pass", h, w, y, b, sm, reduction, items, weights, softcap=softcap)
     ref = fp64(h.bfloat16().double(), w.bfloat16().double(), y, b.bfloat16().double() if bias else None, sm, 29.0,
-               weights.double() if weights is not None else None)
+               weights.double() if weights is not None else None, softcap=softcap)
     assert rel(got[0], ref[0]) < 1e-5
     for i in (1, 2, 3):
         if ref[i] is not None:
@@ -117,11 +121,13 @@ def test_fused_direct_dw_carries_the_smoothing_term(tma, monkeypatch):
     assert rel(direct[2], ref[2]) < 1.5 * rel(chunked[2], ref[2]) + 1e-3
 
 
+@pytest.mark.parametrize("softcap", [None, 5.0])
 @pytest.mark.parametrize("z_loss", [1e-2, 0.3])
-def test_fused_path_with_z_loss(tma, monkeypatch, z_loss):
+def test_fused_path_with_z_loss(tma, monkeypatch, z_loss, softcap):
     """The z-loss lam lse^2 on the fused path (its factor k = 1 + 2 lam lse per row, the target entry over k): loss,
-    dh, dW and db against fp64, trainable head with a bias and a frozen one; the fused pass ran. lam = 0.3 with
-    logits shifted by -9 puts rows' k on both sides of 0 (26 of 37 below, the nearest 3e-4 from it)."""
+    dh, dW and db against fp64, trainable head with a bias and a frozen one, soft-capped or not; the fused pass ran.
+    lam = 0.3 with logits shifted by -9 (uncapped) puts rows' k on both sides of 0 (26 of 37 below, the nearest 3e-4
+    from it)."""
     h, w, y, b = inputs(seed=8, bias=True)
     b = b - 9.0
     sm = torch.full((N,), 0.1)
@@ -131,6 +137,8 @@ def test_fused_path_with_z_loss(tma, monkeypatch, z_loss):
     hd, wd, bd = h.bfloat16().double(), w.bfloat16().double(), b.bfloat16().double()
     hh, ww, bb = (hd.clone().requires_grad_(), wd.clone().requires_grad_(), bd.clone().requires_grad_())
     z = hh @ ww.T + bb
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
     lse = torch.logsumexp(z, -1)
     logp = z - lse[:, None]
     valid = y != -100
@@ -142,7 +150,7 @@ def test_fused_path_with_z_loss(tma, monkeypatch, z_loss):
             h2, w2 = h.bfloat16().requires_grad_(), w.bfloat16().requires_grad_(not frozen)
             b2 = b.bfloat16().requires_grad_()
             loss = linear_cross_entropy(h2, w2, y, bias=b2, label_smoothing=0.1, z_loss=z_loss, reduction="sum",
-                                        num_items_in_batch=29, backend="triton")
+                                        num_items_in_batch=29, backend="triton", softcap=softcap)
             loss.backward()
         finally:
             config.TRAIN_PATH = None
@@ -152,11 +160,12 @@ def test_fused_path_with_z_loss(tma, monkeypatch, z_loss):
         assert frozen or rel(w2.grad, ww.grad) < 2e-2
 
 
-@pytest.mark.parametrize("layout", ["every row", "column chunks", "row chunks"])
+@pytest.mark.parametrize("layout", ["every row", "column chunks", "row chunks", "soft-cap", "soft-cap row chunks"])
 def test_fused_path_with_a_frozen_head(tma, monkeypatch, layout):
     """A frozen head (LoRA): no dW, so no direct dW; dh against fp64, by the fused pass over vocabulary columns, in
     one chunk where every row's R fits the allowance, else in chunks (here 64 columns), or in chunks of rows where
-    the columns' fp32 dh accumulator would be large (``frozen_chunk_bytes``: here a chunk of 16 rows' R)."""
+    the columns' fp32 dh accumulator would be large (``frozen_chunk_bytes``: here a chunk of 16 rows' R). Soft-capped
+    logits go by rows (G needs each row's normalisation), one launch per chunk (no row leaves the range)."""
     h, w, y, _ = inputs(seed=7)
     sm = torch.full((N,), 0.1)
     config.TRAIN_PATH = "fused"
@@ -166,22 +175,24 @@ def test_fused_path_with_a_frozen_head(tma, monkeypatch, layout):
     monkeypatch.setattr(fp, "layout", lambda *a, **k: rows.append(real_layout(*a, **k)[1]) or real_layout(*a, **k))
     monkeypatch.setattr(fp, "_exp_tiles", lambda cfg, h, w, *a, **k: widths.append((h.shape[0], w.shape[0])) or
                         real_tiles(cfg, h, w, *a, **k))
-    if layout != "every row":
+    if layout not in ("every row", "soft-cap"):
         monkeypatch.setattr(fp, "EVERY_ROW_EXTRA_BYTES", -(1 << 40))
         monkeypatch.setattr(fp, "FUSED_CHUNK_BYTES", 16 * 208 * 2)  # 4 N D = 7,104 bytes: over a quarter of it
     if layout == "column chunks":
         monkeypatch.setattr(fp, "frozen_chunk_bytes", lambda *a, **k: N * 2 * 64)
+    cap = 5.0 if layout.startswith("soft-cap") else None
     try:
         hh = h.bfloat16().requires_grad_()
         loss = linear_cross_entropy(hh, w.bfloat16(), y, label_smoothing=sm, reduction="sum", num_items_in_batch=29,
-                                    backend="triton")
+                                    backend="triton", softcap=cap)
         loss.backward()
     finally:
         config.TRAIN_PATH = None
-    ref = fp64(h.bfloat16().double(), w.bfloat16().double(), y, None, sm, 29.0)
+    ref = fp64(h.bfloat16().double(), w.bfloat16().double(), y, None, sm, 29.0, softcap=cap)
     assert not direct
     expected = {"every row": [(N, V)] * 2, "column chunks": [(N, 64)] * 6 + [(N, V - 3 * 64)] * 2,
-                "row chunks": [(16, V)] * 4 + [(N - 32, V)] * 2}[layout]
+                "row chunks": [(16, V)] * 4 + [(N - 32, V)] * 2, "soft-cap": [(N, V)],
+                "soft-cap row chunks": [(16, V)] * 2 + [(N - 32, V)]}[layout]
     assert widths == expected, widths
     assert rel(loss, ref[0]) < 1e-5 and rel(hh.grad, ref[1]) < 2e-2
 
@@ -244,31 +255,36 @@ def test_fused_rows_past_the_exponent_range_are_redone(tma):
     assert rel(got[1], ref[1]) < 2e-2 and rel(got[2], ref[2]) < 2e-2
 
 
-def test_fused_statistics_match_the_forward_kernel(tma):
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_fused_statistics_match_the_forward_kernel(tma, softcap):
     """The statistics the fused pass returns (lse, argmax, entropy, nll) are those of the forward kernel."""
     h, w, y, _ = inputs(seed=5)
     sm = torch.full((N,), 0.1)
-    fused = run("fused", h, w, y, None, sm, "sum", None, stats=True)[4]
+    fused = run("fused", h, w, y, None, sm, "sum", None, stats=True, softcap=softcap)[4]
     hh, ww = h.bfloat16(), w.bfloat16()
     with torch.no_grad():
         plain = linear_cross_entropy(hh, ww, y, label_smoothing=0.1, reduction="sum", backend="triton",
-                                     return_stats=True)[1]
+                                     return_stats=True, softcap=softcap)[1]
     assert torch.equal(fused.argmax, plain.argmax)
     for a, b in ((fused.lse, plain.lse), (fused.entropy, plain.entropy), (fused.nll, plain.nll)):
         assert rel(a, b) < 1e-5
 
 
 def test_fused_pass_only_where_it_applies(tma):
-    """bf16 without soft-cap (with or without z-loss): everything else takes another path, even when forced."""
-    h = torch.zeros(4, D, dtype=torch.bfloat16)
+    """bf16 without soft-cap or with one up to SOFTCAP_MAX (with or without z-loss): everything else takes another
+    path, even when forced; memory='low' with a soft-cap takes the two-pass computation."""
+    h = torch.zeros(4, D, dtype=torch.bfloat16, requires_grad=True)
     w = torch.zeros(V, D, dtype=torch.bfloat16)
     config.TRAIN_PATH = "fused"
     try:
         assert _train_path(h, w, None, 0.0, None) == "fused"
-        assert _train_path(h, w, 30.0, 0.0, None) != "fused"
+        assert _train_path(h, w, 30.0, 0.0, None) == "fused"  # Gemma 2's cap
+        assert _train_path(h, w, fp.SOFTCAP_MAX * 1.25, 0.0, None) != "fused"
         assert _train_path(h, w, None, 1e-4, None) == "fused"
-        assert _train_path(h, w, 30.0, 1e-4, None) != "fused"
+        assert _train_path(h, w, 30.0, 1e-4, None) == "fused"
         assert _train_path(h.half(), w.half(), None, 0.0, None) != "fused"
+        low = training_options(h, w, 30.0, "triton", 0.0, "low", None, True)
+        assert low.path == "two-pass" and low.memory == "low"
     finally:
         config.TRAIN_PATH = None
 

@@ -83,7 +83,7 @@ def _finish_logits(acc, B, offs_v, mask_v, softcap, HAS_BIAS: tl.constexpr, SOFT
     if HAS_BIAS:
         acc += tl.load(B + offs_v, mask=mask_v, other=0.0).to(tl.float32)[None, :]
     if SOFTCAP:
-        t = _tanh(acc / softcap)
+        t = _tanh(acc * (1.0 / softcap))
         acc = softcap * t
     else:
         t = acc * 0.0

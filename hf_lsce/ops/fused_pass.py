@@ -47,12 +47,16 @@ import triton
 import triton.language as tl
 
 from .config import interpreting
-from .forward import _dot, _finish_logits, _init_state, _split_bounds, tma_ready
+from .forward import _dot, _finish_logits, _init_state, _split_bounds, _tanh, tma_ready
 from .matmul import addmm_f32, mm_f32
 
 # c_n = mean logit + C_SHIFT; a row whose max exceeds c_n by more than R_EXP_MAX is redone with c_n = its max.
 C_SHIFT = 24.0
 R_EXP_MAX = 48.0
+# The largest soft-cap the fused path takes: the offset is the cap and a capped logit is above -cap, so R >= e^-80,
+# a normal bf16 (and fp32) number, and log R gives the capped logit back (the cap's derivative: _softcap_grad_kernel).
+# Gemma 2 caps at 30.
+SOFTCAP_MAX = 40.0
 # Memory for one chunk of R (rows x V in bf16). Measured at the Gemma-3-270m shape (H100): the pass took 15.7 ms with
 # 1 GiB chunks and 14.6 ms with 2 GiB (fewer passes over dW's fp32 accumulator); 1 GiB keeps the extra memory lower.
 FUSED_CHUNK_BYTES = 1 << 30
@@ -67,10 +71,11 @@ EVERY_ROW_EXTRA_BYTES = 4 << 30
 @triton.jit
 def _exp_tiles_tma_kernel(
     h_desc, w_desc, R, B, C,
-    S_OUT, T_OUT, M_OUT, AM_OUT,
-    N, V, D, NUM_SPLITS, stride_rn, r_exp_max,
+    S_OUT, T_OUT, M_OUT, AM_OUT, SZ_OUT,
+    N, V, D, NUM_SPLITS, stride_rn, r_exp_max, softcap,
     HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, STATS: tl.constexpr,
-    FIXUP: tl.constexpr, STORE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    FIXUP: tl.constexpr, STORE: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """Per (vocabulary split, row block): R = exp(z - c) stored tile by tile, and per row over the split
     S = sum R, the max and (STATS) T = sum R (z - c) (entropy) and the argmax. The target logit and the sum of logits
@@ -79,7 +84,8 @@ def _exp_tiles_tma_kernel(
     every split's row maxima: a row whose max exceeds its offset by more than ``r_exp_max`` is flagged and redone
     with its max as the offset (``_effective_offsets``, as ``_finish_rows_kernel`` does); only blocks holding a
     flagged row run (the others return at once), and they redo every row of the block (the others with their own
-    offsets, the same R)."""
+    offsets, the same R). SOFTCAP: the logits capped (``cap tanh(z / cap)``) before R, and per row the sum of the
+    capped logits into SZ_OUT (no dot product gives it); the offset is then ``cap`` itself (``_offsets_kernel``)."""
     n0 = tl.program_id(1) * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -90,7 +96,7 @@ def _exp_tiles_tma_kernel(
         run = tl.max(flagged.to(tl.int32), axis=0) > 0
     if run:
         c2 = c * 1.4426950408889634
-        m, s, t_acc, _sz, _zy, am = _init_state(BLOCK_N)
+        m, s, t_acc, sz, _zy, am = _init_state(BLOCK_N)
         v_start, v_end = _split_bounds(V, NUM_SPLITS, BLOCK_V)
         k_steps = tl.cdiv(D, BLOCK_D)
         acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
@@ -106,13 +112,24 @@ def _exp_tiles_tma_kernel(
                 z, _t = _finish_logits(acc, B, offs_v, mask_v, 1.0, HAS_BIAS, False)
                 # -inf past this split's columns; the mask is a select per logit, kept rather than a branch for full
                 # tiles (a runtime branch here slowed the loop 5-8 % at D >= 2,304: docs/benchmarks.md)
-                z_m = tl.where(mask_v[None, :], z, float("-inf"))
-                tile_max = tl.max(z_m, axis=1)
-                r = tl.math.exp2(z_m * 1.4426950408889634 - c2[:, None])
-                if STATS:
-                    am = tl.where(tile_max > m, tl.argmax(z_m, axis=1).to(tl.int32) + v0, am)
-                    t_acc += tl.sum(r * (tl.where(mask_v[None, :], z, 0.0) - c[:, None]), axis=1)
-                m = tl.maximum(m, tile_max)
+                if SOFTCAP:
+                    # cap tanh(z / cap) = cap (1 - 2 d) with d = 1 / (exp(2 z / cap) + 1); the offset is the cap, so
+                    # R = exp(-2 cap d), and the row's sum of capped logits is 2 cap times that of 1/2 - d. No max
+                    # unless STATS: no row leaves the range.
+                    d = 1.0 / (tl.math.exp2(z * (2.8853900817779268 / softcap)) + 1.0)
+                    half = tl.where(mask_v[None, :], 0.5 - d, 0.0)
+                    sz += tl.sum(half, axis=1)
+                    r = tl.where(mask_v[None, :], tl.math.exp2(d * (-2.8853900817779268 * softcap)), 0.0)
+                    z = (2.0 * softcap) * half
+                else:
+                    r = tl.math.exp2(tl.where(mask_v[None, :], z, float("-inf")) * 1.4426950408889634 - c2[:, None])
+                if STATS or not SOFTCAP:
+                    z_m = tl.where(mask_v[None, :], z, float("-inf"))
+                    tile_max = tl.max(z_m, axis=1)
+                    if STATS:
+                        am = tl.where(tile_max > m, tl.argmax(z_m, axis=1).to(tl.int32) + v0, am)
+                        t_acc += tl.sum(r * (tl.where(mask_v[None, :], z, 0.0) - c[:, None]), axis=1)
+                    m = tl.maximum(m, tile_max)
                 s += tl.sum(r, axis=1)
                 if STORE:
                     tl.store(R + offs_n[:, None].to(tl.int64) * stride_rn + offs_v[None, :],
@@ -123,19 +140,21 @@ def _exp_tiles_tma_kernel(
         tl.store(T_OUT + out, t_acc, mask=mask_n)
         tl.store(M_OUT + out, m, mask=mask_n)
         tl.store(AM_OUT + out, am, mask=mask_n)
+        if SOFTCAP:
+            tl.store(SZ_OUT + out, (2.0 * softcap) * sz, mask=mask_n)
 
 
 def supported(hidden, weight, softcap, z_loss, config) -> bool:
     """Whether the fused path can run these inputs: bf16 (a bias has hidden's dtype: the op's validation), no soft-cap
-    (any z-loss), and the TMA kernel's inputs (``forward.tma_ready``)."""
-    return (hidden.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and softcap is None
-            and tma_ready(config, hidden, weight))
+    or one of at most ``SOFTCAP_MAX`` (any z-loss), and the TMA kernel's inputs (``forward.tma_ready``)."""
+    return (hidden.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
+            and (softcap is None or softcap <= SOFTCAP_MAX) and tma_ready(config, hidden, weight))
 
 
-def _exp_tiles(config, h, weight, bias, c, r, stats: bool, bufs=None, descs=None, store: bool = True):
+def _exp_tiles(config, h, weight, bias, c, r, stats: bool, bufs=None, descs=None, store: bool = True, softcap=None):
     """Launch the kernel on the rows ``h`` (offsets ``c``, R into ``r``); returns (per-split buffers S, T, max,
-    argmax; the tensor descriptors of h and W). ``bufs`` given: the fix-up launch, into the buffers and with the
-    descriptors ``descs`` the first launch returned."""
+    argmax, sum of capped logits; the tensor descriptors of h and W). ``bufs`` given: the fix-up launch, into the
+    buffers and with the descriptors ``descs`` the first launch returned."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     n, d = h.shape
@@ -143,9 +162,8 @@ def _exp_tiles(config, h, weight, bias, c, r, stats: bool, bufs=None, descs=None
     splits = fused_splits(config, n, v)
     fixup = bufs is not None
     if bufs is None:
-        f32 = dict(dtype=torch.float32, device=h.device)
-        bufs = [torch.empty(splits, n, **f32) for _ in range(3)] + [
-            torch.empty(splits, n, dtype=torch.int32, device=h.device)]
+        s, t, m, sz = torch.empty(4, splits, n, dtype=torch.float32, device=h.device)
+        bufs = (s, t, m, torch.empty(splits, n, dtype=torch.int32, device=h.device), sz)
     if descs is None:
         descs = (TensorDescriptor.from_tensor(h, [config.block_n, config.block_d]),
                  TensorDescriptor.from_tensor(weight, [config.block_v, config.block_d]))
@@ -153,9 +171,10 @@ def _exp_tiles(config, h, weight, bias, c, r, stats: bool, bufs=None, descs=None
     grid = (splits, triton.cdiv(n, config.block_n))
     _exp_tiles_tma_kernel[grid](
         h_desc, w_desc, r, bias if bias is not None else weight, c,
-        *bufs, n, v, d, splits, r.stride(0), R_EXP_MAX,
+        *bufs, n, v, d, splits, r.stride(0), R_EXP_MAX, float(softcap) if softcap is not None else 1.0,
         HAS_BIAS=bias is not None, DOT_PRECISION=config.dot_precision, UPCAST=config.upcast_dot,
-        STATS=stats, FIXUP=fixup, STORE=store, BLOCK_N=config.block_n, BLOCK_V=config.block_v,
+        STATS=stats, FIXUP=fixup, STORE=store, SOFTCAP=softcap is not None, BLOCK_N=config.block_n,
+        BLOCK_V=config.block_v,
         BLOCK_D=config.block_d, num_warps=config.num_warps, num_stages=config.num_stages)
     return bufs, descs
 
@@ -169,11 +188,13 @@ def fused_splits(config, rows: int, v: int) -> int:
 
 
 @triton.jit
-def _offsets_kernel(H, W, COLSUM, BIAS, BSUM, Y, C, SZ, ZY, n, V, D, stride_h, stride_w, shift,
-                    HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+def _offsets_kernel(H, W, COLSUM, BIAS, BSUM, Y, C, SZ, ZY, n, V, D, stride_h, stride_w, shift, softcap,
+                    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     """Per row, from dot products of length D: the sum of logits ``sz = h . colsum(W) (+ sum of the bias)``, the
     offset ``c = sz / V + shift`` (the mean logit plus the margin) and the target logit ``zy = h . W_y (+ bias_y)``
-    (0 for an ignored row), all in fp32."""
+    (0 for an ignored row), all in fp32. SOFTCAP: the target logit capped and the offset ``cap`` (a capped logit
+    lies within cap of 0, so every R = exp(z - cap) is at most 1 and, for cap <= ``SOFTCAP_MAX``, a normal bf16
+    number); no sum of logits (the exponentials' kernel adds the capped ones)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     mask_r = rows < n
     y = tl.load(Y + rows, mask=mask_r, other=-1)
@@ -186,14 +207,20 @@ def _offsets_kernel(H, W, COLSUM, BIAS, BSUM, Y, C, SZ, ZY, n, V, D, stride_h, s
         mask_d = cols < D
         h = tl.load(H + rows[:, None].to(tl.int64) * stride_h + cols[None, :], mask=mask_r[:, None] & mask_d[None, :],
                     other=0.0).to(tl.float32)
-        acc += tl.sum(h * tl.load(COLSUM + cols, mask=mask_d, other=0.0)[None, :], axis=1)
+        if not SOFTCAP:
+            acc += tl.sum(h * tl.load(COLSUM + cols, mask=mask_d, other=0.0)[None, :], axis=1)
         w_y = tl.load(W + y_row[:, None] + cols[None, :], mask=has_y[:, None] & mask_d[None, :], other=0.0)
         acc_y += tl.sum(h * w_y.to(tl.float32), axis=1)
     if HAS_BIAS:
-        acc += tl.load(BSUM)
+        if not SOFTCAP:
+            acc += tl.load(BSUM)
         acc_y += tl.load(BIAS + tl.maximum(y, 0), mask=has_y, other=0.0).to(tl.float32)
-    tl.store(SZ + rows, acc, mask=mask_r)
-    tl.store(C + rows, acc / V + shift, mask=mask_r)
+    if SOFTCAP:
+        tl.store(C + rows, acc * 0.0 + softcap, mask=mask_r)
+        acc_y = softcap * _tanh(acc_y / softcap)
+    else:
+        tl.store(SZ + rows, acc, mask=mask_r)
+        tl.store(C + rows, acc / V + shift, mask=mask_r)
     tl.store(ZY + rows, tl.where(has_y, acc_y, 0.0), mask=mask_r)
 
 
@@ -266,20 +293,27 @@ def _merge_columns_kernel(S, T, M, AM, C, S_RUN, T_RUN, M_RUN, AM_RUN, ACC, n, s
 
 @triton.jit
 def _finish_rows_kernel(
-    S, T, M, AM, C, ZY, SZ, Y, SMOOTH, SCALE, H, R, HS,
+    S, T, M, AM, SZS, C, ZY, SZ, Y, SMOOTH, SCALE, H, R, HS,
     LSE_OUT, ENT_OUT, AM_OUT, A_OUT, U_OUT, LOSS_OUT, NLL_OUT,
     n, splits, D, stride_h, stride_r, stride_hs, inv_v, r_exp_max, z_loss,
-    STATS: tl.constexpr, GRAD: tl.constexpr, R_TARGET: tl.constexpr, SCALE_H: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    STATS: tl.constexpr, GRAD: tl.constexpr, R_TARGET: tl.constexpr, SCALE_H: tl.constexpr, SOFTCAP: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Per row: the splits merged (lse = c + log S with the offset R was computed with: ``_offset_rule``;
-    STATS: entropy and argmax), the token's loss and nll (``paths.token_loss_terms``' formula: 0 for an ignored
-    token), and for the gradients (GRAD) a = w k / S and u = w b / V (k = 1 + 2 z_loss lse), (R_TARGET) R's target
-    entry made R_ny - (1 - b) S / k from the fp32 target logit, and (SCALE_H) the rows of a o h in the input dtype for
-    dW."""
+    STATS: entropy and argmax; SOFTCAP: the sum of capped logits from the splits' SZS, written to SZ), the token's
+    loss and nll (``paths.token_loss_terms``' formula: 0 for an ignored token), and for the gradients (GRAD)
+    a = w k / S and u = w b / V (k = 1 + 2 z_loss lse), (R_TARGET) R's target entry made R_ny - (1 - b) S / k from
+    the fp32 target logit, and (SCALE_H) the rows of a o h in the input dtype for dW."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     mask_r = rows < n
     s, t_acc, m, am = _merge_splits(S, T, M, AM, rows, mask_r, n, splits, STATS, BLOCK_R)
+    if SOFTCAP:
+        sz = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        for k in range(0, splits):
+            sz += tl.load(SZS + k * n + rows, mask=mask_r, other=0.0)
+        tl.store(SZ + rows, sz, mask=mask_r)
+    else:
+        sz = tl.load(SZ + rows, mask=mask_r, other=0.0)
     c, _flagged = _offset_rule(m, tl.load(C + rows, mask=mask_r, other=0.0), mask_r, r_exp_max)
     log_s = tl.log(s)
     lse = c + log_s
@@ -287,7 +321,7 @@ def _finish_rows_kernel(
     y = tl.load(Y + rows, mask=mask_r, other=-1)
     b = tl.load(SMOOTH + rows, mask=mask_r, other=0.0)
     zy = tl.load(ZY + rows, mask=mask_r, other=0.0)
-    loss = lse - (1.0 - b) * zy - b * tl.load(SZ + rows, mask=mask_r, other=0.0) * inv_v + z_loss * lse * lse
+    loss = lse - (1.0 - b) * zy - b * sz * inv_v + z_loss * lse * lse
     tl.store(LOSS_OUT + rows, tl.where(y >= 0, loss, 0.0), mask=mask_r)
     tl.store(NLL_OUT + rows, tl.where(y >= 0, lse - zy, 0.0), mask=mask_r)
     if STATS:
@@ -339,6 +373,28 @@ def _dh_rows_kernel(T, A, U, COLSUM, DH, Y, W, SCALE, SMOOTH, n, D, stride_t, st
             w_y = tl.load(W + y_row[:, None] + cols[None, :], mask=has_y[:, None] & mask_d[None, :], other=0.0)
             g -= tw[:, None] * w_y.to(tl.float32)
         tl.store(DH + rows[:, None].to(tl.int64) * stride_dh + cols[None, :], g.to(DH.dtype.element_ty), mask=m2)
+
+
+@triton.jit
+def _softcap_grad_kernel(R, A, U, SCALE, SMOOTH, Y, n, V, stride_r, softcap, BLOCK_R: tl.constexpr,
+                         BLOCK_V: tl.constexpr):
+    """G over R in place (the input dtype) for soft-capped logits: ``(a R - u - w (1 - b) [v = y]) (1 - t^2)``, the
+    cap's derivative from R itself: ``z = cap + log R`` (the offset is ``cap``), so ``t = z / cap = 1 + q`` with
+    ``q = log(R) / cap`` and ``1 - t^2 = -q (2 + q)``, to R's relative precision (2^-9 in bf16: the derivative within
+    about 1e-4 at cap 30, where logits rounded to bf16 put it 4e-3 off)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask_r = rows < n
+    m2 = mask_r[:, None] & (cols < V)[None, :]
+    at = R + rows[:, None].to(tl.int64) * stride_r + cols[None, :]
+    r = tl.load(at, mask=m2, other=1.0).to(tl.float32)
+    a = tl.load(A + rows, mask=mask_r, other=0.0)
+    u = tl.load(U + rows, mask=mask_r, other=0.0)
+    tw = tl.load(SCALE + rows, mask=mask_r, other=0.0) * (1.0 - tl.load(SMOOTH + rows, mask=mask_r, other=0.0))
+    y = tl.load(Y + rows, mask=mask_r, other=-1)
+    q = tl.log2(r) * (0.6931471805599453 / softcap)
+    g = a[:, None] * r - u[:, None] - tl.where(cols[None, :] == y[:, None], tw[:, None], 0.0)
+    tl.store(at, (g * (-q * (2.0 + q))).to(R.dtype.element_ty), mask=m2)
 
 
 def chunk_rows(n: int, v: int, chunk_bytes: int | None = None) -> tuple[int, int]:
@@ -434,15 +490,26 @@ def _rank_one_rows(r_buf, hs, u_all, hidden, at: int, v: int) -> None:
 
 def _direct_dw(r_buf, hs, u_all, hidden, n: int, v: int, weight) -> torch.Tensor:
     """dW = R'^T (a o h) - 1 (u^T h)^T in the weight's dtype by one matmul over every row and the rank-one term's two
-    (``_rank_one_rows``). (A K padded to a multiple of 8 was no faster: docs/benchmarks.md, settled experiments:
-    direct_dw.py.)"""
-    _rank_one_rows(r_buf, hs, u_all, hidden, n, v)
+    (``_rank_one_rows``); ``hs`` None (soft-capped: R holds G): G^T h. (A K padded to a multiple of 8 was no faster:
+    docs/benchmarks.md, settled experiments: direct_dw.py.)"""
+    k = n
+    if hs is None:
+        hs = hidden
+    else:
+        _rank_one_rows(r_buf, hs, u_all, hidden, n, v)
+        k = n + 2
     dw = torch.empty(v, hs.shape[1], dtype=weight.dtype, device=hs.device)
-    if hs.device.type != "cuda":  # the interpreter: fp32 math, one rounding
-        return dw.copy_(r_buf[:n + 2, :v].T.float() @ hs[:n + 2].float())
-    with _ExactBf16Reduction():
-        torch.mm(r_buf[:n + 2, :v].T, hs[:n + 2], out=dw)
+    _mm_once(r_buf[:k, :v].T, hs[:k], dw)
     return dw
+
+
+def _mm_once(a, b, out) -> None:
+    """out (half precision) = a @ b, rounded once: split-K partial sums stay fp32 (the interpreter: fp32 math)."""
+    if a.device.type != "cuda":
+        out.copy_(a.float() @ b.float())
+        return
+    with _ExactBf16Reduction():
+        torch.mm(a, b, out=out)
 
 
 def _column_sums(weight, bias):
@@ -455,14 +522,15 @@ def _column_sums(weight, bias):
     return out[0], (bias.sum(dtype=torch.float32).reshape(1) if bias is not None else out[0])
 
 
-def _row_offsets(h, weight, bias, sums, y, c, sz, zy) -> None:
-    """``_offsets_kernel`` on the rows ``h`` (``sums``: ``_column_sums``): their offsets, sums of logits and target
-    logits into ``c``, ``sz`` and ``zy``."""
+def _row_offsets(h, weight, bias, sums, y, c, sz, zy, softcap=None) -> None:
+    """``_offsets_kernel`` on the rows ``h`` (``sums``: ``_column_sums``, None with a soft-cap): their offsets, sums
+    of logits and target logits into ``c``, ``sz`` and ``zy``."""
     grid, br, bd, warps = _rows_launch(h.shape[0])
-    colsum, b_sum = sums
+    colsum, b_sum = sums if sums is not None else (c, c)
     _offsets_kernel[grid](h, weight, colsum, bias if bias is not None else colsum, b_sum, y, c, sz, zy, h.shape[0],
                           weight.shape[0], h.shape[1], h.stride(0), weight.stride(0), C_SHIFT,
-                          HAS_BIAS=bias is not None, BLOCK_R=br, BLOCK_D=bd, num_warps=warps)
+                          float(softcap) if softcap is not None else 1.0, HAS_BIAS=bias is not None,
+                          SOFTCAP=softcap is not None, BLOCK_R=br, BLOCK_D=bd, num_warps=warps)
 
 
 def _rows_launch(n: int):
@@ -474,13 +542,14 @@ def _rows_launch(n: int):
 
 def triton_fused_pass(hidden, weight, bias, targets, smoothing, scale, config, need_dh=True, need_dw=True,
                       need_db=True, need_stats=False, chunk_bytes: int | None = None, free_bytes: int | None = None,
-                      z_loss: float = 0.0):
+                      z_loss: float = 0.0, softcap: float | None = None):
     """Statistics and gradients of ``sum_n scale_n loss_n`` for 2-D bf16 ``hidden`` (N, D) by the fused path (see the
     module docstring; ``supported`` says when it applies). ``targets``: ids, -1 for ignored tokens; ``smoothing`` and
     ``scale``: fp32 per token. Returns ``(lse, zy, sz, argmax, entropy, loss, nll), dh, dw, db`` (the token losses
     as ``paths.token_loss_terms`` gives them; dh, dw in the inputs' dtype, db fp32; None where not needed; argmax and
     entropy zeros unless ``need_stats``). ``free_bytes``: the free memory
-    ``memory="auto"`` measured (the direct layout only if it fits: ``layout``)."""
+    ``memory="auto"`` measured (the direct layout only if it fits: ``layout``). ``softcap``: R's chunk becomes G
+    itself (``_softcap_grad_kernel``), whose products give dh, dW and db."""
     n, d = hidden.shape
     v = weight.shape[0]
     dev = hidden.device
@@ -488,10 +557,10 @@ def triton_fused_pass(hidden, weight, bias, targets, smoothing, scale, config, n
     v_pad, rows, direct = layout(n, v, d, need_dw, chunk_bytes, free_bytes)
     if rows < n and rows > config.block_n:
         rows = rows // config.block_n * config.block_n  # whole row blocks per chunk
-    extra = 2 if need_dw else 0  # the rank-one term's rows (see _rank_one_rows)
+    soft = softcap is not None
+    extra = 2 if need_dw and not soft else 0  # the rank-one term's rows (see _rank_one_rows)
     r_buf = torch.empty(rows + extra, v_pad, dtype=hidden.dtype, device=dev)
-    sums = _column_sums(weight, bias)
-    colsum = sums[0]  # also dh's uniform term
+    sums = None if soft else _column_sums(weight, bias)  # the offsets' and dh's uniform term
     rowbuf = torch.empty(8, n, **f32)  # per-row fp32 outputs and scratch in one allocation
     lse, zy, sz, ent, a_all, u_all, loss, nll = rowbuf
     am = torch.zeros(n, dtype=torch.long, device=dev)
@@ -499,48 +568,58 @@ def triton_fused_pass(hidden, weight, bias, targets, smoothing, scale, config, n
     dh = torch.empty(n, d, dtype=hidden.dtype, device=dev) if need_dh else None
     dw32 = torch.empty(v, d, **f32) if need_dw and not direct else None
     db = torch.zeros(v, **f32) if need_db and bias is not None else None
-    dh32 = torch.empty(rows, d, **f32) if need_dh else None
-    hs = torch.empty(rows + extra, d, dtype=hidden.dtype, device=dev) if need_dw else None
+    dh32 = torch.empty(rows, d, **f32) if need_dh and not soft else None
+    hs = torch.empty(rows + extra, d, dtype=hidden.dtype, device=dev) if need_dw and not soft else None
     c_buf = torch.empty(rows, **f32)
     for s0 in range(0, n, rows):
         e0 = min(n, s0 + rows)
         nr = e0 - s0
         h, y, r, c = hidden[s0:e0], targets[s0:e0], r_buf[:nr, :v], c_buf[:nr]
         grid, br, bd, warps = _rows_launch(nr)
-        _row_offsets(h, weight, bias, sums, y, c, sz[s0:e0], zy[s0:e0])
-        st, descs = _exp_tiles(config, h, weight, bias, c, r, need_stats)
-        _exp_tiles(config, h, weight, bias, c, r, need_stats, bufs=st, descs=descs)  # the flagged rows redone
+        _row_offsets(h, weight, bias, sums, y, c, sz[s0:e0], zy[s0:e0], softcap)
+        st, descs = _exp_tiles(config, h, weight, bias, c, r, need_stats, softcap=softcap)
+        if not soft:  # (capped logits never leave the range)
+            _exp_tiles(config, h, weight, bias, c, r, need_stats, bufs=st, descs=descs)  # the flagged rows redone
         a, u = a_all[s0:e0], u_all[s0:e0]
         _finish_rows_kernel[grid](
-            *st, c, zy[s0:e0], sz[s0:e0], y, smoothing[s0:e0], scale[s0:e0], h, r, hs if need_dw else h,
+            *st, c, zy[s0:e0], sz[s0:e0], y, smoothing[s0:e0], scale[s0:e0], h, r, h if hs is None else hs,
             lse[s0:e0], ent[s0:e0], am[s0:e0], a, u, loss[s0:e0], nll[s0:e0],
-            nr, st[0].shape[0], d, h.stride(0), r.stride(0), hs.stride(0) if need_dw else 0, 1.0 / v, R_EXP_MAX,
-            float(z_loss),
-            STATS=need_stats, GRAD=grad, R_TARGET=True, SCALE_H=need_dw, BLOCK_R=br, BLOCK_D=bd, num_warps=warps)
-        if need_dh:
+            nr, st[0].shape[0], d, h.stride(0), r.stride(0), 0 if hs is None else hs.stride(0), 1.0 / v, R_EXP_MAX,
+            float(z_loss), STATS=need_stats, GRAD=grad, R_TARGET=not soft, SCALE_H=hs is not None, SOFTCAP=soft,
+            BLOCK_R=br, BLOCK_D=bd, num_warps=warps)
+        if soft and grad:
+            blocks = (8, 32) if interpreting() else (8, 256)  # 3.3 ms at the Gemma2-2B head (in-place scale: 3.05)
+            _softcap_grad_kernel[(triton.cdiv(nr, blocks[0]), triton.cdiv(v, blocks[1]))](
+                r, a, u, scale[s0:e0], smoothing[s0:e0], y, nr, v, r.stride(0), float(softcap), BLOCK_R=blocks[0],
+                BLOCK_V=blocks[1], num_warps=1 if interpreting() else 4)
+        if need_dh and soft:
+            _mm_once(r, weight, dh[s0:e0])
+        elif need_dh:
             t = dh32[:nr]
             mm_f32(r, weight, t)
-            _dh_rows_kernel[grid](t, a, u, colsum, dh[s0:e0], y, weight, a, a, nr, d, t.stride(0), dh.stride(0),
+            _dh_rows_kernel[grid](t, a, u, sums[0], dh[s0:e0], y, weight, a, a, nr, d, t.stride(0), dh.stride(0),
                                   weight.stride(0), TARGET=False, BLOCK_R=br, BLOCK_D=bd, num_warps=warps)
         if need_dw and not direct:
-            k = nr
-            if e0 == n:  # the last chunk also adds the rank-one term (u is whole now)
-                _rank_one_rows(r_buf, hs, u_all, hidden, nr, v)
-                k = nr + 2
+            k, rhs = nr, h
+            if not soft:
+                rhs = hs
+                if e0 == n:  # the last chunk also adds the rank-one term (u is whole now)
+                    _rank_one_rows(r_buf, hs, u_all, hidden, nr, v)
+                    k = nr + 2
             if s0 == 0:
-                mm_f32(r_buf[:k, :v].T, hs[:k], dw32)
+                mm_f32(r_buf[:k, :v].T, rhs[:k], dw32)
             else:
-                addmm_f32(dw32, r_buf[:k, :v].T, hs[:k])
-        if db is not None:
+                addmm_f32(dw32, r_buf[:k, :v].T, rhs[:k])
+        if db is not None:  # R's column sums weighted by a (soft-cap: G's column sums)
             db_chunk = torch.empty(v, 1, **f32)
-            mm_f32(r.T, a.to(r.dtype)[:, None], db_chunk)
+            mm_f32(r.T, (torch.ones_like(a) if soft else a).to(r.dtype)[:, None], db_chunk)
             db += db_chunk[:, 0]
     dw = None
     if direct:
         dw = _direct_dw(r_buf, hs, u_all, hidden, n, v, weight)
     elif need_dw:
         dw = dw32.to(weight.dtype)
-    if db is not None:
+    if db is not None and not soft:
         db -= u_all.sum()
     if not need_stats:
         ent.zero_()
@@ -586,7 +665,7 @@ def triton_fused_columns(hidden, weight, bias, targets, smoothing, scale, config
         st, descs = _exp_tiles(config, hidden, wc, bc, c, r, need_stats, store=need_dh)
         _exp_tiles(config, hidden, wc, bc, c, r, need_stats, bufs=st, descs=descs, store=need_dh)  # flagged rows
         if not one:
-            _merge_columns_kernel[grid](*st, c, s_run, t_run, m_run, am_run, acc, n, st[0].shape[0], d,
+            _merge_columns_kernel[grid](*st[:4], c, s_run, t_run, m_run, am_run, acc, n, st[0].shape[0], d,
                                         acc.stride(0), c0, R_EXP_MAX, STATS=need_stats, HAS_ACC=c0 > 0, BLOCK_R=br,
                                         BLOCK_D=bd, num_warps=warps)
         if need_dh and c0 == 0:
@@ -595,12 +674,12 @@ def triton_fused_columns(hidden, weight, bias, targets, smoothing, scale, config
             addmm_f32(acc, r, wc)
     # several chunks: the running state as one split, M = the final offsets (no row's max exceeds them by more than
     # R_EXP_MAX, so the row kernel keeps them)
-    state = st if one else (s_run, t_run, c, am_run)
+    state = st[:4] if one else (s_run, t_run, c, am_run)
     _finish_rows_kernel[grid](
-        *state, c, zy, sz, targets, smoothing, scale, hidden, r_buf, hidden,
+        *state, st[4], c, zy, sz, targets, smoothing, scale, hidden, r_buf, hidden,
         lse, ent, am, a, u, loss, nll, n, state[0].shape[0] if one else 1, d, hidden.stride(0), r_buf.stride(0), 0,
         1.0 / v, R_EXP_MAX, float(z_loss), STATS=need_stats, GRAD=need_dh, R_TARGET=False, SCALE_H=False,
-        BLOCK_R=br, BLOCK_D=bd, num_warps=warps)
+        SOFTCAP=False, BLOCK_R=br, BLOCK_D=bd, num_warps=warps)
     dh = None
     if need_dh:
         dh = torch.empty(n, d, dtype=hidden.dtype, device=dev)

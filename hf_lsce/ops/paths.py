@@ -149,7 +149,7 @@ def training_options(hidden, weight, softcap, backend, z_loss, memory, accum_dty
         path = _train_path(hidden, weight, softcap, z_loss, accum_dtype, free)
     mem = _resolve_memory(memory, one_pass, hidden, weight, accum_dtype, path, free)
     if mem == "low":  # the fused pass's statistics and a frozen head's columns where it runs (see _fused_gradients)
-        path = "fused" if one_pass and _fused_runs(hidden, weight, softcap, z_loss) else "two-pass"
+        path = "fused" if one_pass and softcap is None and _fused_runs(hidden, weight, softcap, z_loss) else "two-pass"
     return Options(softcap=softcap, backend=backend, z_loss=float(z_loss), memory=mem, accum_dtype=accum_dtype,
                    need_stats=need_stats, path=path, reduce=reduce, free_bytes=free)
 
@@ -267,7 +267,8 @@ def _fused_gradients(hidden, weight, bias, targets, smoothing, token_weight, opt
         return stats, two_pass_gradients(hidden, weight, bias, targets, smoothing, token_weight, lse, opts, need_dh,
                                          need_dw, need_db)
     chunk = None
-    if not (need_dw or need_db):  # a frozen head: by vocabulary columns (unless their accumulator is large)
+    if not (need_dw or need_db or opts.softcap):  # a frozen head: by vocabulary columns (unless their accumulator is
+        # large); not soft-capped, whose G needs each row's normalisation before its product
         chunk = (low_memory_chunk_bytes(n, d, opts.free_bytes) if opts.memory == "low"
                  else frozen_chunk_bytes(n, v, d, opts.free_bytes))
     if chunk is not None:
@@ -276,7 +277,8 @@ def _fused_gradients(hidden, weight, bias, targets, smoothing, token_weight, opt
         return stats, (dh, dw, db)
     stats, dh, dw, db = triton_fused_pass(hidden, weight, bias, targets, smoothing, token_weight, cfg,
                                           need_dh=need_dh, need_dw=need_dw, need_db=need_db,
-                                          need_stats=opts.need_stats, free_bytes=opts.free_bytes, z_loss=opts.z_loss)
+                                          need_stats=opts.need_stats, free_bytes=opts.free_bytes, z_loss=opts.z_loss,
+                                          softcap=opts.softcap)
     return stats, (dh, dw, db)
 
 

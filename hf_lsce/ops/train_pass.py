@@ -221,20 +221,22 @@ def triton_train_pass(hidden, weight, bias, targets, smoothing, scale, softcap,
 
 
 @triton.jit
-def _scale_kernel(X, Y, C, nx, ny, blocks_x, BLOCK: tl.constexpr):
-    """X *= C[0] and Y *= C[0], in place (the first ``blocks_x`` programs take X); every program returns at once when
-    C[0] == 1 (the usual upstream gradient)."""
+def _scale_kernel(X, Y, C, nx, ny, blocks_x, blocks, BLOCK: tl.constexpr):
+    """X *= C[0] and Y *= C[0], in place, ``BLOCK`` elements at a time (blocks below ``blocks_x`` in X, the rest in Y)
+    with a stride of the grid over them; every program returns at once when C[0] == 1 (the usual upstream gradient),
+    and the grid is small, so that case costs a launch (one program per block was 90 us a call for dW at the Gemma2-2B
+    head: 144,000 programs)."""
     c = tl.load(C)
     if c != 1.0:
-        pid = tl.program_id(0)
-        if pid < blocks_x:
-            offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-            x = tl.load(X + offs, mask=offs < nx, other=0.0)
-            tl.store(X + offs, (x.to(tl.float32) * c).to(X.dtype.element_ty), mask=offs < nx)
-        else:
-            offs = (pid - blocks_x).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-            y = tl.load(Y + offs, mask=offs < ny, other=0.0)
-            tl.store(Y + offs, (y.to(tl.float32) * c).to(Y.dtype.element_ty), mask=offs < ny)
+        for blk in range(tl.program_id(0), blocks, tl.num_programs(0)):
+            if blk < blocks_x:
+                offs = tl.cast(blk, tl.int64) * BLOCK + tl.arange(0, BLOCK)
+                x = tl.load(X + offs, mask=offs < nx, other=0.0)
+                tl.store(X + offs, (x.to(tl.float32) * c).to(X.dtype.element_ty), mask=offs < nx)
+            else:
+                offs = tl.cast(blk - blocks_x, tl.int64) * BLOCK + tl.arange(0, BLOCK)
+                y = tl.load(Y + offs, mask=offs < ny, other=0.0)
+                tl.store(Y + offs, (y.to(tl.float32) * c).to(Y.dtype.element_ty), mask=offs < ny)
 
 
 def scale_by(tensors, c: torch.Tensor) -> list:
@@ -254,6 +256,7 @@ def scale_by(tensors, c: torch.Tensor) -> list:
         x = out[kernel[k]]
         y = out[kernel[k + 1]] if k + 1 < len(kernel) else x[:0]
         bx = triton.cdiv(x.numel(), block)
-        _scale_kernel[(bx + triton.cdiv(y.numel(), block),)](x, y, c, x.numel(), y.numel(), bx, BLOCK=block,
-                                                             num_warps=1 if interpreting() else 8)
+        blocks = bx + triton.cdiv(y.numel(), block)
+        _scale_kernel[(min(blocks, 4 if interpreting() else 1024),)](x, y, c, x.numel(), y.numel(), bx, blocks,
+                                                                     BLOCK=block, num_warps=1 if interpreting() else 8)
     return out

@@ -1,0 +1,695 @@
+"""The fused training path: one logits matmul for the loss and its gradients, no fp32 logits in memory.
+
+The forward kernel's loop (``forward._lce_forward_tma_kernel``: TMA loads, one flattened loop over (vocabulary tile,
+D step) pairs) computes each logit tile once and, in the same epilogue, both folds it into the row statistics and
+stores it, as the shifted exponentials
+
+    R_nv = exp(z_nv - c_n)        (the input dtype, bf16)
+
+with a per-row offset ``c_n`` fixed *before* the kernel runs. The softmax is ``p_nv = R_nv / S_n`` with
+``S_n = sum_v R_nv`` (so ``lse_n = c_n + log S_n``): the missing normalisation is one factor per row, and a factor
+per row passes through both gradient products:
+
+    G = diag(a) R' - u 1^T,   a_n = w_n / S_n,   u_n = w_n b_n / V
+    dh = diag(a) (R' W) - u colsum(W)^T          dW = R'^T (a o h) - 1 (u^T h)^T
+
+(``w_n`` the token's weight in the reduced loss, ``b_n`` its smoothing; R' is R with the target entry
+``R_ny - (1 - b_n) S_n``, written from the kernel's fp32 target logit). So the gradients take three matmuls (the
+logits once, dh, dW) and 2 bytes per logit of memory traffic, where the two-pass path runs the logits twice and the
+one-pass path moves about 14 bytes per logit (fp32 logits written and read twice).
+
+The offset: ``c_n = h_n . mean_v W_v + C_SHIFT`` (the mean logit, which is at most the row's max ``m_n``, plus a
+margin). R fits bf16 while ``m_n - c_n`` stays within ``R_EXP_MAX`` (R <= e^48, bf16 and fp32 reach e^88) and keeps
+the entries that matter (within about 60 nats of the max) above bf16's smallest normal number. A row past that
+(its max more than 72 nats above its mean logit; on real Gemma-3-270m text the largest gap was 40) is flagged on
+the device and redone by the same kernel with ``c_n = m_n`` (its exact max) in a second launch whose programs return
+at once on blocks without a flagged row. No host synchronisation.
+
+When R for every row costs at most ``EVERY_ROW_EXTRA_BYTES`` more memory than the chunked layout below (a chunk of R
+plus, where the weight needs a gradient, dW's fp32 accumulator), one chunk holds every row. dW's product runs over all
+N rows: with every row kept, the pass writes dW in the weight's dtype with one matmul: the rank-one smoothing term rides
+in it as two extra rows (R's rows of ones against the hi and lo bf16 halves of ``-sum_n u_n h_n``), so dW is rounded
+once and no ``V x D`` fp32 buffer is written, read back and cast (at the Gemma2-2B shape that traffic was about
+7 ms of 49). Otherwise rows are processed ``FUSED_CHUNK_BYTES`` of R at a time (so memory does not grow with N);
+dW is accumulated across chunks in fp32 (``4 V D`` bytes, one rounding at the end; the last chunk's matmul also adds
+the rank-one term, by the same two rows). A frozen head (no dW, no db: LoRA) goes by chunks of vocabulary
+*columns* instead, every row at once (``triton_fused_columns``; ``memory="low"`` too). The z-loss ``lam lse^2``
+multiplies p by ``k_n = 1 + 2 lam lse_n``, one more factor per row (``a_n = w_n k_n / S_n``, the target entry
+``R_ny - (1 - b_n) S_n / k_n``). bf16 only: fp16's range cannot hold R, and W in bf16 for dh's matmul would lose
+fp16's digits. Not with soft-cap: its derivative ``1 - tanh^2`` is a factor per *logit*, so the uniform term
+``u 1^T`` times it is no longer rank one and dh, dW would need a second N x V matrix (soft-cap and fp16 take the
+one-pass path: docs/how_it_works.md).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .config import interpreting
+from .forward import _dot, _finish_logits, _init_state, _split_bounds, _tanh, tma_ready
+from .matmul import addmm_f32, mm_f32
+
+# c_n = mean logit + C_SHIFT; a row whose max exceeds c_n by more than R_EXP_MAX is redone with c_n = its max.
+C_SHIFT = 24.0
+R_EXP_MAX = 48.0
+# The largest soft-cap the fused path takes: the offset is the cap and a capped logit is above -cap, so R >= e^-80,
+# a normal bf16 (and fp32) number, and log R gives the capped logit back (the cap's derivative: _softcap_grad_kernel).
+# Gemma 2 caps at 30.
+SOFTCAP_MAX = 40.0
+# Memory for one chunk of R (rows x V in bf16). Measured at the Gemma-3-270m shape (H100): the pass took 15.7 ms with
+# 1 GiB chunks and 14.6 ms with 2 GiB (fewer passes over dW's fp32 accumulator); 1 GiB keeps the extra memory lower.
+FUSED_CHUNK_BYTES = 1 << 30
+# R for every row in one chunk (with dW: written by one matmul, no fp32 accumulator) when that costs at most this much
+# more memory than the chunked layout (and, with memory="auto", fits the free memory). Measured on an H100 at N = 8192
+# (b = 0.1): trainable, the Gemma-3-270m head 13.0 ms with every row (4.3 GB) against 15.1 chunked (1.8 GB), a
+# Gemma-3-1B head (D = 1152) 22.4 against 30.6; frozen (every column in one chunk), Gemma-3-270m 8.9 against 9.3 ms in
+# 1 GiB of columns (docs/benchmarks.md). 4 GiB takes these; Gemma-3-270m at N = 16384 (6.9 GB more) stays chunked.
+EVERY_ROW_EXTRA_BYTES = 4 << 30
+
+
+@triton.jit
+def _exp_tiles_tma_kernel(
+    h_desc, w_desc, R, B, C,
+    S_OUT, T_OUT, M_OUT, AM_OUT, SZ_OUT,
+    N, V, D, NUM_SPLITS, stride_rn, r_exp_max, softcap,
+    HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, STATS: tl.constexpr,
+    FIXUP: tl.constexpr, STORE: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Per (vocabulary split, row block): R = exp(z - c) stored tile by tile, and per row over the split
+    S = sum R, the max and (STATS) T = sum R (z - c) (entropy) and the argmax. The target logit and the sum of logits
+    come from ``_offsets_kernel`` (a dot product per row), so the epilogue is a select, a max, an exponential, a sum
+    and a store per logit (STORE; without it, the statistics alone). FIXUP: the second launch, after the first wrote
+    every split's row maxima: a row whose max exceeds its offset by more than ``r_exp_max`` is flagged and redone
+    with its max as the offset (``_effective_offsets``, as ``_finish_rows_kernel`` does); only blocks holding a
+    flagged row run (the others return at once), and they redo every row of the block (the others with their own
+    offsets, the same R). SOFTCAP: the logits capped (``cap tanh(z / cap)``) before R, and per row the sum of the
+    capped logits into SZ_OUT (no dot product gives it); the offset is then ``cap`` itself (``_offsets_kernel``)."""
+    n0 = tl.program_id(1) * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    c = tl.load(C + offs_n, mask=mask_n, other=0.0)
+    run = True
+    if FIXUP:
+        c, flagged = _effective_offsets(M_OUT, c, offs_n, mask_n, N, NUM_SPLITS, r_exp_max, BLOCK_N)
+        run = tl.max(flagged.to(tl.int32), axis=0) > 0
+    if run:
+        c2 = c * 1.4426950408889634
+        m, s, t_acc, sz, _zy, am = _init_state(BLOCK_N)
+        v_start, v_end = _split_bounds(V, NUM_SPLITS, BLOCK_V)
+        k_steps = tl.cdiv(D, BLOCK_D)
+        acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+        for it in range(0, tl.cdiv(v_end - v_start, BLOCK_V) * k_steps):
+            v0 = v_start + (it // k_steps) * BLOCK_V
+            k = it % k_steps
+            h = h_desc.load([n0, k * BLOCK_D])
+            w = w_desc.load([v0, k * BLOCK_D])
+            acc = _dot(h, tl.trans(w), acc, DOT_PRECISION, UPCAST)
+            if k == k_steps - 1:
+                offs_v = v0 + tl.arange(0, BLOCK_V)
+                mask_v = offs_v < v_end
+                z, _t = _finish_logits(acc, B, offs_v, mask_v, softcap, HAS_BIAS, SOFTCAP)
+                # -inf past this split's columns; the mask is a select per logit, kept rather than a branch for full
+                # tiles (a runtime branch here slowed the loop 5-8 % at D >= 2,304: docs/benchmarks.md)
+                z_m = tl.where(mask_v[None, :], z, float("-inf"))
+                tile_max = tl.max(z_m, axis=1)
+                r = tl.math.exp2(z_m * 1.4426950408889634 - c2[:, None])
+                if STATS:
+                    am = tl.where(tile_max > m, tl.argmax(z_m, axis=1).to(tl.int32) + v0, am)
+                    t_acc += tl.sum(r * (tl.where(mask_v[None, :], z, 0.0) - c[:, None]), axis=1)
+                if SOFTCAP:
+                    sz += tl.sum(tl.where(mask_v[None, :], z, 0.0), axis=1)
+                m = tl.maximum(m, tile_max)
+                s += tl.sum(r, axis=1)
+                if STORE:
+                    tl.store(R + offs_n[:, None].to(tl.int64) * stride_rn + offs_v[None, :],
+                             r.to(R.dtype.element_ty), mask=mask_n[:, None] & mask_v[None, :])
+                acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+        out = tl.program_id(0) * N + offs_n
+        tl.store(S_OUT + out, s, mask=mask_n)
+        tl.store(T_OUT + out, t_acc, mask=mask_n)
+        tl.store(M_OUT + out, m, mask=mask_n)
+        tl.store(AM_OUT + out, am, mask=mask_n)
+        if SOFTCAP:
+            tl.store(SZ_OUT + out, sz, mask=mask_n)
+
+
+def supported(hidden, weight, softcap, z_loss, config) -> bool:
+    """Whether the fused path can run these inputs: bf16 (a bias has hidden's dtype: the op's validation), no soft-cap
+    or one of at most ``SOFTCAP_MAX`` (any z-loss), and the TMA kernel's inputs (``forward.tma_ready``)."""
+    return (hidden.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
+            and (softcap is None or softcap <= SOFTCAP_MAX) and tma_ready(config, hidden, weight))
+
+
+def _exp_tiles(config, h, weight, bias, c, r, stats: bool, bufs=None, descs=None, store: bool = True, softcap=None):
+    """Launch the kernel on the rows ``h`` (offsets ``c``, R into ``r``); returns (per-split buffers S, T, max,
+    argmax, sum of capped logits; the tensor descriptors of h and W). ``bufs`` given: the fix-up launch, into the
+    buffers and with the descriptors ``descs`` the first launch returned."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    n, d = h.shape
+    v = weight.shape[0]
+    splits = fused_splits(config, n, v)
+    fixup = bufs is not None
+    if bufs is None:
+        s, t, m, sz = torch.empty(4, splits, n, dtype=torch.float32, device=h.device)
+        bufs = (s, t, m, torch.empty(splits, n, dtype=torch.int32, device=h.device), sz)
+    if descs is None:
+        descs = (TensorDescriptor.from_tensor(h, [config.block_n, config.block_d]),
+                 TensorDescriptor.from_tensor(weight, [config.block_v, config.block_d]))
+    h_desc, w_desc = descs
+    grid = (splits, triton.cdiv(n, config.block_n))
+    _exp_tiles_tma_kernel[grid](
+        h_desc, w_desc, r, bias if bias is not None else weight, c,
+        *bufs, n, v, d, splits, r.stride(0), R_EXP_MAX, float(softcap) if softcap is not None else 1.0,
+        HAS_BIAS=bias is not None, DOT_PRECISION=config.dot_precision, UPCAST=config.upcast_dot,
+        STATS=stats, FIXUP=fixup, STORE=store, SOFTCAP=softcap is not None, BLOCK_N=config.block_n,
+        BLOCK_V=config.block_v,
+        BLOCK_D=config.block_d, num_warps=config.num_warps, num_stages=config.num_stages)
+    return bufs, descs
+
+
+def fused_splits(config, rows: int, v: int) -> int:
+    """Vocabulary splits of the kernel's grid: as many as keep the programs within ``config.min_programs`` (about two
+    waves; rounding up, as ``forward.vocab_splits`` does, left a nearly empty third wave at 17 row blocks: measured
+    22.3 ms against 14.5 for the forward kernel at the Gemma2-2B shape), at least ``config.min_splits``."""
+    blocks = triton.cdiv(rows, config.block_n)
+    return max(1, min(triton.cdiv(v, config.block_v), max(config.min_splits, config.min_programs // blocks)))
+
+
+@triton.jit
+def _offsets_kernel(H, W, COLSUM, BIAS, BSUM, Y, C, SZ, ZY, n, V, D, stride_h, stride_w, shift, softcap,
+                    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Per row, from dot products of length D: the sum of logits ``sz = h . colsum(W) (+ sum of the bias)``, the
+    offset ``c = sz / V + shift`` (the mean logit plus the margin) and the target logit ``zy = h . W_y (+ bias_y)``
+    (0 for an ignored row), all in fp32. SOFTCAP: the target logit capped and the offset ``cap`` (a capped logit
+    lies within cap of 0, so every R = exp(z - cap) is at most 1 and, for cap <= ``SOFTCAP_MAX``, a normal bf16
+    number); no sum of logits (the exponentials' kernel adds the capped ones)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    mask_r = rows < n
+    y = tl.load(Y + rows, mask=mask_r, other=-1)
+    has_y = mask_r & (y >= 0)
+    y_row = tl.maximum(y, 0).to(tl.int64) * stride_w
+    acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    acc_y = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        mask_d = cols < D
+        h = tl.load(H + rows[:, None].to(tl.int64) * stride_h + cols[None, :], mask=mask_r[:, None] & mask_d[None, :],
+                    other=0.0).to(tl.float32)
+        if not SOFTCAP:
+            acc += tl.sum(h * tl.load(COLSUM + cols, mask=mask_d, other=0.0)[None, :], axis=1)
+        w_y = tl.load(W + y_row[:, None] + cols[None, :], mask=has_y[:, None] & mask_d[None, :], other=0.0)
+        acc_y += tl.sum(h * w_y.to(tl.float32), axis=1)
+    if HAS_BIAS:
+        if not SOFTCAP:
+            acc += tl.load(BSUM)
+        acc_y += tl.load(BIAS + tl.maximum(y, 0), mask=has_y, other=0.0).to(tl.float32)
+    if SOFTCAP:
+        tl.store(C + rows, acc * 0.0 + softcap, mask=mask_r)
+        acc_y = softcap * _tanh(acc_y / softcap)
+    else:
+        tl.store(SZ + rows, acc, mask=mask_r)
+        tl.store(C + rows, acc / V + shift, mask=mask_r)
+    tl.store(ZY + rows, tl.where(has_y, acc_y, 0.0), mask=mask_r)
+
+
+@triton.jit
+def _effective_offsets(M, c, rows, mask_r, n, splits, r_exp_max, BLOCK_R: tl.constexpr):
+    """(the offsets R was finally computed with, the flagged rows) from the splits' row maxima (``_offset_rule``)."""
+    m = tl.full((BLOCK_R,), float("-inf"), dtype=tl.float32)
+    for k in range(0, splits):
+        m = tl.maximum(m, tl.load(M + k * n + rows, mask=mask_r, other=float("-inf")))
+    return _offset_rule(m, c, mask_r, r_exp_max)
+
+
+@triton.jit
+def _offset_rule(m, c, mask_r, r_exp_max):
+    """A row whose max ``m`` is more than ``r_exp_max`` above its offset ``c`` is flagged and takes its max as the
+    offset (the fix-up launch's); returns (offsets, flagged)."""
+    flagged = mask_r & (m - c > r_exp_max)
+    return tl.where(flagged, m, c), flagged
+
+
+@triton.jit
+def _merge_splits(S, T, M, AM, rows, mask_r, n, splits, STATS: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Per row, the splits' (sum of R, T, max, first index of the max) merged; they share the row's offset."""
+    zero = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    s, t_acc = zero, zero
+    m = tl.full((BLOCK_R,), float("-inf"), dtype=tl.float32)
+    am = tl.zeros((BLOCK_R,), dtype=tl.int32)
+    for k in range(0, splits):
+        at = k * n + rows
+        s += tl.load(S + at, mask=mask_r, other=1.0)
+        mk = tl.load(M + at, mask=mask_r, other=float("-inf"))
+        if STATS:
+            t_acc += tl.load(T + at, mask=mask_r, other=0.0)
+            am = tl.where(mk > m, tl.load(AM + at, mask=mask_r, other=0), am)  # first split holding the max
+        m = tl.maximum(m, mk)
+    return s, t_acc, m, am
+
+
+@triton.jit
+def _merge_columns_kernel(S, T, M, AM, C, S_RUN, T_RUN, M_RUN, AM_RUN, ACC, n, splits, D, stride_acc, col0,
+                          r_exp_max, STATS: tl.constexpr, HAS_ACC: tl.constexpr, BLOCK_R: tl.constexpr,
+                          BLOCK_D: tl.constexpr):
+    """One vocabulary chunk's splits (``triton_fused_columns``) folded into the rows' running sums, max and argmax. A
+    row whose offset the chunk raised (``_offset_rule``: its max past the running offset) has its running sums and
+    (HAS_ACC) its row of the dh accumulator scaled by exp(c_old - c_new), and C takes the new offset."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    mask_r = rows < n
+    s, t_acc, m, am = _merge_splits(S, T, M, AM, rows, mask_r, n, splits, STATS, BLOCK_R)
+    c_old = tl.load(C + rows, mask=mask_r, other=0.0)
+    c, flagged = _offset_rule(m, c_old, mask_r, r_exp_max)
+    f = tl.exp(c_old - c)
+    s_run = tl.load(S_RUN + rows, mask=mask_r, other=0.0)
+    if STATS:
+        t_run = tl.load(T_RUN + rows, mask=mask_r, other=0.0)
+        tl.store(T_RUN + rows, f * (t_run + s_run * (c_old - c)) + t_acc, mask=mask_r)
+        m_run = tl.load(M_RUN + rows, mask=mask_r, other=0.0)
+        tl.store(AM_RUN + rows, tl.where(m > m_run, am + col0, tl.load(AM_RUN + rows, mask=mask_r, other=0)),
+                 mask=mask_r)
+        tl.store(M_RUN + rows, tl.maximum(m, m_run), mask=mask_r)
+    tl.store(S_RUN + rows, s_run * f + s, mask=mask_r)
+    tl.store(C + rows, c, mask=mask_r)
+    if HAS_ACC:
+        if tl.max(flagged.to(tl.int32), axis=0) > 0:
+            for d0 in range(0, D, BLOCK_D):
+                cols = d0 + tl.arange(0, BLOCK_D)
+                m2 = flagged[:, None] & (cols < D)[None, :]
+                at = ACC + rows[:, None].to(tl.int64) * stride_acc + cols[None, :]
+                tl.store(at, tl.load(at, mask=m2, other=0.0) * f[:, None], mask=m2)
+
+
+@triton.jit
+def _finish_rows_kernel(
+    S, T, M, AM, SZS, C, ZY, SZ, Y, SMOOTH, SCALE, H, R, HS,
+    LSE_OUT, ENT_OUT, AM_OUT, A_OUT, U_OUT, LOSS_OUT, NLL_OUT,
+    n, splits, D, stride_h, stride_r, stride_hs, inv_v, r_exp_max, z_loss,
+    STATS: tl.constexpr, GRAD: tl.constexpr, R_TARGET: tl.constexpr, SCALE_H: tl.constexpr, SOFTCAP: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Per row: the splits merged (lse = c + log S with the offset R was computed with: ``_offset_rule``;
+    STATS: entropy and argmax; SOFTCAP: the sum of capped logits from the splits' SZS, written to SZ), the token's
+    loss and nll (``paths.token_loss_terms``' formula: 0 for an ignored token), and for the gradients (GRAD)
+    a = w k / S and u = w b / V (k = 1 + 2 z_loss lse), (R_TARGET) R's target entry made R_ny - (1 - b) S / k from
+    the fp32 target logit, and (SCALE_H) the rows of a o h in the input dtype for dW."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    mask_r = rows < n
+    s, t_acc, m, am = _merge_splits(S, T, M, AM, rows, mask_r, n, splits, STATS, BLOCK_R)
+    if SOFTCAP:
+        sz = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        for k in range(0, splits):
+            sz += tl.load(SZS + k * n + rows, mask=mask_r, other=0.0)
+        tl.store(SZ + rows, sz, mask=mask_r)
+    else:
+        sz = tl.load(SZ + rows, mask=mask_r, other=0.0)
+    c, _flagged = _offset_rule(m, tl.load(C + rows, mask=mask_r, other=0.0), mask_r, r_exp_max)
+    log_s = tl.log(s)
+    lse = c + log_s
+    tl.store(LSE_OUT + rows, lse, mask=mask_r)
+    y = tl.load(Y + rows, mask=mask_r, other=-1)
+    b = tl.load(SMOOTH + rows, mask=mask_r, other=0.0)
+    zy = tl.load(ZY + rows, mask=mask_r, other=0.0)
+    loss = lse - (1.0 - b) * zy - b * sz * inv_v + z_loss * lse * lse
+    tl.store(LOSS_OUT + rows, tl.where(y >= 0, loss, 0.0), mask=mask_r)
+    tl.store(NLL_OUT + rows, tl.where(y >= 0, lse - zy, 0.0), mask=mask_r)
+    if STATS:
+        tl.store(ENT_OUT + rows, log_s - t_acc / s, mask=mask_r)
+        tl.store(AM_OUT + rows, am.to(tl.int64), mask=mask_r)
+    if GRAD:
+        w = tl.load(SCALE + rows, mask=mask_r, other=0.0)
+        # the z-loss lam lse^2 scales p by k = 1 + 2 lam lse: a factor per row (kept off 0, where a = w k / S would
+        # lose the target term; 2^-20 of p is far below bf16's rounding)
+        k = 1.0 + 2.0 * z_loss * lse
+        k = tl.where(tl.abs(k) < 9.5367431640625e-07, 9.5367431640625e-07, k)
+        a = w * k / s
+        tl.store(A_OUT + rows, a, mask=mask_r)
+        tl.store(U_OUT + rows, w * b * inv_v, mask=mask_r)
+        if R_TARGET:
+            tgt = tl.exp(zy - c) - (1.0 - b) * s / k
+            ok = mask_r & (y >= 0)
+            tl.store(R + rows.to(tl.int64) * stride_r + tl.maximum(y, 0), tgt.to(R.dtype.element_ty), mask=ok)
+        if SCALE_H:
+            for d0 in range(0, D, BLOCK_D):
+                cols = d0 + tl.arange(0, BLOCK_D)
+                m2 = mask_r[:, None] & (cols < D)[None, :]
+                h = tl.load(H + rows[:, None].to(tl.int64) * stride_h + cols[None, :], mask=m2, other=0.0)
+                tl.store(HS + rows[:, None].to(tl.int64) * stride_hs + cols[None, :],
+                         (h.to(tl.float32) * a[:, None]).to(HS.dtype.element_ty), mask=m2)
+
+
+@triton.jit
+def _dh_rows_kernel(T, A, U, COLSUM, DH, Y, W, SCALE, SMOOTH, n, D, stride_t, stride_dh, stride_w,
+                    TARGET: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """dh = a o (R' W) - u colsum(W), in dh's dtype (one rounding); TARGET (R without the target entry's change,
+    ``triton_fused_columns``): also - w (1 - b) W_y."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    mask_r = rows < n
+    a = tl.load(A + rows, mask=mask_r, other=0.0)
+    u = tl.load(U + rows, mask=mask_r, other=0.0)
+    if TARGET:
+        y = tl.load(Y + rows, mask=mask_r, other=-1)
+        has_y = mask_r & (y >= 0)
+        tw = tl.load(SCALE + rows, mask=mask_r, other=0.0) * (1.0 - tl.load(SMOOTH + rows, mask=mask_r, other=0.0))
+        y_row = tl.maximum(y, 0).to(tl.int64) * stride_w
+    for d0 in range(0, D, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        mask_d = cols < D
+        m2 = mask_r[:, None] & mask_d[None, :]
+        t = tl.load(T + rows[:, None].to(tl.int64) * stride_t + cols[None, :], mask=m2, other=0.0)
+        g = a[:, None] * t - u[:, None] * tl.load(COLSUM + cols, mask=mask_d, other=0.0)[None, :]
+        if TARGET:
+            w_y = tl.load(W + y_row[:, None] + cols[None, :], mask=has_y[:, None] & mask_d[None, :], other=0.0)
+            g -= tw[:, None] * w_y.to(tl.float32)
+        tl.store(DH + rows[:, None].to(tl.int64) * stride_dh + cols[None, :], g.to(DH.dtype.element_ty), mask=m2)
+
+
+@triton.jit
+def _softcap_grad_kernel(R, A, U, SCALE, SMOOTH, Y, n, V, stride_r, softcap, BLOCK_R: tl.constexpr,
+                         BLOCK_V: tl.constexpr):
+    """G over R in place (the input dtype) for soft-capped logits: ``(a R - u - w (1 - b) [v = y]) (1 - t^2)``, the
+    cap's derivative from R itself: ``z = cap + log R`` (the offset is ``cap``), so ``t = z / cap = 1 + q`` with
+    ``q = log(R) / cap`` and ``1 - t^2 = -q (2 + q)``, to R's relative precision (2^-9 in bf16: the derivative within
+    about 1e-4 at cap 30, where logits rounded to bf16 put it 4e-3 off)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask_r = rows < n
+    m2 = mask_r[:, None] & (cols < V)[None, :]
+    at = R + rows[:, None].to(tl.int64) * stride_r + cols[None, :]
+    r = tl.load(at, mask=m2, other=1.0).to(tl.float32)
+    a = tl.load(A + rows, mask=mask_r, other=0.0)
+    u = tl.load(U + rows, mask=mask_r, other=0.0)
+    tw = tl.load(SCALE + rows, mask=mask_r, other=0.0) * (1.0 - tl.load(SMOOTH + rows, mask=mask_r, other=0.0))
+    y = tl.load(Y + rows, mask=mask_r, other=-1)
+    q = tl.log2(r) * (0.6931471805599453 / softcap)
+    g = a[:, None] * r - u[:, None] - tl.where(cols[None, :] == y[:, None], tw[:, None], 0.0)
+    tl.store(at, (g * (-q * (2.0 + q))).to(R.dtype.element_ty), mask=m2)
+
+
+def chunk_rows(n: int, v: int, chunk_bytes: int | None = None) -> tuple[int, int]:
+    """(R's padded row length, rows per chunk): a row stride of a multiple of 8 elements (16-byte rows for cuBLAS and
+    TMA), and as many bf16 rows as ``chunk_bytes`` (default ``FUSED_CHUNK_BYTES``) hold."""
+    v_pad = triton.cdiv(v, 8) * 8
+    return v_pad, max(1, min(n, (chunk_bytes or FUSED_CHUNK_BYTES) // (v_pad * 2)))
+
+
+def layout(n: int, v: int, d: int, need_dw: bool, chunk_bytes: int | None = None,
+           free_bytes: int | None = None) -> tuple[int, int, bool]:
+    """(R's padded row length, rows per chunk, direct). One chunk holds every row where R for all of them (with dW,
+    plus the rank-one term's two rows) costs at most ``EVERY_ROW_EXTRA_BYTES`` more than the chunked layout (a chunk
+    of R and, with dW, its fp32 accumulator) and, where ``free_bytes`` (CUDA's free memory, ``memory="auto"``) is
+    given, fits it with the op's headroom; ``direct``: dW is needed and then written by one matmul."""
+    from .config import MEMORY_HEADROOM
+
+    v_pad, rows = chunk_rows(n, v, chunk_bytes)
+    need = (n + (2 if need_dw else 0)) * v_pad * 2
+    whole = (need <= rows * v_pad * 2 + (v * d * 4 if need_dw else 0) + EVERY_ROW_EXTRA_BYTES
+             and (free_bytes is None or MEMORY_HEADROOM * need <= free_bytes))
+    return v_pad, (n if whole else rows), whole and need_dw
+
+
+def preferred(n: int, v: int, d: int, need_dw: bool, free_bytes: int | None = None) -> bool:
+    """Whether the fused path is the training path of choice where it can run (``supported``): up to hidden size
+    ``config.TWO_PASS_MAX_D`` always; above it for a frozen head (LoRA: no dW, so R is read by dh's matmul alone, a
+    chunk at a time), and where dW is needed and written directly (``layout``). Measured on an H100
+    (docs/how_it_works.md): with chunks and the fp32 accumulator for dW the fused path took the one-pass path's time
+    at D = 2304 and 4096, with more memory; written directly it is faster. Where dW is needed without the free memory
+    for every row's R, the one-pass path is kept there."""
+    from .config import TWO_PASS_MAX_D
+
+    return d <= TWO_PASS_MAX_D or not need_dw or layout(n, v, d, need_dw, free_bytes=free_bytes)[2]
+
+
+def extra_memory(n: int, v: int, d: int, need_dw: bool = True, free_bytes: int | None = None) -> int:
+    """Bytes the fused path holds beyond its inputs and outputs, for ``memory="auto"``: R for every row (direct
+    layout), or one chunk of R and dW's fp32 accumulator; a frozen head: R (every column where it fits, else a chunk
+    of ``FUSED_CHUNK_BYTES``) and dh's fp32 accumulator (every row by columns, one chunk of rows: see
+    ``frozen_chunk_bytes``)."""
+    v_pad, rows, direct = layout(n, v, d, need_dw, free_bytes=free_bytes)
+    if direct:
+        return (n + 2) * v_pad * 2
+    if need_dw:
+        return rows * v_pad * 2 + v * d * 4
+    return rows * v_pad * 2 + 4 * (n if frozen_chunk_bytes(n, v, d, free_bytes) else rows) * d
+
+
+class _ExactBf16Reduction:
+    """cuBLAS without reduced-precision (half) reductions inside a half-precision matmul (split-K partial sums stay
+    fp32), restored afterwards: dW's single matmul rounds once."""
+
+    def __enter__(self):
+        m = torch.backends.cuda.matmul
+        self.saved = (m.allow_bf16_reduced_precision_reduction, m.allow_fp16_reduced_precision_reduction)
+        m.allow_bf16_reduced_precision_reduction = m.allow_fp16_reduced_precision_reduction = False
+
+    def __exit__(self, *exc):
+        m = torch.backends.cuda.matmul
+        m.allow_bf16_reduced_precision_reduction, m.allow_fp16_reduced_precision_reduction = self.saved
+
+
+@triton.jit
+def _rank_one_rows_kernel(U, H, HI, LO, n, D, stride_h, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The rows HI and LO (hs's rows n and n + 1): the hi and lo halves, in hs's dtype, of ``-sum_r u_r h_r`` (fp32,
+    rows in order). (Row pointers from the host: an int argument of 1, such as n, is a compile-time constant.)"""
+    cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask_d = cols < D
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for r0 in range(0, n, BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R)
+        mask_r = rows < n
+        h = tl.load(H + rows[:, None].to(tl.int64) * stride_h + cols[None, :], mask=mask_r[:, None] & mask_d[None, :],
+                    other=0.0).to(tl.float32)
+        acc += tl.sum(h * tl.load(U + rows, mask=mask_r, other=0.0)[:, None], axis=0)
+    acc = -acc
+    hi = acc.to(HI.dtype.element_ty)
+    tl.store(HI + cols, hi, mask=mask_d)
+    tl.store(LO + cols, (acc - hi.to(tl.float32)).to(LO.dtype.element_ty), mask=mask_d)
+
+
+def _rank_one_rows(r_buf, hs, u_all, hidden, at: int, v: int) -> None:
+    """R's rows ``at`` and ``at + 1`` made ones and hs's the hi and lo halves of ``-u^T h`` (all N rows of ``hidden``):
+    a matmul over rows ``[0, at + 2)`` then adds dW's rank-one smoothing term ``-1 (u^T h)^T`` in its fp32
+    accumulation, to about 2^-16 (``_rank_one_rows_kernel``)."""
+    block_d = 16 if interpreting() else 64
+    _rank_one_rows_kernel[(triton.cdiv(hs.shape[1], block_d),)](
+        u_all, hidden, hs[at], hs[at + 1], hidden.shape[0], hs.shape[1], hidden.stride(0),
+        BLOCK_R=8 if interpreting() else 64, BLOCK_D=block_d, num_warps=1 if interpreting() else 4)
+    r_buf[at:at + 2, :v].fill_(1.0)
+
+
+def _direct_dw(r_buf, hs, u_all, hidden, n: int, v: int, weight) -> torch.Tensor:
+    """dW = R'^T (a o h) - 1 (u^T h)^T in the weight's dtype by one matmul over every row and the rank-one term's two
+    (``_rank_one_rows``); ``hs`` None (soft-capped: R holds G): G^T h. (A K padded to a multiple of 8 was no faster:
+    docs/benchmarks.md, settled experiments: direct_dw.py.)"""
+    k = n
+    if hs is None:
+        hs = hidden
+    else:
+        _rank_one_rows(r_buf, hs, u_all, hidden, n, v)
+        k = n + 2
+    dw = torch.empty(v, hs.shape[1], dtype=weight.dtype, device=hs.device)
+    _mm_once(r_buf[:k, :v].T, hs[:k], dw)
+    return dw
+
+
+def _mm_once(a, b, out) -> None:
+    """out (half precision) = a @ b, rounded once: split-K partial sums stay fp32 (the interpreter: fp32 math)."""
+    if a.device.type != "cuda":
+        out.copy_(a.float() @ b.float())
+        return
+    with _ExactBf16Reduction():
+        torch.mm(a, b, out=out)
+
+
+def _column_sums(weight, bias):
+    """(``sum_v W_v``, the bias's sum or that same tensor without a bias) in fp32: the rows' sums of logits and
+    offsets (``_row_offsets``) and dh's uniform term. The first by one matmul with a row of ones (fp32 accumulation
+    and output): ``weight.sum(0, dtype=torch.float32)`` allocated a reduction buffer of 139-295 MB at the
+    Gemma-3-270m, Llama-3-8B and Gemma2-2B heads (H100, memory snapshot), more than the low-memory mode's budget."""
+    out = torch.empty(1, weight.shape[1], dtype=torch.float32, device=weight.device)
+    mm_f32(torch.ones(1, weight.shape[0], dtype=weight.dtype, device=weight.device), weight, out)
+    return out[0], (bias.sum(dtype=torch.float32).reshape(1) if bias is not None else out[0])
+
+
+def _row_offsets(h, weight, bias, sums, y, c, sz, zy, softcap=None) -> None:
+    """``_offsets_kernel`` on the rows ``h`` (``sums``: ``_column_sums``, None with a soft-cap): their offsets, sums
+    of logits and target logits into ``c``, ``sz`` and ``zy``."""
+    grid, br, bd, warps = _rows_launch(h.shape[0])
+    colsum, b_sum = sums if sums is not None else (c, c)
+    _offsets_kernel[grid](h, weight, colsum, bias if bias is not None else colsum, b_sum, y, c, sz, zy, h.shape[0],
+                          weight.shape[0], h.shape[1], h.stride(0), weight.stride(0), C_SHIFT,
+                          float(softcap) if softcap is not None else 1.0, HAS_BIAS=bias is not None,
+                          SOFTCAP=softcap is not None, BLOCK_R=br, BLOCK_D=bd, num_warps=warps)
+
+
+def _rows_launch(n: int):
+    """(grid, BLOCK_R, BLOCK_D, num_warps) of the row kernels."""
+    if interpreting():
+        return (triton.cdiv(n, 8),), 8, 16, 1
+    return (triton.cdiv(n, 32),), 32, 128, 4
+
+
+def triton_fused_pass(hidden, weight, bias, targets, smoothing, scale, config, need_dh=True, need_dw=True,
+                      need_db=True, need_stats=False, chunk_bytes: int | None = None, free_bytes: int | None = None,
+                      z_loss: float = 0.0, softcap: float | None = None):
+    """Statistics and gradients of ``sum_n scale_n loss_n`` for 2-D bf16 ``hidden`` (N, D) by the fused path (see the
+    module docstring; ``supported`` says when it applies). ``targets``: ids, -1 for ignored tokens; ``smoothing`` and
+    ``scale``: fp32 per token. Returns ``(lse, zy, sz, argmax, entropy, loss, nll), dh, dw, db`` (the token losses
+    as ``paths.token_loss_terms`` gives them; dh, dw in the inputs' dtype, db fp32; None where not needed; argmax and
+    entropy zeros unless ``need_stats``). ``free_bytes``: the free memory
+    ``memory="auto"`` measured (the direct layout only if it fits: ``layout``). ``softcap``: R's chunk becomes G
+    itself (``_softcap_grad_kernel``), whose products give dh, dW and db."""
+    n, d = hidden.shape
+    v = weight.shape[0]
+    dev = hidden.device
+    f32 = dict(dtype=torch.float32, device=dev)
+    v_pad, rows, direct = layout(n, v, d, need_dw, chunk_bytes, free_bytes)
+    if rows < n and rows > config.block_n:
+        rows = rows // config.block_n * config.block_n  # whole row blocks per chunk
+    soft = softcap is not None
+    extra = 2 if need_dw and not soft else 0  # the rank-one term's rows (see _rank_one_rows)
+    r_buf = torch.empty(rows + extra, v_pad, dtype=hidden.dtype, device=dev)
+    sums = None if soft else _column_sums(weight, bias)  # the offsets' and dh's uniform term
+    rowbuf = torch.empty(8, n, **f32)  # per-row fp32 outputs and scratch in one allocation
+    lse, zy, sz, ent, a_all, u_all, loss, nll = rowbuf
+    am = torch.zeros(n, dtype=torch.long, device=dev)
+    grad = need_dh or need_dw or (need_db and bias is not None)
+    dh = torch.empty(n, d, dtype=hidden.dtype, device=dev) if need_dh else None
+    dw32 = torch.empty(v, d, **f32) if need_dw and not direct else None
+    db = torch.zeros(v, **f32) if need_db and bias is not None else None
+    dh32 = torch.empty(rows, d, **f32) if need_dh and not soft else None
+    hs = torch.empty(rows + extra, d, dtype=hidden.dtype, device=dev) if need_dw and not soft else None
+    c_buf = torch.empty(rows, **f32)
+    for s0 in range(0, n, rows):
+        e0 = min(n, s0 + rows)
+        nr = e0 - s0
+        h, y, r, c = hidden[s0:e0], targets[s0:e0], r_buf[:nr, :v], c_buf[:nr]
+        grid, br, bd, warps = _rows_launch(nr)
+        _row_offsets(h, weight, bias, sums, y, c, sz[s0:e0], zy[s0:e0], softcap)
+        st, descs = _exp_tiles(config, h, weight, bias, c, r, need_stats, softcap=softcap)
+        if not soft:  # (capped logits never leave the range)
+            _exp_tiles(config, h, weight, bias, c, r, need_stats, bufs=st, descs=descs)  # the flagged rows redone
+        a, u = a_all[s0:e0], u_all[s0:e0]
+        _finish_rows_kernel[grid](
+            *st, c, zy[s0:e0], sz[s0:e0], y, smoothing[s0:e0], scale[s0:e0], h, r, h if hs is None else hs,
+            lse[s0:e0], ent[s0:e0], am[s0:e0], a, u, loss[s0:e0], nll[s0:e0],
+            nr, st[0].shape[0], d, h.stride(0), r.stride(0), 0 if hs is None else hs.stride(0), 1.0 / v, R_EXP_MAX,
+            float(z_loss), STATS=need_stats, GRAD=grad, R_TARGET=not soft, SCALE_H=hs is not None, SOFTCAP=soft,
+            BLOCK_R=br, BLOCK_D=bd, num_warps=warps)
+        if soft and grad:
+            blocks = (8, 32) if interpreting() else (8, 256)  # 3.3 ms at the Gemma2-2B head (in-place scale: 3.05)
+            _softcap_grad_kernel[(triton.cdiv(nr, blocks[0]), triton.cdiv(v, blocks[1]))](
+                r, a, u, scale[s0:e0], smoothing[s0:e0], y, nr, v, r.stride(0), float(softcap), BLOCK_R=blocks[0],
+                BLOCK_V=blocks[1], num_warps=1 if interpreting() else 4)
+        if need_dh and soft:
+            _mm_once(r, weight, dh[s0:e0])
+        elif need_dh:
+            t = dh32[:nr]
+            mm_f32(r, weight, t)
+            _dh_rows_kernel[grid](t, a, u, sums[0], dh[s0:e0], y, weight, a, a, nr, d, t.stride(0), dh.stride(0),
+                                  weight.stride(0), TARGET=False, BLOCK_R=br, BLOCK_D=bd, num_warps=warps)
+        if need_dw and not direct:
+            k, rhs = nr, h
+            if not soft:
+                rhs = hs
+                if e0 == n:  # the last chunk also adds the rank-one term (u is whole now)
+                    _rank_one_rows(r_buf, hs, u_all, hidden, nr, v)
+                    k = nr + 2
+            if s0 == 0:
+                mm_f32(r_buf[:k, :v].T, rhs[:k], dw32)
+            else:
+                addmm_f32(dw32, r_buf[:k, :v].T, rhs[:k])
+        if db is not None:  # R's column sums weighted by a (soft-cap: G's column sums)
+            db_chunk = torch.empty(v, 1, **f32)
+            mm_f32(r.T, (torch.ones_like(a) if soft else a).to(r.dtype)[:, None], db_chunk)
+            db += db_chunk[:, 0]
+    dw = None
+    if direct:
+        dw = _direct_dw(r_buf, hs, u_all, hidden, n, v, weight)
+    elif need_dw:
+        dw = dw32.to(weight.dtype)
+    if db is not None and not soft:
+        db -= u_all.sum()
+    if not need_stats:
+        ent.zero_()
+    return (lse, zy, sz, am, ent, loss, nll), dh, dw, db
+
+
+def triton_fused_columns(hidden, weight, bias, targets, smoothing, scale, config, chunk_bytes: int | None = None,
+                         need_stats=False, z_loss: float = 0.0, need_dh: bool = True):
+    """A frozen head's statistics and dh (LoRA: no dW, no db) by the fused pass over chunks of vocabulary *columns*,
+    every row at once, the logits computed once (``frozen_chunk_bytes``; ``memory="low"``: the low-memory budget).
+    R of a chunk needs only the offsets, fixed before the pass, and a factor per row passes through ``R W``, so dh's
+    unnormalised product adds up in an fp32 accumulator (``4 N D`` bytes) across chunks, as do the rows' sums of R;
+    the normalisation, the uniform term and the target's term (``- w (1 - b) W_y``, where the trainable head's layouts
+    change R's target entry) come once, at the end. A chunk that holds a row's max past its offset (``_offset_rule``)
+    redoes that row with the max as its offset and scales what the row accumulated so far by exp(c_old - c_new).
+    ``chunk_bytes``: R's chunk (N x columns, bf16); one chunk where it holds every column (or None). Returns what
+    ``triton_fused_pass`` returns, without dW and db (None); ``need_dh=False``: the statistics alone, no R stored
+    (the low-memory mode's first pass where dW is needed: ``paths.statistics_and_gradients``)."""
+    n, d = hidden.shape
+    v = weight.shape[0]
+    dev = hidden.device
+    # every column in one chunk: the split statistics go straight to the row kernel
+    one = not need_dh or chunk_bytes is None or chunk_bytes >= 2 * n * v
+    cols = v if one else min(v, max(config.block_v, chunk_bytes // (2 * n) // config.block_v * config.block_v))
+    # 16-byte rows for cuBLAS; without dh no R is stored (hidden stands in for the pointer)
+    r_buf = torch.empty(n, triton.cdiv(cols, 8) * 8, dtype=hidden.dtype, device=dev) if need_dh else hidden
+    sums = _column_sums(weight, bias)
+    colsum = sums[0]  # also dh's uniform term
+    rowbuf = torch.empty(12, n, dtype=torch.float32, device=dev)
+    lse, zy, sz, ent, a, u, loss, nll, c, s_run, t_run, m_run = rowbuf
+    am = torch.zeros(n, dtype=torch.long, device=dev)
+    acc = torch.empty(n, d, dtype=torch.float32, device=dev) if need_dh else None
+    grid, br, bd, warps = _rows_launch(n)
+    _row_offsets(hidden, weight, bias, sums, targets, c, sz, zy)
+    if not one:
+        rowbuf[9:11].zero_()
+        m_run.fill_(float("-inf"))
+        am_run = torch.zeros(n, dtype=torch.int32, device=dev)
+    for c0 in range(0, v, cols):
+        c1 = min(v, c0 + cols)
+        wc, r = weight[c0:c1], r_buf[:, :c1 - c0]
+        bc = bias[c0:c1] if bias is not None else None
+        st, descs = _exp_tiles(config, hidden, wc, bc, c, r, need_stats, store=need_dh)
+        _exp_tiles(config, hidden, wc, bc, c, r, need_stats, bufs=st, descs=descs, store=need_dh)  # flagged rows
+        if not one:
+            _merge_columns_kernel[grid](*st[:4], c, s_run, t_run, m_run, am_run, acc, n, st[0].shape[0], d,
+                                        acc.stride(0), c0, R_EXP_MAX, STATS=need_stats, HAS_ACC=c0 > 0, BLOCK_R=br,
+                                        BLOCK_D=bd, num_warps=warps)
+        if need_dh and c0 == 0:
+            mm_f32(r, wc, acc)
+        elif need_dh:
+            addmm_f32(acc, r, wc)
+    # several chunks: the running state as one split, M = the final offsets (no row's max exceeds them by more than
+    # R_EXP_MAX, so the row kernel keeps them)
+    state = st[:4] if one else (s_run, t_run, c, am_run)
+    _finish_rows_kernel[grid](
+        *state, st[4], c, zy, sz, targets, smoothing, scale, hidden, r_buf, hidden,
+        lse, ent, am, a, u, loss, nll, n, state[0].shape[0] if one else 1, d, hidden.stride(0), r_buf.stride(0), 0,
+        1.0 / v, R_EXP_MAX, float(z_loss), STATS=need_stats, GRAD=need_dh, R_TARGET=False, SCALE_H=False,
+        SOFTCAP=False, BLOCK_R=br, BLOCK_D=bd, num_warps=warps)
+    dh = None
+    if need_dh:
+        dh = torch.empty(n, d, dtype=hidden.dtype, device=dev)
+        _dh_rows_kernel[grid](acc, a, u, colsum, dh, targets, weight, scale, smoothing, n, d, acc.stride(0),
+                              dh.stride(0), weight.stride(0), TARGET=True, BLOCK_R=br, BLOCK_D=bd, num_warps=warps)
+    if not need_stats:
+        ent.zero_()
+    return (lse, zy, sz, am, ent, loss, nll), dh, None, None
+
+
+def frozen_chunk_bytes(n: int, v: int, d: int, free_bytes: int | None = None) -> int | None:
+    """R's column chunk for a frozen head (``triton_fused_columns``) outside the low-memory mode: every column where
+    ``layout`` keeps every row (the same allowance and free-memory rule), else ``FUSED_CHUNK_BYTES`` while dh's fp32
+    accumulator (``4 N D`` bytes) stays within a quarter of it; past that None: the chunks of rows
+    (``triton_fused_pass``), whose accumulator covers one chunk of rows, so the call's memory stays about the chunk's
+    (the columns' accumulator is 1.9 GB for LoRA on Llama-3-8B at 28 x 4,096 tokens). Measured on an H100 (b = 0.1):
+    at the Gemma-3-270m head with N = 16,384 (a 42 MB accumulator), 1 GiB chunks of columns 18.3 ms against 19.5 for
+    1 GiB chunks of rows (docs/benchmarks.md, settled experiments: frozen_cols_fast.py)."""
+    v_pad, rows, _ = layout(n, v, d, False, free_bytes=free_bytes)
+    if rows == n:
+        return n * v_pad * 2
+    return FUSED_CHUNK_BYTES if 4 * n * d <= FUSED_CHUNK_BYTES // 4 else None
