@@ -36,9 +36,14 @@ the rank-one term, by the same two rows). A frozen head (no dW, no db: LoRA) goe
 *columns* instead, every row at once (``triton_fused_columns``; ``memory="low"`` too). The z-loss ``lam lse^2``
 multiplies p by ``k_n = 1 + 2 lam lse_n``, one more factor per row (``a_n = w_n k_n / S_n``, the target entry
 ``R_ny - (1 - b_n) S_n / k_n``). bf16 only: fp16's range cannot hold R, and W in bf16 for dh's matmul would lose
-fp16's digits. Not with soft-cap: its derivative ``1 - tanh^2`` is a factor per *logit*, so the uniform term
-``u 1^T`` times it is no longer rank one and dh, dW would need a second N x V matrix (soft-cap and fp16 take the
-one-pass path: docs/how_it_works.md).
+fp16's digits.
+
+Soft-capped logits (a cap up to ``SOFTCAP_MAX``): the cap's derivative ``1 - tanh^2`` is a factor per *logit*, so
+the uniform term ``u 1^T`` times it is no longer rank one and the factors above do not carry it. But a capped logit
+lies within ``cap`` of 0: with the offset ``c = cap`` every R is at most 1 and a normal bf16 number (no fix-up), and
+``log R`` gives the capped logit back. So a kernel forms G itself over R, in place, once the row statistics are known
+(``_softcap_grad_kernel``: the derivative from log R), and cuBLAS takes dh, dW and db from G; a frozen soft-capped
+head goes by rows too (docs/how_it_works.md).
 """
 from __future__ import annotations
 

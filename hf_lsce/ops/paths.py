@@ -4,13 +4,13 @@ Shared by the eager op (``linear_cross_entropy._LinearCrossEntropy``) and the co
 that neither imports the other for them. Every path is exact:
 
 * fused (``fused_pass.py``): one logits pass whose kernel stores ``exp(z - c)`` in bf16, the gradients from it by
-  cuBLAS; bf16 on a GPU with TMA, no soft-cap (z-loss included); a frozen head by chunks of vocabulary columns
-  (``fused_pass.triton_fused_columns``), ``memory="low"`` included;
+  cuBLAS; bf16 on a GPU with TMA, soft-caps up to ``fused_pass.SOFTCAP_MAX`` and z-loss included; a frozen head by
+  chunks of vocabulary columns (``fused_pass.triton_fused_columns``), ``memory="low"`` included, unless soft-capped;
 * two-pass (``backward.triton_gradients_by_columns``): the forward kernel's lse, then the logits recomputed on chip
-  and G written a chunk of vocabulary columns at a time; also ``memory="low"`` wherever dW or db is needed or the
-  fused pass cannot run, with small chunks, on every device;
+  and G written a chunk of vocabulary columns at a time; also ``memory="low"`` wherever dW or db is needed, the
+  logits are soft-capped or the fused pass cannot run, with small chunks, on every device;
 * one-pass (``train_pass.py``): fp32 logits from cuBLAS a chunk of rows at a time, read twice; every other case
-  (soft-cap and fp16 above D = 1,024, the interpreter's CPU runs).
+  (fp16 above D = 1,024, a trainable head there whose every-row R does not fit, the interpreter's CPU runs).
 """
 from __future__ import annotations
 
@@ -90,8 +90,8 @@ def use_train_pass(hidden, weight, bias, backend) -> bool:
 
 
 def _train_path(hidden, weight, softcap, z_loss, accum_dtype, free_bytes=None) -> str:
-    """The training path. On CUDA the fused path where it can run (bf16, the TMA kernel, no soft-cap:
-    ``fused_pass.supported``) and is preferred (``fused_pass.preferred``); else, up to hidden size
+    """The training path. On CUDA the fused path where it can run (bf16, the TMA kernel, a soft-cap of at most
+    ``fused_pass.SOFTCAP_MAX``: ``fused_pass.supported``) and is preferred (``fused_pass.preferred``); else, up to hidden size
     ``config.TWO_PASS_MAX_D``, the two-pass path (with dW accumulated in the weight's dtype: it is written once per
     row there); above it, and off CUDA, the one-pass path. ``free_bytes``: CUDA's free memory (``memory="auto"``),
     which the fused path's every-row layout must fit. ``config.TRAIN_PATH`` forces a path where it can run.
