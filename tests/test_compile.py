@@ -20,11 +20,14 @@ def _compiled(fn):
     return torch.compile(fn, fullgraph=True, backend="aot_eager")  # the graph is what matters; inductor adds minutes
 
 
+@pytest.mark.parametrize("items", ["tensor", "int"])
 @pytest.mark.parametrize("backend,path", [("torch", None), ("triton", "one-pass"), ("triton", "two-pass")])
-def test_op_compiles_fullgraph_and_matches_fp64(backend, path, monkeypatch):
+def test_op_compiles_fullgraph_and_matches_fp64(backend, path, items, monkeypatch):
+    """``num_items_in_batch`` as the Trainer passes it (a tensor) and as a number (a compiled training path failed on
+    a number before 2026-11-26: the operator takes a tensor divisor)."""
     monkeypatch.setattr(config, "TRAIN_PATH", path)
     h, w, y, b = make_inputs(bias=True, peaked=True)
-    items = torch.tensor(41)
+    items = torch.tensor(41) if items == "tensor" else 41
 
     def loss_fn(h, w, b, y):
         return linear_cross_entropy(h, w, y, bias=b, label_smoothing=B, num_items_in_batch=items, backend=backend)

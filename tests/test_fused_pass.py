@@ -357,3 +357,32 @@ def test_low_memory_takes_the_two_pass_computation_where_dw_or_db_is_needed(tma,
     got = ww.grad if trainable == "weight" else bb.grad
     assert rel(loss, ref[0]) < 1e-5 and rel(stats.lse, ref[4]) < 1e-6 and torch.equal(stats.argmax, z.argmax(-1))
     assert rel(hh.grad, ref[1]) < 2e-2 and rel(got, ref[2 if trainable == "weight" else 3]) < 2e-2
+
+
+def test_soft_capped_fused_path_compiles(tma, monkeypatch):
+    """A soft-capped loss on the fused path inside torch.compile(fullgraph=True): the compiled operator runs the same
+    fused pass (with the cap) and gives eager's loss and gradients exactly, trainable head with a bias."""
+    h, w, y, b = inputs(seed=13, bias=True)
+    caps = []
+    real = fp.triton_fused_pass
+    monkeypatch.setattr(fp, "triton_fused_pass", lambda *a, **k: caps.append(k.get("softcap")) or real(*a, **k))
+    monkeypatch.setattr(config, "TRAIN_PATH", "fused")
+
+    def loss_fn(hh, ww, bb):
+        return linear_cross_entropy(hh, ww, y, bias=bb, label_smoothing=0.1, softcap=5.0, reduction="sum",
+                                    num_items_in_batch=29, backend="triton")
+    results = []
+    for fn in (loss_fn, None):
+        if fn is None:
+            torch._dynamo.reset()
+            fn = torch.compile(loss_fn, fullgraph=True, backend="aot_eager")
+        hh, ww, bb = (t.bfloat16().requires_grad_() for t in (h, w, b))
+        loss = fn(hh, ww, bb)
+        loss.backward()
+        results.append((loss.detach(), hh.grad, ww.grad, bb.grad))
+    assert caps == [5.0, 5.0], caps
+    for got, want in zip(results[1], results[0]):
+        assert torch.equal(got, want)
+    ref = fp64(h.bfloat16().double(), w.bfloat16().double(), y, b.bfloat16().double(), torch.full((N,), 0.1), 29.0,
+               softcap=5.0)
+    assert rel(results[1][0], ref[0]) < 1e-5 and rel(results[1][1], ref[1]) < 2e-2

@@ -208,7 +208,10 @@ torch.library.register_autograd("hf_lsce::reduced_training_loss", _backward_redu
 def reduced_loss(hidden, weight, bias, targets, smoothing, token_weight, denom, softcap, backend, z_loss, need_stats,
                  memory, accum_dtype, observed_smoothing):
     """``reduced_training_loss`` with the gradients it needs read from ``requires_grad``: (loss, lse, argmax, nll,
-    entropy)."""
+    entropy). ``denom``: a tensor, a number (``num_items_in_batch`` given as one: made a tensor, the operator's
+    argument type) or None."""
+    if denom is not None and not torch.is_tensor(denom):
+        denom = torch.tensor(float(denom), dtype=torch.float32, device=hidden.device)
     out = reduced_training_loss(hidden, weight, bias, targets, smoothing, token_weight, denom, softcap, backend,
                                 z_loss, need_stats, memory, accum_dtype, observed_smoothing,
                                 hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
