@@ -386,3 +386,22 @@ def test_soft_capped_fused_path_compiles(tma, monkeypatch):
     ref = fp64(h.bfloat16().double(), w.bfloat16().double(), y, b.bfloat16().double(), torch.full((N,), 0.1), 29.0,
                softcap=5.0)
     assert rel(results[1][0], ref[0]) < 1e-5 and rel(results[1][1], ref[1]) < 2e-2
+
+
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_fused_second_backward_doubles_the_gradients(tma, monkeypatch, softcap):
+    """A second backward through the same graph (retain_graph) recomputes the fused path's gradients the same way:
+    the accumulated gradients are exactly twice the first's (trainable head with a bias, soft-capped or not)."""
+    monkeypatch.setattr(config, "TRAIN_PATH", "fused")
+    calls = []
+    real = fp.triton_fused_pass
+    monkeypatch.setattr(fp, "triton_fused_pass", lambda *a, **k: calls.append(1) or real(*a, **k))
+    h, w, y, b = inputs(seed=14, bias=True)
+    hh, ww, bb = (t.bfloat16().requires_grad_() for t in (h, w, b))
+    loss = linear_cross_entropy(hh, ww, y, bias=bb, label_smoothing=0.1, softcap=softcap, backend="triton")
+    loss.backward(retain_graph=True)
+    first = [t.grad.clone() for t in (hh, ww, bb)]
+    loss.backward()
+    assert len(calls) == 2  # the forward's pass, and the second backward's
+    for t, g in zip((hh, ww, bb), first):
+        assert torch.equal(t.grad, 2 * g)
