@@ -332,6 +332,9 @@ def _finish_rows_kernel(
     if STATS:
         tl.store(ENT_OUT + rows, log_s - t_acc / s, mask=mask_r)
         tl.store(AM_OUT + rows, am.to(tl.int64), mask=mask_r)
+    else:  # (zeros, as the forward kernel's without statistics)
+        tl.store(ENT_OUT + rows, s * 0.0, mask=mask_r)
+        tl.store(AM_OUT + rows, am.to(tl.int64) * 0, mask=mask_r)
     if GRAD:
         w = tl.load(SCALE + rows, mask=mask_r, other=0.0)
         # the z-loss lam lse^2 scales p by k = 1 + 2 lam lse: a factor per row (kept off 0, where a = w k / S would
@@ -568,7 +571,7 @@ def triton_fused_pass(hidden, weight, bias, targets, smoothing, scale, config, n
     sums = None if soft else _column_sums(weight, bias)  # the offsets' and dh's uniform term
     rowbuf = torch.empty(8, n, **f32)  # per-row fp32 outputs and scratch in one allocation
     lse, zy, sz, ent, a_all, u_all, loss, nll = rowbuf
-    am = torch.zeros(n, dtype=torch.long, device=dev)
+    am = torch.empty(n, dtype=torch.long, device=dev)
     grad = need_dh or need_dw or (need_db and bias is not None)
     dh = torch.empty(n, d, dtype=hidden.dtype, device=dev) if need_dh else None
     dw32 = torch.empty(v, d, **f32) if need_dw and not direct else None
@@ -626,8 +629,6 @@ def triton_fused_pass(hidden, weight, bias, targets, smoothing, scale, config, n
         dw = dw32.to(weight.dtype)
     if db is not None and not soft:
         db -= u_all.sum()
-    if not need_stats:
-        ent.zero_()
     return (lse, zy, sz, am, ent, loss, nll), dh, dw, db
 
 
@@ -655,7 +656,7 @@ def triton_fused_columns(hidden, weight, bias, targets, smoothing, scale, config
     colsum = sums[0]  # also dh's uniform term
     rowbuf = torch.empty(12, n, dtype=torch.float32, device=dev)
     lse, zy, sz, ent, a, u, loss, nll, c, s_run, t_run, m_run = rowbuf
-    am = torch.zeros(n, dtype=torch.long, device=dev)
+    am = torch.empty(n, dtype=torch.long, device=dev)
     acc = torch.empty(n, d, dtype=torch.float32, device=dev) if need_dh else None
     grid, br, bd, warps = _rows_launch(n)
     _row_offsets(hidden, weight, bias, sums, targets, c, sz, zy)
@@ -690,8 +691,6 @@ def triton_fused_columns(hidden, weight, bias, targets, smoothing, scale, config
         dh = torch.empty(n, d, dtype=hidden.dtype, device=dev)
         _dh_rows_kernel[grid](acc, a, u, colsum, dh, targets, weight, scale, smoothing, n, d, acc.stride(0),
                               dh.stride(0), weight.stride(0), TARGET=True, BLOCK_R=br, BLOCK_D=bd, num_warps=warps)
-    if not need_stats:
-        ent.zero_()
     return (lse, zy, sz, am, ent, loss, nll), dh, None, None
 
 
