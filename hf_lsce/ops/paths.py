@@ -91,11 +91,11 @@ def use_train_pass(hidden, weight, bias, backend) -> bool:
 
 def _train_path(hidden, weight, softcap, z_loss, accum_dtype, free_bytes=None) -> str:
     """The training path. On CUDA the fused path where it can run (bf16, the TMA kernel, a soft-cap of at most
-    ``fused_pass.SOFTCAP_MAX``: ``fused_pass.supported``) and is preferred (``fused_pass.preferred``); else, up to hidden size
-    ``config.TWO_PASS_MAX_D``, the two-pass path (with dW accumulated in the weight's dtype: it is written once per
-    row there); above it, and off CUDA, the one-pass path. ``free_bytes``: CUDA's free memory (``memory="auto"``),
-    which the fused path's every-row layout must fit. ``config.TRAIN_PATH`` forces a path where it can run.
-    Measured: see docs/how_it_works.md ("Fused training path")."""
+    ``fused_pass.SOFTCAP_MAX``: ``fused_pass.supported``) and is preferred (``fused_pass.preferred``); else, up to
+    hidden size ``config.TWO_PASS_MAX_D``, the two-pass path (with dW accumulated in the weight's dtype: it is written
+    once per row there); above it, and off CUDA, the one-pass path. ``free_bytes``: CUDA's free memory
+    (``memory="auto"``), which the fused path's every-row layout must fit. ``config.TRAIN_PATH`` forces a path where
+    it can run. Measured: see docs/how_it_works.md ("Fused training path")."""
     from . import config
     from .fused_pass import preferred
 
