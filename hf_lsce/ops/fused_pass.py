@@ -443,7 +443,8 @@ def extra_memory(n: int, v: int, d: int, need_dw: bool = True, free_bytes: int |
     """Bytes the fused path holds beyond its inputs and outputs, for ``memory="auto"``: R for every row (direct
     layout), or one chunk of R and dW's fp32 accumulator; a frozen head: R (every column where it fits, else a chunk
     of ``FUSED_CHUNK_BYTES``) and dh's fp32 accumulator (every row by columns, one chunk of rows: see
-    ``frozen_chunk_bytes``)."""
+    ``frozen_chunk_bytes``). A soft-capped frozen head goes by rows without that accumulator: an upper bound there,
+    by at most ``4 N D`` bytes."""
     v_pad, rows, direct = layout(n, v, d, need_dw, free_bytes=free_bytes)
     if direct:
         return (n + 2) * v_pad * 2
