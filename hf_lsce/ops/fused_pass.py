@@ -333,8 +333,8 @@ def _finish_rows_kernel(
         tl.store(ENT_OUT + rows, log_s - t_acc / s, mask=mask_r)
         tl.store(AM_OUT + rows, am.to(tl.int64), mask=mask_r)
     else:  # (zeros, as the forward kernel's without statistics)
-        tl.store(ENT_OUT + rows, s * 0.0, mask=mask_r)
-        tl.store(AM_OUT + rows, am.to(tl.int64) * 0, mask=mask_r)
+        tl.store(ENT_OUT + rows, tl.zeros((BLOCK_R,), dtype=tl.float32), mask=mask_r)
+        tl.store(AM_OUT + rows, tl.zeros((BLOCK_R,), dtype=tl.int64), mask=mask_r)
     if GRAD:
         w = tl.load(SCALE + rows, mask=mask_r, other=0.0)
         # the z-loss lam lse^2 scales p by k = 1 + 2 lam lse: a factor per row (kept off 0, where a = w k / S would
