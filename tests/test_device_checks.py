@@ -25,14 +25,15 @@ def asynchronous(monkeypatch):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_bad_target_gives_nan_loss_no_gradient_then_raises_at_the_next_call(asynchronous, backend):
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_bad_target_gives_nan_loss_no_gradient_then_raises_at_the_next_call(asynchronous, backend, reduction):
     h, w, y, _ = make_inputs(seed=3)
     bad = y.clone()
     bad[4] = w.shape[0] + 7  # out of range: the kernels must not read row V + 7 of W
     hh, ww = h.float().requires_grad_(), w.float().requires_grad_()
-    loss = linear_cross_entropy(hh, ww, bad, label_smoothing=0.1, backend=backend)
-    assert torch.isnan(loss)
-    loss.backward()
+    loss = linear_cross_entropy(hh, ww, bad, label_smoothing=0.1, backend=backend, reduction=reduction)
+    assert torch.isnan(loss).all()
+    loss.sum().backward()
     assert float(hh.grad.abs().max()) == 0 and float(ww.grad.abs().max()) == 0
     with pytest.raises(ValueError, match=rf"targets must be in \[0, {w.shape[0]}\).*found {w.shape[0] + 7}.*"
                                          r"found after the call"):
@@ -190,6 +191,10 @@ def test_the_one_launch_preparation_equals_the_torch_one(shift, smoothing, items
     assert torch.equal(values[keep], ref_values[keep]) and (ref_values[0] > 0) == bad
     assert bool(flag) == bool(ref_bad)
     assert float(divisor) == float(ref_div)
-    assert torch.allclose(tw, valid.float() / float(ref_div), rtol=1e-7, atol=0)
-    _, _, tw_sum, _, one, _ = prepare(y, b, ig, V, shift, None, divide=False)
-    assert torch.equal(tw_sum, valid.float()) and float(one) == 1.0
+    # the token weights: all 0 where a check failed (the NaN loss passes no gradient)
+    ok = 0.0 if bool(ref_bad) else 1.0
+    assert torch.allclose(tw, valid.float() * ok / float(ref_div), rtol=1e-7, atol=0)
+    _, _, tw_sum, _, one, flag_sum = prepare(y, b, ig, V, shift, None, divide=False)
+    ok = 0.0 if bool(checks._summary(y, V, ig, None, valid.sum(), bs)[1]) else 1.0  # (no num_items_in_batch now)
+    assert bool(flag_sum) == (ok == 0.0)
+    assert torch.equal(tw_sum, valid.float() * ok) and float(one) == 1.0

@@ -486,15 +486,16 @@ def _rank_one_rows_kernel(U, H, HI, LO, n, D, stride_h, BLOCK_R: tl.constexpr, B
     tl.store(LO + cols, (acc - hi.to(tl.float32)).to(LO.dtype.element_ty), mask=mask_d)
 
 
-def _rank_one_rows(r_buf, hs, u_all, hidden, at: int, v: int) -> None:
-    """R's rows ``at`` and ``at + 1`` made ones and hs's the hi and lo halves of ``-u^T h`` (all N rows of ``hidden``):
-    a matmul over rows ``[0, at + 2)`` then adds dW's rank-one smoothing term ``-1 (u^T h)^T`` in its fp32
-    accumulation, to about 2^-16 (``_rank_one_rows_kernel``)."""
+def _rank_one_rows(r_buf, hs, u_all, hidden, at: int, v: int, ones: bool = False) -> None:
+    """R's rows ``at`` and ``at + 1`` made ones (``ones``: they are already) and hs's the hi and lo halves of
+    ``-u^T h`` (all N rows of ``hidden``): a matmul over rows ``[0, at + 2)`` then adds dW's rank-one smoothing term
+    ``-1 (u^T h)^T`` in its fp32 accumulation, to about 2^-16 (``_rank_one_rows_kernel``)."""
     block_d = 16 if interpreting() else 64
     _rank_one_rows_kernel[(triton.cdiv(hs.shape[1], block_d),)](
         u_all, hidden, hs[at], hs[at + 1], hidden.shape[0], hs.shape[1], hidden.stride(0),
         BLOCK_R=8 if interpreting() else 64, BLOCK_D=block_d, num_warps=1 if interpreting() else 4)
-    r_buf[at:at + 2, :v].fill_(1.0)
+    if not ones:
+        r_buf[at:at + 2, :v].fill_(1.0)
 
 
 def _direct_dw(r_buf, hs, u_all, hidden, n: int, v: int, weight) -> torch.Tensor:
@@ -505,7 +506,7 @@ def _direct_dw(r_buf, hs, u_all, hidden, n: int, v: int, weight) -> torch.Tensor
     if hs is None:
         hs = hidden
     else:
-        _rank_one_rows(r_buf, hs, u_all, hidden, n, v)
+        _rank_one_rows(r_buf, hs, u_all, hidden, n, v, ones=True)  # (made ones by triton_fused_pass)
         k = n + 2
     dw = torch.empty(v, hs.shape[1], dtype=weight.dtype, device=hs.device)
     _mm_once(r_buf[:k, :v].T, hs[:k], dw)
@@ -521,13 +522,16 @@ def _mm_once(a, b, out) -> None:
         torch.mm(a, b, out=out)
 
 
-def _column_sums(weight, bias):
+def _column_sums(weight, bias, ones=None):
     """(``sum_v W_v``, the bias's sum or that same tensor without a bias) in fp32: the rows' sums of logits and
-    offsets (``_row_offsets``) and dh's uniform term. The first by one matmul with a row of ones (fp32 accumulation
-    and output): ``weight.sum(0, dtype=torch.float32)`` allocated a reduction buffer of 139-295 MB at the
-    Gemma-3-270m, Llama-3-8B and Gemma2-2B heads (H100, memory snapshot), more than the low-memory mode's budget."""
+    offsets (``_row_offsets``) and dh's uniform term. The first by one matmul with a row of ones (``ones``: one
+    given, (1, V) in the weight's dtype; fp32 accumulation and output): ``weight.sum(0, dtype=torch.float32)``
+    allocated a reduction buffer of 139-295 MB at the Gemma-3-270m, Llama-3-8B and Gemma2-2B heads (H100, memory
+    snapshot), more than the low-memory mode's budget."""
     out = torch.empty(1, weight.shape[1], dtype=torch.float32, device=weight.device)
-    mm_f32(torch.ones(1, weight.shape[0], dtype=weight.dtype, device=weight.device), weight, out)
+    if ones is None:
+        ones = torch.ones(1, weight.shape[0], dtype=weight.dtype, device=weight.device)
+    mm_f32(ones, weight, out)
     return out[0], (bias.sum(dtype=torch.float32).reshape(1) if bias is not None else out[0])
 
 
@@ -569,7 +573,12 @@ def triton_fused_pass(hidden, weight, bias, targets, smoothing, scale, config, n
     soft = softcap is not None
     extra = 2 if need_dw and not soft else 0  # the rank-one term's rows (see _rank_one_rows)
     r_buf = torch.empty(rows + extra, v_pad, dtype=hidden.dtype, device=dev)
-    sums = None if soft else _column_sums(weight, bias)  # the offsets' and dh's uniform term
+    ones = None
+    if direct and extra:  # the rank-one term's rows of R (``_rank_one_rows``), ones from the start: the row of ones of
+        # the column sums too (no exponential is written there)
+        r_buf[n:, :v].fill_(1.0)
+        ones = r_buf[n:n + 1, :v]
+    sums = None if soft else _column_sums(weight, bias, ones)  # the offsets' and dh's uniform term
     rowbuf = torch.empty(8, n, **f32)  # per-row fp32 outputs and scratch in one allocation
     lse, zy, sz, ent, a_all, u_all, loss, nll = rowbuf
     am = torch.empty(n, dtype=torch.long, device=dev)
@@ -580,33 +589,36 @@ def triton_fused_pass(hidden, weight, bias, targets, smoothing, scale, config, n
     dh32 = torch.empty(rows, d, **f32) if need_dh and not soft else None
     hs = torch.empty(rows + extra, d, dtype=hidden.dtype, device=dev) if need_dw and not soft else None
     c_buf = torch.empty(rows, **f32)
+    per_row = (zy, sz, smoothing, scale, lse, ent, am, a_all, u_all, loss, nll, dh)
     for s0 in range(0, n, rows):
         e0 = min(n, s0 + rows)
         nr = e0 - s0
-        h, y, r, c = hidden[s0:e0], targets[s0:e0], r_buf[:nr, :v], c_buf[:nr]
+        # the chunk's rows of every per-row tensor (one chunk: the tensors themselves, no slicing's host time)
+        zy_c, sz_c, b_c, w_c, lse_c, ent_c, am_c, a, u, loss_c, nll_c, dh_c = per_row if nr == n else (
+            t[s0:e0] if t is not None else None for t in per_row)
+        h, y = (hidden, targets) if nr == n else (hidden[s0:e0], targets[s0:e0])
+        r, c = r_buf[:nr, :v], c_buf if nr == rows else c_buf[:nr]
         grid, br, bd, warps = _rows_launch(nr)
-        _row_offsets(h, weight, bias, sums, y, c, sz[s0:e0], zy[s0:e0], softcap)
+        _row_offsets(h, weight, bias, sums, y, c, sz_c, zy_c, softcap)
         st, descs = _exp_tiles(config, h, weight, bias, c, r, need_stats, softcap=softcap)
         if not soft:  # (capped logits never leave the range)
             _exp_tiles(config, h, weight, bias, c, r, need_stats, bufs=st, descs=descs)  # the flagged rows redone
-        a, u = a_all[s0:e0], u_all[s0:e0]
         _finish_rows_kernel[grid](
-            *st, c, zy[s0:e0], sz[s0:e0], y, smoothing[s0:e0], scale[s0:e0], h, r, h if hs is None else hs,
-            lse[s0:e0], ent[s0:e0], am[s0:e0], a, u, loss[s0:e0], nll[s0:e0],
+            *st, c, zy_c, sz_c, y, b_c, w_c, h, r, h if hs is None else hs, lse_c, ent_c, am_c, a, u, loss_c, nll_c,
             nr, st[0].shape[0], d, h.stride(0), r.stride(0), 0 if hs is None else hs.stride(0), 1.0 / v, R_EXP_MAX,
             float(z_loss), STATS=need_stats, GRAD=grad, R_TARGET=not soft, SCALE_H=hs is not None, SOFTCAP=soft,
             BLOCK_R=br, BLOCK_D=bd, num_warps=warps)
         if soft and grad:
             blocks = (8, 32) if interpreting() else (8, 256)  # 3.3 ms at the Gemma2-2B head (in-place scale: 3.05)
             _softcap_grad_kernel[(triton.cdiv(nr, blocks[0]), triton.cdiv(v, blocks[1]))](
-                r, a, u, scale[s0:e0], smoothing[s0:e0], y, nr, v, r.stride(0), float(softcap), BLOCK_R=blocks[0],
+                r, a, u, w_c, b_c, y, nr, v, r.stride(0), float(softcap), BLOCK_R=blocks[0],
                 BLOCK_V=blocks[1], num_warps=1 if interpreting() else 4)
         if need_dh and soft:
-            _mm_once(r, weight, dh[s0:e0])
+            _mm_once(r, weight, dh_c)
         elif need_dh:
-            t = dh32[:nr]
+            t = dh32 if nr == rows else dh32[:nr]
             mm_f32(r, weight, t)
-            _dh_rows_kernel[grid](t, a, u, sums[0], dh[s0:e0], y, weight, a, a, nr, d, t.stride(0), dh.stride(0),
+            _dh_rows_kernel[grid](t, a, u, sums[0], dh_c, y, weight, a, a, nr, d, t.stride(0), dh.stride(0),
                                   weight.stride(0), TARGET=False, BLOCK_R=br, BLOCK_D=bd, num_warps=warps)
         if need_dw and not direct:
             k, rhs = nr, h

@@ -194,7 +194,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, smoothing, token_weight, denom, opts: Options):
+    def forward(ctx, hidden, weight, bias, targets, smoothing, token_weight, denom, bad, opts: Options):
         n, v = hidden.shape[0], weight.shape[0]
         ctx.kept = None
         ctx.set_materialize_grads(False)  # an unused output (the lse) sends None, not zeros
@@ -209,12 +209,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
             stats = forward_stats(hidden, weight, bias, targets, opts.softcap, opts.backend, stats=opts.need_stats)
         lse, argmax, entropy = stats[0], stats[3], stats[4]
         loss, nll = loss_terms(stats, smoothing, targets, v, opts.z_loss)
-        ctx.save_for_backward(hidden, weight, bias, targets, lse, smoothing, token_weight)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, smoothing, token_weight, bad)
         ctx.opts = opts
         ctx.denom = denom
         ctx.mark_non_differentiable(argmax, nll, entropy)
         if opts.reduce:
             loss = loss.sum() if denom is None else loss.sum() / denom
+        if bad is not None:  # a failed check of the device's values: a NaN loss (its gradients are zero: backward)
+            loss = torch.where(bad, float("nan"), loss)
         return loss, lse.clone(), argmax, nll, entropy
 
     @staticmethod
@@ -224,16 +226,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 "linear_cross_entropy does not support double backward (backward with create_graph=True, or "
                 "torch.autograd.grad(..., create_graph=True) through it): its gradients are computed by kernels, "
                 "not by differentiable torch ops. Compute second-order terms on materialised logits instead.")
-        hidden, weight, bias, targets, lse, smoothing, token_weight = ctx.saved_tensors
+        hidden, weight, bias, targets, lse, smoothing, token_weight, bad = ctx.saved_tensors
         opts = ctx.opts
         need_dh, need_dw, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         kept, ctx.kept = ctx.kept, None
         n = hidden.shape[0]
-        none7 = (None,) * 5
+        rest = (None,) * 6
         if n == 0 or (grad_loss is None and grad_lse is None):
             return (torch.zeros_like(hidden) if need_dh else None, torch.zeros_like(weight) if need_dw else None,
-                    torch.zeros_like(bias) if need_db and bias is not None else None) + none7
-        valid = targets >= 0
+                    torch.zeros_like(bias) if need_db and bias is not None else None) + rest
         kept_path = grad_lse is None and token_weight is not None
         if kept_path and kept is None:
             # A second backward through the same graph (retain_graph=True): the first took the gradients the
@@ -245,7 +246,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
             c = grad_loss.detach().float().reshape(1)
             dh, dw, db = scale_by(kept, c)
-            return dh, dw, db.to(bias.dtype) if db is not None else None, *none7
+            return dh, dw, db.to(bias.dtype) if db is not None else None, *rest
+        if bad is not None and grad_loss is not None:  # the NaN loss of a failed check passes no gradient
+            grad_loss = torch.where(bad, 0.0, grad_loss)
+        valid = targets >= 0
         zeros = torch.zeros(n, dtype=torch.float32, device=hidden.device)
         if grad_loss is None:
             grad = zeros
@@ -260,12 +264,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 dh, dw, db = kept
                 if not math.isclose(c, 1.0, rel_tol=1e-6, abs_tol=0.0):
                     dh, dw, db = (t.mul_(c) if t is not None else None for t in kept)
-                return dh, dw, db.to(bias.dtype) if db is not None else None, *none7
+                return dh, dw, db.to(bias.dtype) if db is not None else None, *rest
         del kept  # an upstream gradient the kept one cannot be scaled to: recompute below
         dh, dw, db = loss_gradients(hidden, weight, bias, targets, lse, smoothing, grad, grad_lse, opts, False,
                                     need_dh, need_dw, need_db and bias is not None)
         return (dh.to(hidden.dtype) if need_dh else None, dw.to(weight.dtype) if need_dw else None,
-                db.to(bias.dtype) if need_db and db is not None else None) + none7
+                db.to(bias.dtype) if need_db and db is not None else None) + rest
 
 
 def _uniform_ratio(grad: torch.Tensor, token_weight: torch.Tensor) -> float | None:
@@ -468,16 +472,19 @@ def linear_cross_entropy(
                 loss = loss.reshape(out_shape)
         else:
             token_weight = None
-            if one_pass:  # the weighting the reduction gives each token's loss (the gradients the forward computes)
+            if one_pass:  # the weighting the reduction gives each token's loss (the gradients the forward computes);
+                # all 0 where a check failed (prepare's kernel too), so the NaN loss passes no gradient
                 token_weight = prepared_weight
                 if token_weight is None:
                     token_weight = valid1.float() if denom is None else valid1.float() / denom
+                    token_weight = token_weight if bad is None else torch.where(bad, 0.0, token_weight)
             loss, lse, argmax, nll, entropy = _LinearCrossEntropy.apply(h2, weight, bias, t1, b1, token_weight,
-                                                                        denom, opts)
+                                                                        denom, bad, opts)
             if not reduce:
                 loss = loss.reshape(out_shape)
+            bad = None  # (the NaN loss: applied by the forward)
         if bad is not None:
-            loss = torch.where(bad, torch.full_like(loss, float("nan")), loss)
+            loss = torch.where(bad, float("nan"), loss)
     if training and not traced:  # (traced: the operator notifies when the graph runs)
         notify_training_call(observed_b)
     out = [loss]

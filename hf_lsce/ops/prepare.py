@@ -76,7 +76,9 @@ def _prepare_kernel(
     if not DIVIDE:
         denom = denom * 0.0 + 1.0
     tl.store(DEN, denom)
-    tl.store(BAD, (bad_count > 0) | (b_bad_count > 0) | items_bad)
+    failed = (bad_count > 0) | (b_bad_count > 0) | items_bad
+    tl.store(BAD, failed)
+    keep = tl.where(failed, 0.0, 1.0) / denom  # a failed check: every weight 0 (its NaN loss passes no gradient)
     for s in range(0, n, BLOCK):
         offs = s + tl.arange(0, BLOCK)
         m = offs < n
@@ -95,14 +97,14 @@ def _prepare_kernel(
         else:
             b = tl.zeros((BLOCK,), dtype=tl.float32) + b_value
         tl.store(B1 + offs, b, mask=m)
-        tl.store(TW + offs, (y >= 0).to(tl.float32) / denom, mask=m)
+        tl.store(TW + offs, (y >= 0).to(tl.float32) * keep, mask=m)
 
 
 def prepare(targets, label_smoothing, ignore_index: int, vocab: int, shift: bool, num_items_in_batch, divide: bool):
     """(t1, b1, token_weight, summary, divisor, bad) for ``targets`` (any shape, the sequence last when ``shift``):
     int64 ids with -1 for an ignored or out-of-range token, fp32 smoothing (clamped to [0, 1], 0 for NaN: a bad value
-    is reported by the summary), fp32 weights (valid / divisor if ``divide`` else valid), the fp64 summary of
-    ``checks._summary``, the divisor (0-d fp32; 1 if not ``divide``) and a 0-d bool, True where a check failed."""
+    is reported by the summary), fp32 weights (valid / divisor if ``divide`` else valid; all 0 where a check failed),
+    the fp64 summary of ``checks._summary``, the divisor (0-d fp32; 1 if not ``divide``) and a 0-d bool, True where a check failed."""
     dev = targets.device
     n = targets.numel()
     y = targets.reshape(-1)
