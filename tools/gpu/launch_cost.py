@@ -106,6 +106,25 @@ def main():
     host_us("torch.ones(1, V)", lambda: torch.ones(1, v, device=DEV, dtype=torch.bfloat16))
     host_us("torch.empty(N, D)", lambda: torch.empty(n, d, device=DEV))
     host_us("x.sum() / y[0]", lambda: c.sum() / sz[0])
+    # W's column sums in fp32 (the offsets' and dh's uniform term), host and GPU time, SmolLM2's and Gemma-3's heads
+    for vv, dd in ((v, d), (262144, 640)):
+        wv = (torch.randn(vv, dd, device=DEV) * 0.02).bfloat16()
+        ones_row, ones_col, ones8 = (torch.ones(1, vv, device=DEV).bfloat16(), torch.ones(vv, 1, device=DEV).bfloat16(),
+                                     torch.ones(8, vv, device=DEV).bfloat16())
+        out_r, out_c, out8 = (torch.empty(1, dd, device=DEV), torch.empty(dd, 1, device=DEV),
+                              torch.empty(8, dd, device=DEV))
+        for name, fn in ((f"colsum {vv}x{dd}: mm_f32(ones(1, V), W) (the op's)", lambda: mm_f32(ones_row, wv, out_r)),
+                         (f"colsum {vv}x{dd}: mm_f32(W^T, ones(V, 1))", lambda: mm_f32(wv.T, ones_col, out_c)),
+                         (f"colsum {vv}x{dd}: mm_f32(ones(8, V), W)", lambda: mm_f32(ones8, wv, out8)),
+                         (f"colsum {vv}x{dd}: W.sum(0, dtype=fp32)", lambda: wv.sum(0, dtype=torch.float32))):
+            host_us(name, fn)
+            s_, e_ = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s_.record()
+            for _ in range(20):
+                fn()
+            e_.record()
+            e_.synchronize()
+            print(f"{'':55s} GPU {s_.elapsed_time(e_) / 20 * 1e3:7.1f} us", flush=True)
     hh = (torch.randn(1, n, d, device=DEV) * 0.5).bfloat16().requires_grad_()
     ww = w.clone().requires_grad_()
     yy = torch.randint(0, v, (1, n), device=DEV)
