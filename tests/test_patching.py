@@ -407,11 +407,15 @@ def test_sft_trainer_smoothing_metrics_and_no_logits(tmp_path):
     assert not calls, "lm_head called in train"
 
 
-def test_gemma3_conditional_generation_text_path():
-    """Gemma3ForConditionalGeneration, text-only batch, vs LabelSmoother; soft-capped: refused (unverified)."""
+@pytest.mark.parametrize("cap", [None, 2.0])
+def test_gemma3_conditional_generation_text_path(cap):
+    """Gemma3ForConditionalGeneration, text-only batch, vs LabelSmoother on the stock model's own logits, with and
+    without ``final_logit_softcapping`` in its text config (transformers 5.x's forward ignores it, where
+    Gemma3ForCausalLM's applies it: the patch follows the class's forward; a cap of 2 bends these logits enough that
+    applying it would fail the gradient check by about 5e-3)."""
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
-    text = dict(COMMON, final_logit_softcapping=None)
+    text = dict(COMMON, final_logit_softcapping=cap)
     text.pop("max_position_embeddings")
     cfg = Gemma3Config(text_config=text, vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                                             num_attention_heads=2, image_size=28, patch_size=14),
@@ -431,10 +435,46 @@ def test_gemma3_conditional_generation_text_path():
     for name in rg:
         if rg[name].norm() > 0:
             assert rel(g[name], rg[name]) < 1e-4, name
-    capped = copy.deepcopy(ref_model)
-    capped.config.text_config.final_logit_softcapping = 2.0
-    with pytest.raises(ValueError, match="Gemma3ForCausalLM"):
-        apply_lsce_patch(capped)
+
+
+def test_a_config_cap_the_class_does_not_apply_is_not_applied():
+    """A stray final_logit_softcapping in a Llama config (LlamaForCausalLM's forward ignores it): the patched loss and
+    gradients equal the stock model's, uncapped; Gemma2ForCausalLM's forward applies its cap, and so does the patch."""
+    from hf_lsce.patching.models import softcap_of
+
+    for family, cap_applied in (("llama", False), ("gemma2", True)):
+        ref_model = tiny_model(family, final_logit_softcapping=2.0).train()
+        model = apply_lsce_patch(copy.deepcopy(ref_model), label_smoothing=0.1)
+        assert softcap_of(model) == (2.0 if cap_applied else None)
+        ids, labels = batch()
+        ref = LabelSmoother(epsilon=0.1)(ref_model(input_ids=ids), labels, shift_labels=True)
+        ref.backward()
+        out = model(input_ids=ids, labels=labels)
+        out.loss.backward()
+        assert rel(out.loss.detach(), ref.detach()) < 1e-5, family
+        rg, g = grads(ref_model), grads(model)
+        for name in rg:
+            if rg[name].norm() > 0:
+                assert rel(g[name], rg[name]) < 1e-4, (family, name)
+    # the class patch (hf-lsce run) reads the class's own forward through the patch
+    import hf_lsce.patching.models as models
+
+    for family, cap in (("llama", None), ("gemma2", 2.0)):
+        apply_lsce_patch(model_type=family, label_smoothing=0.1)
+        models._applies_softcap.cache_clear()  # read afresh, from the patched class
+        try:
+            assert softcap_of(tiny_model(family, final_logit_softcapping=2.0)) == cap, family
+        finally:
+            revert_lsce_patch(model_type=family)
+            models._applies_softcap.cache_clear()
+
+
+def test_a_config_cap_whose_application_cannot_be_read_is_refused(monkeypatch):
+    import hf_lsce.patching.models as models
+
+    monkeypatch.setattr(models, "_applies_softcap", lambda cls: None)  # a forward without readable source
+    with pytest.raises(ValueError, match="final_logit_softcapping=2.0.*cannot be read"):
+        apply_lsce_patch(tiny_model("gemma2", final_logit_softcapping=2.0))
 
 
 @pytest.mark.parametrize("shifted", [False, True])

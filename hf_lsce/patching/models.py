@@ -6,7 +6,9 @@ Anything else fails closed with a message listing what is supported.
 """
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -92,8 +94,26 @@ def text_config(model):
 
 
 def softcap_of(model) -> float | None:
+    """The soft-cap the model's own forward applies to its logits: the config's ``final_logit_softcapping`` where the
+    class's forward (Hugging Face's, read through the patch's ``__wrapped__``) applies it, else None. A config may
+    carry the attribute for a class that ignores it: transformers 5.x's ``Gemma3ForConditionalGeneration`` returns
+    the head's logits uncapped where ``Gemma3ForCausalLM`` caps them, and a converted checkpoint can carry a stray
+    one. Where the forward's source cannot be read, the config's value (``check_supported`` refuses that case)."""
     cap = getattr(text_config(model), "final_logit_softcapping", None)
-    return float(cap) if cap else None
+    if not cap:
+        return None
+    return float(cap) if _applies_softcap(own_class(model)) is not False else None
+
+
+@functools.lru_cache(maxsize=None)
+def _applies_softcap(cls: type) -> bool | None:
+    """Whether the forward ``cls`` runs (the first in its MRO, unwrapped past decorators and the patch) reads
+    ``final_logit_softcapping``; None where its source cannot be read."""
+    fn = next((k.__dict__["forward"] for k in cls.__mro__ if "forward" in k.__dict__), None)
+    try:
+        return "final_logit_softcapping" in inspect.getsource(inspect.unwrap(fn))
+    except (OSError, TypeError):
+        return None
 
 
 def output_head(model) -> torch.nn.Module:
@@ -167,11 +187,11 @@ def check_supported(model) -> FamilySpec:
             if attr != own and val is not None and val != 1:
                 raise ValueError(f"config.{attr}={val} scales the logits, and {own_class(model).__name__}'s entry in "
                                  "hf_lsce's table does not say how; hf_lsce does not reproduce that scaling.")
-    if own_class(model).__name__ == "Gemma3ForConditionalGeneration" and softcap_of(model) is not None:
+    if getattr(cfg, "final_logit_softcapping", None) and _applies_softcap(own_class(model)) is None:
         raise ValueError(
-            "Gemma3ForConditionalGeneration with final_logit_softcapping: its gradients through the fused op are "
-            "not yet verified against Hugging Face's, so hf_lsce refuses it. Train the text model "
-            "(Gemma3ForCausalLM) or set text_config.final_logit_softcapping = None.")
+            f"config.final_logit_softcapping={cfg.final_logit_softcapping}, and the source of "
+            f"{own_class(model).__name__}.forward cannot be read to tell whether it applies it (transformers "
+            "installed without its .py files?); hf_lsce does not guess. Install transformers from its wheel.")
     _check_head(output_head(model))
     return spec
 
@@ -218,12 +238,13 @@ def verify_generic(model) -> FamilySpec:
     and return its :class:`FamilySpec`; otherwise raise ValueError with the reason.
 
     Structure first: a backbone module (``.model``, else the ``base_model_prefix`` attribute), a plain ``nn.Linear``
-    head, no ``final_logit_softcapping``. Then the model's own forward runs once (evaluation mode, no gradient) on a
-    short random input with labels, with hooks on the backbone and the head: the head must be called once, on the
-    backbone's last hidden state unchanged; the returned logits must be the head's output unchanged (no scaling,
-    soft-cap or other transform, whatever its size); the returned loss must be the shifted cross-entropy of those
-    logits (no extra term, such as a router's auxiliary loss). These are equalities, so a transform that changes
-    the logits little (a soft-cap of small logits) fails them as surely as a large one."""
+    head, no ``final_logit_softcapping`` its forward applies (:func:`softcap_of`). Then the model's own forward runs
+    once (evaluation mode, no gradient) on a short random input with labels, with hooks on the backbone and the
+    head: the head must be called once, on the backbone's last hidden state unchanged; the returned logits must be
+    the head's output unchanged (no scaling, soft-cap or other transform, whatever its size); the returned loss must
+    be the shifted cross-entropy of those logits (no extra term, such as a router's auxiliary loss). These are
+    equalities, so a transform that changes the logits little (a soft-cap of small logits) fails them as surely as a
+    large one."""
     name = own_class(model).__name__
     prefix = getattr(model, "base_model_prefix", "") or ""
     attr = next((a for a in ("model", prefix) if a and isinstance(getattr(model, a, None), torch.nn.Module)), None)
