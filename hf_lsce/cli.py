@@ -281,12 +281,13 @@ def _cmd_diagnose(args) -> int:
     from . import theory
     from .checkpoints import checked_model_path
     from .outputs import output_folder
+    from .patching.models import config_softcap
 
     target = args.model if args.model.endswith(".json") else checked_model_path(args.model)
     cfg = AutoConfig.from_pretrained(target)
     text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     d, v = int(text_cfg.hidden_size), int(text_cfg.vocab_size)
-    softcap = getattr(text_cfg, "final_logit_softcapping", None) or None
+    softcap = config_softcap(cfg)  # where the model's class applies it
     weights = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
     is_config_only = target.endswith(".json") or (os.path.isdir(target) and not any(
         os.path.exists(os.path.join(target, f)) for f in weights))

@@ -469,6 +469,17 @@ def test_a_config_cap_the_class_does_not_apply_is_not_applied():
             models._applies_softcap.cache_clear()
 
 
+def test_config_softcap_follows_the_configs_architecture():
+    """What hf-lsce diagnose reads from a config alone (no model): the cap where the named class applies it."""
+    from transformers import Gemma2Config, LlamaConfig
+
+    from hf_lsce.patching.models import config_softcap
+
+    assert config_softcap(LlamaConfig(final_logit_softcapping=2.0, architectures=["LlamaForCausalLM"])) is None
+    assert config_softcap(Gemma2Config(final_logit_softcapping=30.0, architectures=["Gemma2ForCausalLM"])) == 30.0
+    assert config_softcap(Gemma2Config(final_logit_softcapping=30.0)) == 30.0  # no class named: the config's value
+
+
 def test_a_config_cap_whose_application_cannot_be_read_is_refused(monkeypatch):
     import hf_lsce.patching.models as models
 

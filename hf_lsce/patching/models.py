@@ -99,10 +99,21 @@ def softcap_of(model) -> float | None:
     carry the attribute for a class that ignores it: transformers 5.x's ``Gemma3ForConditionalGeneration`` returns
     the head's logits uncapped where ``Gemma3ForCausalLM`` caps them, and a converted checkpoint can carry a stray
     one. Where the forward's source cannot be read, the config's value (``check_supported`` refuses that case)."""
-    cap = getattr(text_config(model), "final_logit_softcapping", None)
+    return config_softcap(model.config, own_class(model))
+
+
+def config_softcap(config, cls: type | None = None) -> float | None:
+    """:func:`softcap_of` from a config alone: the class is ``cls``, else the config's first ``architectures`` entry
+    in transformers (none found: the config's value)."""
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    cap = getattr(cfg, "final_logit_softcapping", None)
     if not cap:
         return None
-    return float(cap) if _applies_softcap(own_class(model)) is not False else None
+    if cls is None:
+        import transformers
+
+        cls = getattr(transformers, (getattr(config, "architectures", None) or [""])[0] or "", None)
+    return float(cap) if cls is None or _applies_softcap(cls) is not False else None
 
 
 @functools.lru_cache(maxsize=None)
