@@ -27,6 +27,25 @@ def _minimise_on_sphere(v: int, r: float, starts: int = 128, steps: int = 800) -
     return float(h.detach().min())
 
 
+@pytest.mark.parametrize("d", [64, 576, 2304, 4096])
+@pytest.mark.parametrize("v", [2, 50, 32_000, 256_000])
+@pytest.mark.parametrize("rho", [0.001, 0.02, 0.2])
+def test_bound_is_the_papers_theorem_4_2(d, v, rho):
+    """entropy_lower_bound against the paper's Theorem 4.2 (Eq. 14), written out here, and against the entropy of its
+    minimiser (Eq. 36: one logit a, V - 1 logits b) computed directly; rho as the paper's sigma_C sigma_h."""
+    gamma = math.exp(-rho * math.sqrt(d * v / (v - 1)))
+    eq14 = math.log(1 + (v - 1) * gamma) + rho * gamma * math.sqrt(d * v * (v - 1)) / (1 + (v - 1) * gamma)
+    ours = theory.entropy_lower_bound(d, v, rho)
+    assert ours == pytest.approx(eq14, rel=1e-9, abs=1e-300)  # (Eq. 14 as written: log(1 + x), not log1p)
+    if v <= 50_000:
+        a = rho * math.sqrt(d) * math.sqrt(1 - 1 / v)
+        b = -rho * math.sqrt(d) * math.sqrt(1 / (v * (v - 1)))
+        z = torch.full((v,), b, dtype=torch.float64)
+        z[0] = a
+        assert float(z.norm()) == pytest.approx(rho * math.sqrt(d), rel=1e-12)  # on the lemma's sphere
+        assert float(_entropy(z)) == pytest.approx(ours, rel=1e-9, abs=1e-12)
+
+
 @pytest.mark.parametrize("v", [2, 3, 5, 8])
 @pytest.mark.parametrize("r", [0.3, 1.0, 2.5, 6.0, 12.0])
 def test_bound_is_the_numerical_minimum(v, r):
