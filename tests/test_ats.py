@@ -235,6 +235,73 @@ def test_logits_processor_scales_sampling_not_greedy(overconfident_lm):
     assert torch.allclose(out, scores * math.exp(-1.0), rtol=1e-5)
 
 
+def _random_head(base, head_type):
+    cal = ATSCalibrator.from_base(base, head_type=head_type)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in cal.head.parameters():  # far from the identity the untrained head starts at
+            p.normal_(0.0, 0.3)
+    return cal
+
+
+@pytest.mark.parametrize("head_type", ["transformer", "mlp"])
+def test_generate_keeps_the_cache_and_equals_the_recomputing_processor(overconfident_lm, head_type):
+    """ATSCalibrator.generate reads the hidden states of the base's own cached forward: one backbone call per step
+    (the recomputing processor makes two), with the same calibrated scores and tokens."""
+    from hf_lsce.ats.modeling_ats import _backbone
+
+    base, calib, _ = overconfident_lm
+    cal = _random_head(base, head_type)
+    prompt = calib[:2, :6]
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    calls = []
+    hook = _backbone(base).register_forward_hook(lambda *a: calls.append(1))
+    try:
+        cached = cal.generate(prompt, **kw)
+        n_cached = len(calls)
+        proc = cal.logits_processor()
+        ref = base.generate(prompt, logits_processor=[proc], **kw)
+        n_ref = len(calls) - n_cached
+    finally:
+        hook.remove()
+    plain = base.generate(prompt, **kw)
+    assert (n_cached, n_ref, proc.recomputed) == (6, 12, 6)
+    assert torch.equal(cached.sequences, ref.sequences) and torch.equal(cached.sequences, plain.sequences)
+    for a, b, c in zip(cached.scores, ref.scores, plain.scores):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(a, c, rtol=1e-2)  # the scores were scaled
+
+
+def test_generate_left_padded_rows_equal_their_own_unpadded_runs(overconfident_lm):
+    """A left-padded batch: each row's calibrated scores equal those of the row generated alone, through the cached
+    path and through the recomputing processor given the prompt's attention mask."""
+    base, calib, _ = overconfident_lm
+    cal = _random_head(base, "transformer")
+    a, b = calib[0, :6], calib[1, :4]
+    batch = torch.stack([a, torch.cat([torch.zeros(2, dtype=b.dtype), b])])
+    mask = torch.tensor([[1] * 6, [0, 0, 1, 1, 1, 1]])
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    out = cal.generate(batch, attention_mask=mask, **kw)
+    rec = base.generate(batch, attention_mask=mask, logits_processor=[cal.logits_processor(mask)], **kw)
+    for row, alone in ((0, cal.generate(a[None], **kw)), (1, cal.generate(b[None], **kw))):
+        for got, again, want in zip(out.scores, rec.scores, alone.scores):
+            assert torch.allclose(got[row], want[0], rtol=1e-4, atol=1e-4)
+            assert torch.allclose(again[row], want[0], rtol=1e-4, atol=1e-4)
+
+
+def test_generate_under_beam_search_equals_the_recomputing_processor(overconfident_lm):
+    """Beam search reorders its beams: a step whose rows do not extend the last step's is recomputed."""
+    base, calib, _ = overconfident_lm
+    cal = _random_head(base, "transformer")
+    kw = dict(max_new_tokens=8, num_beams=3, do_sample=False, pad_token_id=0, output_scores=True,
+              return_dict_in_generate=True)
+    prompt = calib[:2, :6]
+    got, want = cal.generate(prompt, **kw), base.generate(prompt, logits_processor=[cal.logits_processor()], **kw)
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.scores, want.scores):  # every beam's calibrated scores, step by step
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_train_ats_with_trainer_checkpoints_and_cli(shared_data, tmp_path):
     from hf_lsce.ats.training import alpaca_prompt, load_instruction_records, train_ats
     from hf_lsce.cli import main

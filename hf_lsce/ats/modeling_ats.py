@@ -16,7 +16,7 @@ import os
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, LogitsProcessor, PreTrainedModel
+from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutput
 
 from ..patching.models import logit_scale_of, output_head, softcap_of, text_config
@@ -311,25 +311,83 @@ class ATSCalibrator(PreTrainedModel):
             return False
         return True
 
-    def logits_processor(self) -> "ATSLogitsProcessor":
-        """A ``LogitsProcessor`` for ``base.generate`` that samples from the calibrated distribution."""
-        return ATSLogitsProcessor(self)
+    def logits_processor(self, attention_mask: torch.Tensor | None = None) -> "ATSLogitsProcessor":
+        """A ``LogitsProcessor`` for a ``base.generate`` call of your own: each step recomputes the base's backbone
+        on the whole prefix (``attention_mask``: the prompt's, for left-padded batches). :meth:`generate` keeps the
+        base's KV cache instead."""
+        return ATSLogitsProcessor(self, attention_mask)
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None, **kwargs):
+        """The base's ``generate`` with every step's scores scaled by the inverse temperature: sampling (and any
+        warper after it) sees the calibrated distribution; greedy decoding is the base's. The head reads the hidden
+        states the base computes with its KV cache (a hook on its backbone for the call), so a step costs the base's
+        own step and the head; ``kwargs`` go to ``generate`` (a ``logits_processor`` list runs after this one)."""
+        proc = ATSLogitsProcessor(self, attention_mask)
+        given = kwargs.pop("logits_processor", None) or []
+        handle = _backbone(self.base_model_lm).register_forward_hook(proc._capture)
+        proc.capturing = True
+        try:
+            return self.base_model_lm.generate(input_ids, attention_mask=attention_mask,
+                                               logits_processor=LogitsProcessorList([proc, *given]), **kwargs)
+        finally:
+            proc.capturing = False
+            handle.remove()
 
 
 class ATSLogitsProcessor(LogitsProcessor):
     """Rescale each step's scores by the calibrator's inverse temperature at the last position.
 
-    The head needs the hidden states of the whole prefix, so each step recomputes the base
-    backbone on it (no cache): meant for calibrated sampling and evaluation, not throughput.
-    Greedy decoding is unchanged by construction (s > 0)."""
+    Made by :meth:`ATSCalibrator.generate`, it takes the hidden states of the base's own forward (the new positions
+    of each step, appended to the earlier ones) and runs the head on the sequence so far (a per-token head on the
+    last position only). Where a step's ``input_ids`` do not extend the previous step's (beam search reorders its
+    beams) or no forward was seen (made by ``logits_processor()`` for a generate call of your own), it recomputes the
+    backbone on the whole prefix. Greedy decoding is unchanged by construction (s > 0)."""
 
-    def __init__(self, calibrator: ATSCalibrator):
+    def __init__(self, calibrator: ATSCalibrator, attention_mask: torch.Tensor | None = None):
         self.calibrator = calibrator
+        self.prompt_mask = attention_mask
+        self.capturing = False
+        self.recomputed = 0  # steps that recomputed the backbone on the prefix
+        self._pending = None  # the last hidden states the base's backbone returned (generate's forward)
+        self._ids = self._hidden = None  # the tokens seen so far and their hidden states
+
+    def _capture(self, module, args, output):
+        if self.capturing:
+            h = getattr(output, "last_hidden_state", None)
+            self._pending = (h if h is not None else output[0]).detach()
+
+    def _mask(self, ids: torch.Tensor) -> torch.Tensor | None:
+        """The prompt's attention mask extended with ones over the generated tokens (None: no padding)."""
+        m = self.prompt_mask
+        if m is None or m.shape[0] != ids.shape[0] or m.shape[1] > ids.shape[1]:
+            return None
+        return torch.cat([m.to(ids.device), m.new_ones(m.shape[0], ids.shape[1] - m.shape[1])], 1)
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        hidden, pos = self.calibrator._base_hidden(input_ids, None, None)
-        s = self.calibrator.inverse_temperature(hidden, None, pos)[:, -1]
+        new, self._pending = self._pending, None
+        mask = self._mask(input_ids)
+        n, seen = input_ids.shape[1], 0 if self._ids is None else self._ids.shape[1]
+        if new is not None and new.shape[:2] == input_ids.shape:  # the prompt's forward
+            hidden = new
+        elif (new is not None and self._hidden is not None and new.shape[0] == input_ids.shape[0]
+              and seen + new.shape[1] == n and torch.equal(input_ids[:, :seen], self._ids)):
+            hidden = torch.cat([self._hidden, new], 1)  # a step extending the same rows
+        else:
+            self.capturing, was = False, self.capturing  # (the recomputation is not generate's forward)
+            try:
+                hidden = self.calibrator._base_hidden(input_ids, mask, None)[0]
+            finally:
+                self.capturing = was
+            self.recomputed += 1
+        self._ids, self._hidden = input_ids, hidden
+        pos = (mask.long().cumsum(-1) - 1).clamp_min(0) if mask is not None else torch.arange(
+            n, device=input_ids.device)[None].expand(input_ids.shape)
+        if self.calibrator.config.head_type == "transformer":
+            s = self.calibrator.inverse_temperature(hidden, mask, pos)[:, -1]
+        else:  # a per-token head: the last position alone
+            s = self.calibrator.inverse_temperature(hidden[:, -1:], None, pos[:, -1:])[:, -1]
         return scores * s[:, None].to(scores.dtype)
 
 
