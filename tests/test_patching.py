@@ -481,11 +481,26 @@ def test_config_softcap_follows_the_configs_architecture():
 
 
 def test_a_config_cap_whose_application_cannot_be_read_is_refused(monkeypatch):
+    """Gemma2ForCausalLM's forward hidden by a decorator that does not say what it wraps (no __wrapped__): the source
+    read is not the forward's, so whether it applies the cap is unknown, and the patch refuses rather than guess."""
+    from transformers import Gemma2ForCausalLM
+
     import hf_lsce.patching.models as models
 
-    monkeypatch.setattr(models, "_applies_softcap", lambda cls: None)  # a forward without readable source
-    with pytest.raises(ValueError, match="final_logit_softcapping=2.0.*cannot be read"):
-        apply_lsce_patch(tiny_model("gemma2", final_logit_softcapping=2.0))
+    model = tiny_model("gemma2", final_logit_softcapping=2.0)
+    real = Gemma2ForCausalLM.forward
+
+    def forward(self, *args, **kwargs):  # an opaque wrapper
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Gemma2ForCausalLM, "forward", forward)
+    models._applies_softcap.cache_clear()
+    try:
+        assert models._applies_softcap(Gemma2ForCausalLM) is None
+        with pytest.raises(ValueError, match="final_logit_softcapping=2.0.*cannot be read"):
+            apply_lsce_patch(model)
+    finally:
+        models._applies_softcap.cache_clear()
 
 
 @pytest.mark.parametrize("shifted", [False, True])

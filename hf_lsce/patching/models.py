@@ -119,12 +119,14 @@ def config_softcap(config, cls: type | None = None) -> float | None:
 @functools.lru_cache(maxsize=None)
 def _applies_softcap(cls: type) -> bool | None:
     """Whether the forward ``cls`` runs (the first in its MRO, unwrapped past decorators and the patch) reads
-    ``final_logit_softcapping``; None where its source cannot be read."""
+    ``final_logit_softcapping``; None where its source cannot be read, or is not a forward that makes logits (a
+    decorator that hides the function it wraps)."""
     fn = next((k.__dict__["forward"] for k in cls.__mro__ if "forward" in k.__dict__), None)
     try:
-        return "final_logit_softcapping" in inspect.getsource(inspect.unwrap(fn))
+        src = inspect.getsource(inspect.unwrap(fn))
     except (OSError, TypeError):
         return None
+    return "final_logit_softcapping" in src if "logits" in src else None
 
 
 def output_head(model) -> torch.nn.Module:
