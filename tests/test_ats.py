@@ -254,18 +254,24 @@ def test_generate_keeps_the_cache_and_equals_the_recomputing_processor(overconfi
     cal = _random_head(base, head_type)
     prompt = calib[:2, :6]
     kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
-    calls = []
+    calls, head_rows = [], []
     hook = _backbone(base).register_forward_hook(lambda *a: calls.append(1))
+    if head_type == "transformer":  # the positions the head's layer runs on at each step
+        head_hook = cal.head.layer.register_forward_hook(lambda m, args, out: head_rows.append(args[0].shape[1]))
     try:
         cached = cal.generate(prompt, **kw)
-        n_cached = len(calls)
+        n_cached, rows_cached = len(calls), list(head_rows)
         proc = cal.logits_processor()
         ref = base.generate(prompt, logits_processor=[proc], **kw)
         n_ref = len(calls) - n_cached
     finally:
         hook.remove()
+        if head_type == "transformer":
+            head_hook.remove()
     plain = base.generate(prompt, **kw)
     assert (n_cached, n_ref, proc.recomputed) == (6, 12, 6)
+    if head_type == "transformer":  # its own KV cache: the prompt, then one position a step
+        assert rows_cached == [6, 1, 1, 1, 1, 1] and head_rows[6:] == [6, 7, 8, 9, 10, 11]
     assert torch.equal(cached.sequences, ref.sequences) and torch.equal(cached.sequences, plain.sequences)
     for a, b, c in zip(cached.scores, ref.scores, plain.scores):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
@@ -287,6 +293,19 @@ def test_generate_left_padded_rows_equal_their_own_unpadded_runs(overconfident_l
         for got, again, want in zip(out.scores, rec.scores, alone.scores):
             assert torch.allclose(got[row], want[0], rtol=1e-4, atol=1e-4)
             assert torch.allclose(again[row], want[0], rtol=1e-4, atol=1e-4)
+
+
+def test_generate_with_a_head_layer_without_a_cache_argument(overconfident_lm, monkeypatch):
+    """A transformers whose decoder layer takes no KV cache: the head runs on every position at each step."""
+    base, calib, _ = overconfident_lm
+    cal = _random_head(base, "transformer")
+    kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    prompt = calib[:2, :6]
+    want = base.generate(prompt, logits_processor=[cal.logits_processor()], **kw)
+    monkeypatch.setattr(cal.head, "cache_argument", lambda: None)
+    got = cal.generate(prompt, **kw)
+    for a, b in zip(got.scores, want.scores):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_generate_under_beam_search_equals_the_recomputing_processor(overconfident_lm):

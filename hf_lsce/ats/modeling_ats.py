@@ -16,7 +16,7 @@ import os
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList, PreTrainedModel
+from transformers import AutoModelForCausalLM, DynamicCache, LogitsProcessor, LogitsProcessorList, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutput
 
 from ..patching.models import logit_scale_of, output_head, softcap_of, text_config
@@ -62,21 +62,38 @@ class _TransformerHead(nn.Module):
                              f"{type(backbone).__name__} is not one. Use head_type='mlp'")
         return type(backbone.layers[0]), type(backbone.rotary_emb)
 
+    def cache_argument(self) -> str | None:
+        """The name under which this transformers' decoder layer takes a KV cache (None: it takes none)."""
+        import inspect
+
+        params = inspect.signature(self.layer.forward).parameters
+        return next((name for name in ("cache", "past_key_values", "past_key_value") if name in params), None)
+
     def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None,
-                position_ids: torch.Tensor) -> torch.Tensor:
-        b, L, _ = hidden.shape
-        causal = torch.ones(L, L, dtype=torch.bool, device=hidden.device).tril()
-        keep = causal[None].expand(b, L, L)
+                position_ids: torch.Tensor, cache=None) -> torch.Tensor:
+        """The head's output at every position of ``hidden``; with ``cache`` (a transformers ``Cache``), ``hidden``
+        holds the positions after the cached ones, which it attends to too, and the cache takes their keys and
+        values (``attention_mask``: 2-D, over every position so far)."""
+        b, q, _ = hidden.shape
+        past = cache.get_seq_length() if cache is not None else 0
+        keys = torch.arange(past + q, device=hidden.device)
+        rows = past + torch.arange(q, device=hidden.device)
+        keep = (keys[None, :] <= rows[:, None])[None].expand(b, q, past + q)
         if attention_mask is not None:
-            keep = keep & attention_mask.bool()[:, None, :]
-        keep = keep | torch.eye(L, dtype=torch.bool, device=hidden.device)[None]  # no empty rows (padding)
-        mask = torch.zeros(b, 1, L, L, dtype=hidden.dtype, device=hidden.device)
+            keep = keep & attention_mask[:, :past + q].bool()[:, None, :]
+        keep = keep | (keys[None, :] == rows[:, None])[None]  # no empty rows (padding)
+        mask = torch.zeros(b, 1, q, past + q, dtype=hidden.dtype, device=hidden.device)
         mask = mask.masked_fill(~keep[:, None], torch.finfo(hidden.dtype).min)
         try:
             pe = self.rotary(hidden, position_ids)
         except TypeError:  # Gemma3's rotary takes the layer type
             pe = self.rotary(hidden, position_ids, "full_attention")
-        out = self.layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=pe)
+        kw = {}
+        if cache is not None:
+            kw = {self.cache_argument(): cache, "use_cache": True, "cache_position": rows}
+        out = self.layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=pe, **kw)
+        if cache is not None and cache.get_seq_length() != past + q:
+            raise RuntimeError("the ATS head's decoder layer did not take its KV cache")  # (callers fall back)
         out = out[0] if isinstance(out, tuple) else out
         return self.out(out).squeeze(-1)
 
@@ -259,12 +276,15 @@ class ATSCalibrator(PreTrainedModel):
                                                 position_ids=position_ids, use_cache=False)
         return out.last_hidden_state, position_ids
 
-    def inverse_temperature(self, hidden: torch.Tensor, attention_mask=None, position_ids=None) -> torch.Tensor:
-        """s = exp(h) clamped to [``min_scale``, ``max_scale``], per token, from the base's last hidden state."""
+    def inverse_temperature(self, hidden: torch.Tensor, attention_mask=None, position_ids=None,
+                            cache=None) -> torch.Tensor:
+        """s = exp(h) clamped to [``min_scale``, ``max_scale``], per token, from the base's last hidden state
+        (``cache``: the transformer head's KV cache, ``hidden`` the positions after it)."""
         dt = _DTYPES[self.config.head_dtype]
         if position_ids is None:
             position_ids = torch.arange(hidden.shape[1], device=hidden.device)[None].expand(hidden.shape[:2])
-        h = self.head(hidden.to(dt), attention_mask, position_ids).float()
+        h = (self.head(hidden.to(dt), attention_mask, position_ids, cache) if cache is not None
+             else self.head(hidden.to(dt), attention_mask, position_ids)).float()
         return torch.exp(h.clamp(min=math.log(self.config.min_scale), max=math.log(self.config.max_scale)))
 
     def forward(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
@@ -350,7 +370,7 @@ class ATSLogitsProcessor(LogitsProcessor):
         self.capturing = False
         self.recomputed = 0  # steps that recomputed the backbone on the prefix
         self._pending = None  # the last hidden states the base's backbone returned (generate's forward)
-        self._ids = self._hidden = None  # the tokens seen so far and their hidden states
+        self._ids = self._hidden = self._cache = None  # the tokens seen so far; the transformer head's KV cache
 
     def _capture(self, module, args, output):
         if self.capturing:
@@ -369,25 +389,38 @@ class ATSLogitsProcessor(LogitsProcessor):
         new, self._pending = self._pending, None
         mask = self._mask(input_ids)
         n, seen = input_ids.shape[1], 0 if self._ids is None else self._ids.shape[1]
-        if new is not None and new.shape[:2] == input_ids.shape:  # the prompt's forward
-            hidden = new
-        elif (new is not None and self._hidden is not None and new.shape[0] == input_ids.shape[0]
-              and seen + new.shape[1] == n and torch.equal(input_ids[:, :seen], self._ids)):
-            hidden = torch.cat([self._hidden, new], 1)  # a step extending the same rows
+        extends = (new is not None and self._ids is not None and new.shape[0] == input_ids.shape[0]
+                   and seen + new.shape[1] == n and torch.equal(input_ids[:, :seen], self._ids))
+        if new is not None and (extends or new.shape[:2] == input_ids.shape):
+            hidden = new  # the prompt's forward, or a step extending the same rows
         else:
+            extends = False
             self.capturing, was = False, self.capturing  # (the recomputation is not generate's forward)
             try:
                 hidden = self.calibrator._base_hidden(input_ids, mask, None)[0]
             finally:
                 self.capturing = was
             self.recomputed += 1
-        self._ids, self._hidden = input_ids, hidden
+        self._ids = input_ids
         pos = (mask.long().cumsum(-1) - 1).clamp_min(0) if mask is not None else torch.arange(
             n, device=input_ids.device)[None].expand(input_ids.shape)
-        if self.calibrator.config.head_type == "transformer":
-            s = self.calibrator.inverse_temperature(hidden, mask, pos)[:, -1]
-        else:  # a per-token head: the last position alone
-            s = self.calibrator.inverse_temperature(hidden[:, -1:], None, pos[:, -1:])[:, -1]
+        cal = self.calibrator
+        if cal.config.head_type != "transformer":  # a per-token head: the last position alone
+            s = cal.inverse_temperature(hidden[:, -1:], None, pos[:, -1:])[:, -1]
+        elif extends and self._cache is not None:  # the head's KV cache holds the earlier positions
+            s = cal.inverse_temperature(hidden, mask, pos[:, n - hidden.shape[1]:], cache=self._cache)[:, -1]
+        elif extends:  # a head without a cache: it runs on every position
+            self._hidden = torch.cat([self._hidden, hidden], 1)
+            s = cal.inverse_temperature(self._hidden, mask, pos)[:, -1]
+        else:  # every position: a new cache (none where the head's layer does not take one)
+            self._cache, self._hidden = DynamicCache() if cal.head.cache_argument() else None, hidden
+            try:
+                s = cal.inverse_temperature(hidden, mask, pos, cache=self._cache)[:, -1]
+            except RuntimeError:  # the layer ignored the cache it was given
+                self._cache = None
+                s = cal.inverse_temperature(hidden, mask, pos)[:, -1]
+            if self._cache is not None:
+                self._hidden = None
         return scores * s[:, None].to(scores.dtype)
 
 
