@@ -38,6 +38,10 @@ def _backbone(model) -> nn.Module:
                      ".transformer); ATS needs the base's last hidden state")
 
 
+class _CacheIgnored(RuntimeError):
+    """The head's decoder layer was given a KV cache and did not use it (a transformers that names it otherwise)."""
+
+
 class _TransformerHead(nn.Module):
     """One decoder layer of the base's own architecture and size, then a linear map to one value."""
 
@@ -93,7 +97,7 @@ class _TransformerHead(nn.Module):
             kw = {self.cache_argument(): cache, "use_cache": True, "cache_position": rows}
         out = self.layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=pe, **kw)
         if cache is not None and cache.get_seq_length() != past + q:
-            raise RuntimeError("the ATS head's decoder layer did not take its KV cache")  # (callers fall back)
+            raise _CacheIgnored("the ATS head's decoder layer did not take its KV cache")  # (the processor falls back)
         out = out[0] if isinstance(out, tuple) else out
         return self.out(out).squeeze(-1)
 
@@ -358,11 +362,12 @@ class ATSCalibrator(PreTrainedModel):
 class ATSLogitsProcessor(LogitsProcessor):
     """Rescale each step's scores by the calibrator's inverse temperature at the last position.
 
-    Made by :meth:`ATSCalibrator.generate`, it takes the hidden states of the base's own forward (the new positions
-    of each step, appended to the earlier ones) and runs the head on the sequence so far (a per-token head on the
-    last position only). Where a step's ``input_ids`` do not extend the previous step's (beam search reorders its
-    beams) or no forward was seen (made by ``logits_processor()`` for a generate call of your own), it recomputes the
-    backbone on the whole prefix. Greedy decoding is unchanged by construction (s > 0)."""
+    Made by :meth:`ATSCalibrator.generate`, it takes the hidden states of the base's own forward (each step's new
+    positions): a per-token head runs on the last position, a transformer head on the new positions against its own
+    KV cache of the earlier ones (on every position where its layer takes no cache). Where a step's ``input_ids`` do
+    not extend the previous step's (beam search reorders its beams) or no forward was seen (made by
+    ``logits_processor()`` for a generate call of your own), it recomputes the backbone on the whole prefix and the
+    head's cache anew. Greedy decoding is unchanged by construction (s > 0)."""
 
     def __init__(self, calibrator: ATSCalibrator, attention_mask: torch.Tensor | None = None):
         self.calibrator = calibrator
@@ -416,7 +421,7 @@ class ATSLogitsProcessor(LogitsProcessor):
             self._cache, self._hidden = DynamicCache() if cal.head.cache_argument() else None, hidden
             try:
                 s = cal.inverse_temperature(hidden, mask, pos, cache=self._cache)[:, -1]
-            except RuntimeError:  # the layer ignored the cache it was given
+            except _CacheIgnored:
                 self._cache = None
                 s = cal.inverse_temperature(hidden, mask, pos)[:, -1]
             if self._cache is not None:
