@@ -16,10 +16,10 @@ reached by one logit standing ``a = R sqrt(V / (V - 1))`` above V - 1 equal ones
 This is the bound of Theorem 4.2 (Eq. 14) of "Calibrated Language Models and How to Find Them with
 Label Smoothing" (Lu, Huang and Zeng, 2025), with rho taken from ``||h||`` (at most the paper's
 entry-wise rho: the same bound or a higher one); ``tests/test_theory.py`` holds it equal to Eq. 14 and
-``docs/theory.md`` says where this package departs from the paper's remarks. The *normalised entropy gap* ``1 - H_min / log V`` is the share of
-the maximum entropy ``log V`` the head is able to remove: near 0 the head cannot be confident at all,
-near 1 it can be certain. It grows with D and shrinks with V (the paper's Figure 4;
-``plot_entropy_gap`` draws it).
+``docs/theory.md`` says where this package departs from the paper's remarks. The *normalised entropy
+gap* ``1 - H_min / log V`` is the share of the maximum entropy ``log V`` the head is able to remove:
+near 0 the head cannot be confident at all, near 1 it can be certain. It grows with D and shrinks with
+V (the paper's Figure 4; ``plot_entropy_gap`` draws it).
 
 Label smoothing with factor b pulls each prediction towards the smoothed target, whose entropy is
 ``H_ls(b, V)``. It can only act if the head could otherwise become *more* confident than that target

@@ -11,6 +11,7 @@ Trainer never touches the base. Device and dtype moves (``.to``) are forwarded t
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import os
 
@@ -58,6 +59,8 @@ class _TransformerHead(nn.Module):
         self.layer = layer_cls(cfg, layer_idx=0)
         self.rotary = rotary_cls(config=cfg)
         self.out = nn.Linear(cfg.hidden_size, 1)
+        params = inspect.signature(self.layer.forward).parameters  # the layer's KV-cache argument, read once
+        self._cache_name = next((a for a in ("cache", "past_key_values", "past_key_value") if a in params), None)
 
     @staticmethod
     def _classes(cfg, backbone):
@@ -68,10 +71,7 @@ class _TransformerHead(nn.Module):
 
     def cache_argument(self) -> str | None:
         """The name under which this transformers' decoder layer takes a KV cache (None: it takes none)."""
-        import inspect
-
-        params = inspect.signature(self.layer.forward).parameters
-        return next((name for name in ("cache", "past_key_values", "past_key_value") if name in params), None)
+        return self._cache_name
 
     def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None,
                 position_ids: torch.Tensor, cache=None) -> torch.Tensor:
@@ -418,14 +418,13 @@ class ATSLogitsProcessor(LogitsProcessor):
             self._hidden = torch.cat([self._hidden, hidden], 1)
             s = cal.inverse_temperature(self._hidden, mask, pos)[:, -1]
         else:  # every position: a new cache (none where the head's layer does not take one)
-            self._cache, self._hidden = DynamicCache() if cal.head.cache_argument() else None, hidden
+            self._cache = DynamicCache() if cal.head.cache_argument() else None
             try:
                 s = cal.inverse_temperature(hidden, mask, pos, cache=self._cache)[:, -1]
             except _CacheIgnored:
                 self._cache = None
                 s = cal.inverse_temperature(hidden, mask, pos)[:, -1]
-            if self._cache is not None:
-                self._hidden = None
+            self._hidden = hidden if self._cache is None else None  # (kept only where the head runs on every position)
         return scores * s[:, None].to(scores.dtype)
 
 

@@ -104,7 +104,8 @@ def prepare(targets, label_smoothing, ignore_index: int, vocab: int, shift: bool
     """(t1, b1, token_weight, summary, divisor, bad) for ``targets`` (any shape, the sequence last when ``shift``):
     int64 ids with -1 for an ignored or out-of-range token, fp32 smoothing (clamped to [0, 1], 0 for NaN: a bad value
     is reported by the summary), fp32 weights (valid / divisor if ``divide`` else valid; all 0 where a check failed),
-    the fp64 summary of ``checks._summary``, the divisor (0-d fp32; 1 if not ``divide``) and a 0-d bool, True where a check failed."""
+    the fp64 summary of ``checks._summary``, the divisor (0-d fp32; 1 if not ``divide``) and a 0-d bool, True where
+    a check failed."""
     dev = targets.device
     n = targets.numel()
     y = targets.reshape(-1)
