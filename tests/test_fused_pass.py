@@ -90,7 +90,7 @@ def test_fused_path_matches_fp64_and_the_two_pass_path(tma, monkeypatch, bias, r
     real, real_direct = fp.triton_fused_pass, fp._direct_dw
     monkeypatch.setattr(fp, "triton_fused_pass",
                         lambda *a, **k: calls.append(1) or real(*a, **dict(k, chunk_bytes=16 * 208 * 2)))
-    monkeypatch.setattr(fp, "_direct_dw", lambda *a: direct.append(1) or real_direct(*a))
+    monkeypatch.setattr(fp, "_direct_dw", lambda *a, **k: direct.append(1) or real_direct(*a, **k))
     if layout == "chunked":
         monkeypatch.setattr(fp, "EVERY_ROW_EXTRA_BYTES", -(1 << 40))
     items = 29 if reduction == "sum" else None
@@ -119,6 +119,51 @@ def test_fused_direct_dw_carries_the_smoothing_term(tma, monkeypatch):
     chunked = run("fused", h, w, y, None, sm, "sum", 29)
     assert rel(direct[2], ref[2]) < 2e-2
     assert rel(direct[2], ref[2]) < 1.5 * rel(chunked[2], ref[2]) + 1e-3
+
+
+@pytest.mark.parametrize("layout", ["chunked", "direct"])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1, "zeros tensor"])
+def test_fused_rank_one_term_skipped_only_for_a_float_zero(tma, monkeypatch, layout, smoothing):
+    """A float b = 0 has no uniform term: dW's rank-one rows are neither computed nor multiplied (one launch fewer),
+    and loss, dh, dW and db still equal fp64's; a float b > 0, or a tensor b (zeros or not, its values unknown to the
+    host), keeps the term. Mutation check: the term skipped for b = 0.1 fails here (dW and db)."""
+    h, w, y, b = inputs(seed=15, bias=True)
+    rank_one = []
+    real = fp._rank_one_rows
+    monkeypatch.setattr(fp, "_rank_one_rows", lambda *a, **k: rank_one.append(1) or real(*a, **k))
+    if layout == "chunked":
+        monkeypatch.setattr(fp, "EVERY_ROW_EXTRA_BYTES", -(1 << 40))
+        real_pass = fp.triton_fused_pass
+        monkeypatch.setattr(fp, "triton_fused_pass", lambda *a, **k: real_pass(*a, **dict(k, chunk_bytes=16 * 208 * 2)))
+    sm = torch.zeros(N) if smoothing == "zeros tensor" else smoothing
+    got = run("fused", h, w, y, b, sm, "sum", 29)
+    b_tok = torch.zeros(N) if smoothing == "zeros tensor" else torch.full((N,), float(smoothing))
+    ref = fp64(h.bfloat16().double(), w.bfloat16().double(), y, b.bfloat16().double(), b_tok, 29.0)
+    assert bool(rank_one) == (smoothing != 0.0)
+    assert rel(got[0], ref[0]) < 1e-5
+    for i in (1, 2, 3):
+        assert rel(got[i], ref[i]) < 2e-2
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_returned_lse_and_stats_are_copies_of_the_saved_lse(tma, reduction):
+    """The autograd function returns the lse it saves for backward; what the caller hands out (``stats.lse``,
+    ``return_lse``) is a copy, so changing it in place neither raises in backward nor changes the gradients (the
+    kept gradients of a reduced loss, and the recomputing backward of weighted per-token losses, which reads the
+    saved lse). Mutation check: handing out the saved lse fails both."""
+    h, w, y, _ = inputs(seed=16)
+    weights = torch.rand(N, generator=torch.Generator().manual_seed(17))
+    grads = []
+    for touch in (False, True):
+        hh, ww = h.bfloat16().requires_grad_(), w.bfloat16().requires_grad_()
+        loss, stats, lse = linear_cross_entropy(hh, ww, y, label_smoothing=0.1, backend="triton", return_stats=True,
+                                                return_lse=True, reduction=reduction)
+        if touch:
+            stats.lse.add_(3.0)
+            lse.add_(5.0)
+        (loss * weights).sum().backward() if reduction == "none" else loss.backward()
+        grads.append((hh.grad, ww.grad))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
 
 
 @pytest.mark.parametrize("softcap", [None, 5.0])
@@ -171,7 +216,7 @@ def test_fused_path_with_a_frozen_head(tma, monkeypatch, layout):
     config.TRAIN_PATH = "fused"
     direct, rows, widths = [], [], []
     real_direct, real_layout, real_tiles = fp._direct_dw, fp.layout, fp._exp_tiles
-    monkeypatch.setattr(fp, "_direct_dw", lambda *a: direct.append(1) or real_direct(*a))
+    monkeypatch.setattr(fp, "_direct_dw", lambda *a, **k: direct.append(1) or real_direct(*a, **k))
     monkeypatch.setattr(fp, "layout", lambda *a, **k: rows.append(real_layout(*a, **k)[1]) or real_layout(*a, **k))
     monkeypatch.setattr(fp, "_exp_tiles", lambda cfg, h, w, *a, **k: widths.append((h.shape[0], w.shape[0])) or
                         real_tiles(cfg, h, w, *a, **k))

@@ -498,14 +498,14 @@ def _rank_one_rows(r_buf, hs, u_all, hidden, at: int, v: int, ones: bool = False
         r_buf[at:at + 2, :v].fill_(1.0)
 
 
-def _direct_dw(r_buf, hs, u_all, hidden, n: int, v: int, weight) -> torch.Tensor:
+def _direct_dw(r_buf, hs, u_all, hidden, n: int, v: int, weight, rank_one: bool = True) -> torch.Tensor:
     """dW = R'^T (a o h) - 1 (u^T h)^T in the weight's dtype by one matmul over every row and the rank-one term's two
-    (``_rank_one_rows``); ``hs`` None (soft-capped: R holds G): G^T h. (A K padded to a multiple of 8 was no faster:
-    docs/benchmarks.md, settled experiments: direct_dw.py.)"""
+    (``_rank_one_rows``; ``rank_one=False``, u = 0: the first product alone); ``hs`` None (soft-capped: R holds G):
+    G^T h. (A K padded to a multiple of 8 was no faster: docs/benchmarks.md, settled experiments: direct_dw.py.)"""
     k = n
     if hs is None:
         hs = hidden
-    else:
+    elif rank_one:
         _rank_one_rows(r_buf, hs, u_all, hidden, n, v, ones=True)  # (made ones by triton_fused_pass)
         k = n + 2
     dw = torch.empty(v, hs.shape[1], dtype=weight.dtype, device=hs.device)
@@ -555,14 +555,15 @@ def _rows_launch(n: int):
 
 def triton_fused_pass(hidden, weight, bias, targets, smoothing, scale, config, need_dh=True, need_dw=True,
                       need_db=True, need_stats=False, chunk_bytes: int | None = None, free_bytes: int | None = None,
-                      z_loss: float = 0.0, softcap: float | None = None):
+                      z_loss: float = 0.0, softcap: float | None = None, smoothed: bool = True):
     """Statistics and gradients of ``sum_n scale_n loss_n`` for 2-D bf16 ``hidden`` (N, D) by the fused path (see the
     module docstring; ``supported`` says when it applies). ``targets``: ids, -1 for ignored tokens; ``smoothing`` and
     ``scale``: fp32 per token. Returns ``(lse, zy, sz, argmax, entropy, loss, nll), dh, dw, db`` (the token losses
     as ``paths.token_loss_terms`` gives them; dh, dw in the inputs' dtype, db fp32; None where not needed; argmax and
     entropy zeros unless ``need_stats``). ``free_bytes``: the free memory
     ``memory="auto"`` measured (the direct layout only if it fits: ``layout``). ``softcap``: R's chunk becomes G
-    itself (``_softcap_grad_kernel``), whose products give dh, dW and db."""
+    itself (``_softcap_grad_kernel``), whose products give dh, dW and db. ``smoothed=False``: ``smoothing`` is 0 for
+    every token, so u is 0 and dW's and db's rank-one terms are skipped."""
     n, d = hidden.shape
     v = weight.shape[0]
     dev = hidden.device
@@ -624,7 +625,7 @@ def triton_fused_pass(hidden, weight, bias, targets, smoothing, scale, config, n
             k, rhs = nr, h
             if not soft:
                 rhs = hs
-                if e0 == n:  # the last chunk also adds the rank-one term (u is whole now)
+                if e0 == n and smoothed:  # the last chunk also adds the rank-one term (u is whole now)
                     _rank_one_rows(r_buf, hs, u_all, hidden, nr, v)
                     k = nr + 2
             if s0 == 0:
@@ -637,10 +638,10 @@ def triton_fused_pass(hidden, weight, bias, targets, smoothing, scale, config, n
             db += db_chunk[:, 0]
     dw = None
     if direct:
-        dw = _direct_dw(r_buf, hs, u_all, hidden, n, v, weight)
+        dw = _direct_dw(r_buf, hs, u_all, hidden, n, v, weight, rank_one=smoothed)
     elif need_dw:
         dw = dw32.to(weight.dtype)
-    if db is not None and not soft:
+    if db is not None and not soft and smoothed:
         db -= u_all.sum()
     return (lse, zy, sz, am, ent, loss, nll), dh, dw, db
 

@@ -216,8 +216,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if opts.reduce:
             loss = loss.sum() if denom is None else loss.sum() / denom
         if bad is not None:  # a failed check of the device's values: a NaN loss (its gradients are zero: backward)
-            loss = torch.where(bad, float("nan"), loss)
-        return loss, lse.clone(), argmax, nll, entropy
+            loss = loss.masked_fill(bad, float("nan"))
+        # the lse saved for backward, returned as it is: the caller copies it where it hands it out (an in-place
+        # change to a returned copy must not reach the saved one)
+        return loss, lse, argmax, nll, entropy
 
     @staticmethod
     def backward(ctx, grad_loss, grad_lse, *unused):
@@ -442,11 +444,11 @@ def linear_cross_entropy(
     one_pass = shard is None and use_train_pass(h2, weight, bias, backend)
     reduce = reduction != "none"
     traced = compiling()
+    observed_b = None if torch.is_tensor(label_smoothing) else float(label_smoothing)
     if not traced:  # (traced: resolved by the operator when the graph runs)
         opts = training_options(h2, weight, softcap, backend, z_loss, memory, accum_dtype, one_pass,
-                                need_stats=return_stats, reduce=reduce)
+                                need_stats=return_stats, reduce=reduce, smoothed=observed_b != 0.0)
     training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (h2, weight, bias))
-    observed_b = None if torch.is_tensor(label_smoothing) else float(label_smoothing)
 
     with torch.autocast(hidden.device.type, enabled=False):
         if shard is not None:
@@ -490,8 +492,8 @@ def linear_cross_entropy(
     out = [loss]
     if return_stats:
         valid1 = t1 >= 0 if valid1 is None else valid1
-        out.append(LCEStats(lse.detach().reshape(out_shape), argmax.reshape(out_shape), nll.reshape(out_shape),
+        out.append(LCEStats(lse.detach().clone().reshape(out_shape), argmax.reshape(out_shape), nll.reshape(out_shape),
                             entropy.reshape(out_shape), valid1.reshape(out_shape)))
     if return_lse:
-        out.append(lse.reshape(out_shape))
+        out.append(lse.clone().reshape(out_shape))
     return out[0] if len(out) == 1 else tuple(out)

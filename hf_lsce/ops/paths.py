@@ -36,6 +36,7 @@ class Options:
     # _fused_gradients)
     path: str = "one-pass"
     reduce: bool = False  # the first output is the reduced loss (sum / denom), not per-token losses
+    smoothed: bool = True  # False: b = 0 for every token (a float 0), so the fused pass skips dW's rank-one term
     free_bytes: int | None = None  # CUDA's free memory when memory="auto" resolved (fused layout, low chunk)
 
 
@@ -136,7 +137,7 @@ def free_cuda_memory(device) -> int:
 
 
 def training_options(hidden, weight, softcap, backend, z_loss, memory, accum_dtype, one_pass, need_stats=False,
-                     reduce=False) -> Options:
+                     reduce=False, smoothed=True) -> Options:
     """How a call runs, from the validated arguments: for training, the fused, two-pass or one-pass path, and the
     memory mode (``"auto"`` resolved against CUDA's free memory; ``"low"`` runs the two-pass path's computation).
     The free memory is read (once) only where the path's buffers exceed ``SMALL_BUFFER_FRACTION`` of
@@ -151,7 +152,7 @@ def training_options(hidden, weight, softcap, backend, z_loss, memory, accum_dty
     if mem == "low":  # the fused pass's statistics and a frozen head's columns where it runs (see _fused_gradients)
         path = "fused" if one_pass and softcap is None and _fused_runs(hidden, weight, softcap, z_loss) else "two-pass"
     return Options(softcap=softcap, backend=backend, z_loss=float(z_loss), memory=mem, accum_dtype=accum_dtype,
-                   need_stats=need_stats, path=path, reduce=reduce, free_bytes=free)
+                   need_stats=need_stats, path=path, reduce=reduce, free_bytes=free, smoothed=smoothed)
 
 
 # memory="auto" reads CUDA's free memory only where the fast path's buffers (times the headroom) exceed this fraction
@@ -278,7 +279,7 @@ def _fused_gradients(hidden, weight, bias, targets, smoothing, token_weight, opt
     stats, dh, dw, db = triton_fused_pass(hidden, weight, bias, targets, smoothing, token_weight, cfg,
                                           need_dh=need_dh, need_dw=need_dw, need_db=need_db,
                                           need_stats=opts.need_stats, free_bytes=opts.free_bytes, z_loss=opts.z_loss,
-                                          softcap=opts.softcap)
+                                          softcap=opts.softcap, smoothed=opts.smoothed)
     return stats, (dh, dw, db)
 
 
