@@ -118,6 +118,37 @@ def prices():
         print(f"{name:42s} {busy_us(fn):7.2f}", flush=True)
 
 
+def mm_prices():
+    """The host cost of the fused pass's three cuBLAS products at SmolLM2's head (1 x 256 tokens), as the op calls them
+    (``matmul.mm_f32``, ``fused_pass._mm_once`` with its reduced-precision toggles) and without the toggles."""
+    from hf_lsce.ops.fused_pass import _mm_once
+    from hf_lsce.ops.matmul import mm_f32
+
+    dev = "cuda"
+    n, d, v = 256, 576, 49152
+    r = torch.randn(n + 2, v, device=dev).bfloat16()
+    w = torch.randn(v, d, device=dev).bfloat16()
+    hs = torch.randn(n + 2, d, device=dev).bfloat16()
+    dh32 = torch.empty(n, d, device=dev)
+    dw = torch.empty(v, d, dtype=torch.bfloat16, device=dev)
+    col = torch.empty(1, d, device=dev)
+    e = torch.cuda.Event()
+    loss, tw, den = torch.rand(n, device=dev), torch.rand(n, device=dev), torch.ones((), device=dev)
+    items = {
+        "colsum: mm_f32(ones row, W)": lambda: mm_f32(r[n:n + 1], w, col),
+        "dh: mm_f32(R, W) (fp32 out)": lambda: mm_f32(r[:n], w, dh32),
+        "dW: _mm_once(R^T, hs) (toggles)": lambda: _mm_once(r[:n + 2].T, hs, dw),
+        "dW: torch.mm(R^T, hs, out=) (no toggles)": lambda: torch.mm(r[:n + 2].T, hs, out=dw),
+        "dW: torch.mm(R^T, hs) (no out=)": lambda: torch.mm(r[:n + 2].T, hs),
+        "loss.sum() / den": lambda: loss.sum() / den,
+        "torch.dot(loss, tw)": lambda: torch.dot(loss, tw),
+        "reused Event.record()": lambda: e.record(),
+    }
+    print("=== cuBLAS products and small ops, host us per call (GPU busy, best of 7 blocks of 200)")
+    for name, fn in items.items():
+        print(f"{name:42s} {busy_us(fn):7.2f}", flush=True)
+
+
 def whole_calls():
     import torch.nn.functional as F
     from transformers.loss.loss_utils import ForCausalLMLoss
@@ -170,6 +201,9 @@ if __name__ == "__main__":
     print(torch.__version__, triton.__version__, torch.cuda.get_device_name(), hf_lsce.__file__, flush=True)
     if "--whole-only" in sys.argv:  # the A/B of two trees: the whole call alone
         whole_calls()
+        sys.exit()
+    if "--mm-only" in sys.argv:
+        mm_prices()
         sys.exit()
     prices()
     whole_calls()
