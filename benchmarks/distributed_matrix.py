@@ -1,22 +1,23 @@
-"""The patch under every distributed engine users launch, on 2 GPUs: engaged? right? and what it buys at 8B.
+"""The patch under every distributed engine users launch, on 2 or more GPUs: engaged? right? and what it buys at 8B.
 
-    python benchmarks/distributed_matrix.py matrix [--out DIR] [--full]    # engines x precision x trainer
-    python benchmarks/distributed_matrix.py 8b [--out DIR]                 # Llama-3-8B config, FSDP2 and ZeRO-3
+    python benchmarks/distributed_matrix.py matrix [--out DIR] [--full] [--gpus N]   # engines x precision x trainer
+    python benchmarks/distributed_matrix.py 8b [--out DIR]                             # Llama-3-8B, FSDP2 and ZeRO-3
 
-Each row is one ``torchrun --nproc_per_node 2`` of tests/scripts/engine_step.py (the worker the CPU tests use):
-HF ``Trainer`` or TRL ``SFTTrainer``, ``label_smoothing_factor=0.1``, a randomly initialised Llama, sequences with
-unequal label counts, global batch 16 (4 per GPU x 2 GPUs x gradient accumulation 2), 4 SGD steps, patched or
-stock, against one GPU in fp32 (unpatched, 8 per step x 2) as the reference. Columns: lm_head calls that returned
+Each row is one ``torchrun --nproc_per_node N`` of tests/scripts/engine_step.py (the worker the CPU tests use; N: every
+visible GPU, or ``--gpus``, one of 2, 4 and 8): HF ``Trainer`` or TRL ``SFTTrainer``, ``label_smoothing_factor=0.1``,
+a randomly initialised Llama, sequences with unequal label counts, global batch 16 (8 / N per GPU x N GPUs x gradient
+accumulation 2), 4 SGD steps, patched or stock, against one GPU in fp32 (unpatched, 8 per step x 2) as the
+reference. Columns: lm_head calls that returned
 the full logits (0 = the fused op ran everywhere), fused calls, the dtype of the loss handed to backward, the
 losses logged, and the largest relative difference of any weight from the reference.
 
 ``8b``: the Llama-3-8B configuration (V = 128,256), bf16 weights, gradient checkpointing, ``--optim`` (default
 ``adamw_torch_fused``, as users fine-tune), under the Trainer's FSDP2 auto-wrap and ZeRO-3: tokens/s (the median of
 the steps after the first) and peak memory per GPU, stock and patched, at growing tokens per GPU until one runs out of
-memory (a row saying so, at that size; the next configuration still runs).
+memory (a row saying so, at that size; the next configuration still runs); on 2 GPUs.
 
 Rows already in OUT/rows are not run again (a device call can resume). Writes OUT/distributed_matrix.json and
-.md. Needs 2 GPUs, transformers, TRL, DeepSpeed.
+.md. Needs 2 or more GPUs, transformers, TRL, DeepSpeed.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "scripts" / "engine_step.py"
 # Not here: FSDP2 sharded by the user (fully_shard) before the Trainer. The Trainer's FSDP2 set-up then looks for
 # LlamaDecoderLayer among the renamed FSDPLlamaDecoderLayer classes and stops (ValueError, seen on 2 x H200).
-ENGINES = ["ddp", "fsdp2", "zero2", "zero3"]
+ENGINES = ["ddp", "fsdp2", "zero1", "zero2", "zero3"]
 COMMON = ["--size", "small", "--seq", "256", "--steps", "4", "--lr", "0.1", "--device", "cuda"]
 
 
@@ -74,7 +75,10 @@ def rel_diff(row_dir: Path, ref_dir: Path) -> float | None:
     return max(float((s[k].float() - r[k].float()).norm() / r[k].float().norm()) for k in r)
 
 
-def matrix(out: Path, full: bool, only: tuple[str, ...] = ()) -> list[dict]:
+def matrix(out: Path, full: bool, only: tuple[str, ...] = (), gpus: int = 2) -> list[dict]:
+    if gpus not in (2, 4, 8):
+        raise ValueError(f"--gpus must be 2, 4 or 8 (the global batch of 16 is 8 / gpus per GPU x gpus x 2), "
+                         f"got {gpus}.")
     rows = []
     refs = {}
     for kind in ("trainer", "sft"):
@@ -94,8 +98,8 @@ def matrix(out: Path, full: bool, only: tuple[str, ...] = ()) -> list[dict]:
                     if only and not name.startswith(only):
                         continue
                     res = run_row(out, name, [*COMMON, "--engine", engine, "--precision", precision, "--trainer",
-                                              kind, "--patch", str(patch), "--per-device", "4", "--accum", "2"],
-                                  nproc=2)
+                                              kind, "--patch", str(patch), "--per-device", str(8 // gpus), "--accum",
+                                              "2"], nproc=gpus)
                     res["weight_diff"] = rel_diff(out / "rows" / name, refs[kind])
                     rows.append({"name": name, "engine": engine, "precision": precision, "trainer": kind,
                                  "patch": patch, **res})
@@ -170,19 +174,25 @@ def main(argv=None):
     p.add_argument("--out", default=os.environ.get("OUT", "distributed_out"))
     p.add_argument("--full", action="store_true", help="every engine x precision x trainer x patch combination")
     p.add_argument("--only", default="", help="matrix: comma-separated prefixes of the row names to run")
+    p.add_argument("--gpus", type=int, default=None, help="matrix: processes (GPUs) per run, 2, 4 or 8 (default: "
+                                                        "every visible GPU)")
     p.add_argument("--sizes", default="1,4,8", help="8b: sequences of 8192 tokens per GPU, growing; each "
                                                    "configuration stops at its first failure (out of memory)")
     p.add_argument("--optim", default="adamw_torch_fused", help="8b: the Trainer's optimizer")
     p.add_argument("--steps", type=int, default=4, help="8b: optimizer steps per row (the first is not timed)")
     a = p.parse_args(argv)
-    if torch.cuda.device_count() < 2:
-        sys.exit("distributed_matrix.py needs 2 GPUs (it launches torchrun --nproc_per_node 2).")
+    gpus = a.gpus or torch.cuda.device_count()
+    if torch.cuda.device_count() < max(2, gpus):
+        sys.exit(f"distributed_matrix.py needs {max(2, gpus)} GPUs (it launches torchrun --nproc_per_node {gpus}); "
+                 f"{torch.cuda.device_count()} visible.")
+    if a.what == "8b":
+        gpus = 2
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     only = tuple(x for x in a.only.split(",") if x)
-    rows = matrix(out, a.full, only) if a.what == "matrix" else rows_8b(
+    rows = matrix(out, a.full, only, gpus) if a.what == "matrix" else rows_8b(
         out, only, tuple(int(x) for x in a.sizes.split(",")), a.optim, a.steps)
-    info = {"device": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(), "torch": torch.__version__}
+    info = {"device": torch.cuda.get_device_name(0), "gpus": gpus, "torch": torch.__version__}
     for mod in ("transformers", "trl", "accelerate", "deepspeed"):  # None: not installed
         info[mod] = importlib.import_module(mod).__version__ if importlib.util.find_spec(mod) else None
     suffix = a.what + ("_" + "_".join(only) if only else "")
