@@ -383,10 +383,14 @@ class ATSLogitsProcessor(LogitsProcessor):
             self._pending = (h if h is not None else output[0]).detach()
 
     def _mask(self, ids: torch.Tensor) -> torch.Tensor | None:
-        """The prompt's attention mask extended with ones over the generated tokens (None: no padding)."""
+        """The prompt's attention mask extended with ones over the generated tokens (None: no padding). ``generate``
+        repeats each prompt for its beams or ``num_return_sequences`` (``repeat_interleave``; beams reorder only
+        within their prompt's group), so the mask's rows are repeated the same way."""
         m = self.prompt_mask
-        if m is None or m.shape[0] != ids.shape[0] or m.shape[1] > ids.shape[1]:
+        if m is None or ids.shape[0] % m.shape[0] or m.shape[1] > ids.shape[1]:
             return None
+        if ids.shape[0] != m.shape[0]:
+            m = m.repeat_interleave(ids.shape[0] // m.shape[0], dim=0)
         return torch.cat([m.to(ids.device), m.new_ones(m.shape[0], ids.shape[1] - m.shape[1])], 1)
 
     @torch.no_grad()
