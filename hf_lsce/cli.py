@@ -87,7 +87,7 @@ def _cmd_check(args) -> int:
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if dev.type == "cuda" else None  # CUDA only
-        rows.append(dict(method=name, loss=float(loss), seconds=dt, peak_extra_mib=peak,
+        rows.append(dict(method=name, loss=float(loss.detach()), seconds=dt, peak_extra_mib=peak,
                          grad_hidden=hh.grad.float(), grad_weight=ww.grad.float()))
     f, m = rows
     rel = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
