@@ -111,6 +111,23 @@ def test_num_items_in_batch_and_return_dict_false():
     assert isinstance(tup, tuple) and torch.allclose(tup[0], a)
 
 
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("extra", [{}, {"use_cache": False, "output_hidden_states": True}])
+def test_return_dict_false_keeps_the_stock_positions(model_type, extra):
+    """Training with return_dict=False: the tuple has the stock model's positions, the logits' place holding None
+    (none are made), so the cache or hidden states do not move into it (transformers' to_tuple drops None fields).
+    Mutation check: to_tuple there fails."""
+    stock = tiny(model_type).train()
+    model = apply_lsce_patch(tiny(model_type), label_smoothing=0.1).train()
+    ids, labels = batch()
+    got = model(input_ids=ids, labels=labels, return_dict=False, **extra)
+    want = stock(input_ids=ids, labels=labels, return_dict=False, **extra)
+    logits_at = next(i for i, x in enumerate(want) if torch.is_tensor(x) and x.dim() == 3 and x.shape[-1] == V)
+    assert len(got) == len(want) and got[logits_at] is None
+    assert [type(x) for i, x in enumerate(got) if i != logits_at] == [type(x) for i, x in enumerate(want)
+                                                                    if i != logits_at]
+
+
 def test_no_logits_built_in_patched_training(monkeypatch):
     """The lm_head module is never called and no tensor of N x V elements exists."""
     big_v = 1009  # large enough that N x V dwarfs every backbone activation

@@ -265,7 +265,7 @@ def lsce_forward(self, *args, **kwargs):
             out = MoeCausalLMOutputWithPast(**fields, aux_loss=aux, router_logits=backbone_out.router_logits)
         else:
             out = CausalLMOutputWithPast(**fields)
-        return keep_fused_outputs(self, out if return_dict is not False else out.to_tuple())
+        return keep_fused_outputs(self, out if return_dict is not False else _stock_positions(out))
     tok, stats = result
     targets = targets.to(tok.device)
     loss = divide_summed_loss(tok.sum(), num_items, stats.valid.sum())
@@ -279,6 +279,13 @@ def lsce_forward(self, *args, **kwargs):
         loss=loss, log_probs=-tok[cut], entropy=stats.entropy[cut] * mask, label_mask=mask,
         is_top1=(stats.argmax[cut] == nxt) & mask, aux_loss=aux,
         hidden_states=backbone_out.hidden_states, attentions=backbone_out.attentions))
+
+
+def _stock_positions(out: ModelOutput) -> tuple:
+    """``out`` as a tuple (``return_dict=False``) whose positions are the stock model's: transformers' ``to_tuple``
+    drops None fields, so without the (never made) logits the cache would move into their place; their place is kept,
+    as None."""
+    return tuple(getattr(out, f.name) for f in fields(out) if f.name == "logits" or getattr(out, f.name) is not None)
 
 
 def _wants_router_logits(model, kwargs) -> bool:
