@@ -407,3 +407,20 @@ def test_a_base_that_scales_its_logits_is_calibrated_from_its_own_logits(family)
     fused = cal(ids, labels=ids).loss
     cal.loss_path = "materialise"
     assert float(cal(ids, labels=ids).loss) == pytest.approx(float(fused), rel=1e-5)
+
+
+def test_fp32_head_copy_follows_the_head_not_its_address():
+    """The fused ATS loss keeps an fp32 copy of a frozen fp16 head. A different head at the same address and version
+    (what CUDA's caching allocator gives a model loaded after another was freed; here a second view of one buffer
+    written through .data, which bumps no version) gets its own copy; the same head reuses it. Mutation check: the
+    address and version alone as the key fail."""
+    from hf_lsce.ats.loss import _fp32_copy
+
+    buf = torch.randn(40, 8).half()
+    first = buf.view(40, 8)
+    copy = _fp32_copy(first)
+    assert torch.equal(copy, first.float()) and _fp32_copy(first) is copy
+    buf.data.copy_(torch.randn(40, 8).half())  # new values in place, versions unchanged
+    second = buf.view(40, 8)
+    assert second.data_ptr() == first.data_ptr() and second._version == first._version
+    assert torch.equal(_fp32_copy(second), second.float())

@@ -19,6 +19,8 @@ Two paths compute the same number:
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from ..ops import linear_cross_entropy
@@ -79,11 +81,14 @@ _FP32_HEAD: dict = {}
 
 
 def _fp32_copy(weight: torch.Tensor) -> torch.Tensor:
-    """An fp32 copy of a frozen fp16 head, kept while the head is unchanged (one entry)."""
+    """An fp32 copy of a frozen fp16 head, kept while the head is unchanged (one entry): the same tensor object (a
+    weak reference: another head allocated where a freed one lay, as CUDA's caching allocator does, has the same
+    address and version), at the same address and version."""
     key = (weight.data_ptr(), weight._version, tuple(weight.shape), weight.device)
-    if _FP32_HEAD.get("key") != key:
+    held = _FP32_HEAD.get("ref")
+    if _FP32_HEAD.get("key") != key or held is None or held() is not weight:
         _FP32_HEAD.clear()
-        _FP32_HEAD.update(key=key, value=weight.detach().float())
+        _FP32_HEAD.update(key=key, ref=weakref.ref(weight), value=weight.detach().float())
     return _FP32_HEAD["value"]
 
 
