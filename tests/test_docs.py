@@ -93,7 +93,7 @@ def test_page_snippets_run(page, scratch, monkeypatch):
         logits = (ns["hidden"].detach().double() @ ns["model"].lm_head.weight.detach().double().T)[:, :-1]
         ref = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ns["labels"][:, 1:].reshape(-1),
                               label_smoothing=0.1)
-        assert float(ns["loss"]) == pytest.approx(float(ref), rel=1e-4)
+        assert float(ns["loss"].detach()) == pytest.approx(float(ref), rel=1e-4)
 
 
 # ----------------------------------------------------------------------------------------- links and paths

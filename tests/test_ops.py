@@ -54,7 +54,7 @@ def reference(h, w, y, b=None, *, smoothing=0.0, softcap=None, reduction="mean",
 
 
 def rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+    return float((a.detach().double() - b.detach().double()).norm() / b.detach().double().norm().clamp_min(1e-30))
 
 
 def run(h, w, y, b=None, dtype=torch.float32, backend="triton", **kw):
