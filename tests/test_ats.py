@@ -278,14 +278,19 @@ def test_generate_keeps_the_cache_and_equals_the_recomputing_processor(overconfi
         assert not torch.allclose(a, c, rtol=1e-2)  # the scores were scaled
 
 
+def _left_padded_pair(calib):
+    """Two prompts of 6 and 4 tokens, the second left-padded to the first's length: (a, b, the batch, its mask)."""
+    a, b = calib[0, :6], calib[1, :4]
+    batch = torch.stack([a, torch.cat([torch.zeros(2, dtype=b.dtype), b])])
+    return a, b, batch, torch.tensor([[1] * 6, [0, 0, 1, 1, 1, 1]])
+
+
 def test_generate_left_padded_rows_equal_their_own_unpadded_runs(overconfident_lm):
     """A left-padded batch: each row's calibrated scores equal those of the row generated alone, through the cached
     path and through the recomputing processor given the prompt's attention mask."""
     base, calib, _ = overconfident_lm
     cal = _random_head(base, "transformer")
-    a, b = calib[0, :6], calib[1, :4]
-    batch = torch.stack([a, torch.cat([torch.zeros(2, dtype=b.dtype), b])])
-    mask = torch.tensor([[1] * 6, [0, 0, 1, 1, 1, 1]])
+    a, b, batch, mask = _left_padded_pair(calib)
     kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
     out = cal.generate(batch, attention_mask=mask, **kw)
     rec = base.generate(batch, attention_mask=mask, logits_processor=[cal.logits_processor(mask)], **kw)
@@ -303,9 +308,7 @@ def test_generate_left_padded_prompts_repeated_by_generate(overconfident_lm, exp
     dropped where its rows differ from the ids' fails (errors of 1e-2 to 4e-2 in the scores)."""
     base, calib, _ = overconfident_lm
     cal = _random_head(base, "transformer")
-    a, b = calib[0, :6], calib[1, :4]
-    batch = torch.stack([a, torch.cat([torch.zeros(2, dtype=b.dtype), b])])
-    mask = torch.tensor([[1] * 6, [0, 0, 1, 1, 1, 1]])
+    a, b, batch, mask = _left_padded_pair(calib)
     kw = dict(max_new_tokens=3, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
     kw.update(dict(do_sample=True, top_k=0, num_return_sequences=2) if expand == "num_return_sequences" else
               dict(num_beams=2, do_sample=False))
