@@ -43,3 +43,16 @@ def shared_data_module():
     if not SHARED_DATA.is_dir():
         pytest.skip(f"shared data folder not found at {SHARED_DATA} (expected beside the checkout)")
     return str(SHARED_DATA)
+
+
+
+@pytest.fixture(autouse=True)
+def _restore_environment():
+    """transformers before 5.x (4.57, 5.6: LLaMA-Factory's pins) exports ACCELERATE_MIXED_PRECISION=bf16 from a bf16
+    Trainer's arguments and leaves it set: every later Trainer of the process then trained in bf16, an fp32 test
+    included. Each test starts from the environment the session started with."""
+    saved = dict(os.environ)
+    yield
+    for key in set(os.environ) - set(saved):
+        del os.environ[key]
+    os.environ.update(saved)

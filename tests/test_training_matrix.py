@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import logging
 import warnings
 
@@ -33,6 +34,17 @@ TOL = dict(loss=1e-5, update=2e-4)
 TOL_BF16 = dict(loss=1e-5, update=5e-4)
 # Against stock bf16, whose logits are rounded to bf16 before its LabelSmoother: its own error.
 TOL_STOCK_BF16 = dict(loss=4e-3, update=6e-2)
+# transformers' LabelSmoother divides by num_items_in_batch (exact under gradient accumulation) from 5.x on; before
+# (4.57, 5.6) it takes each micro-batch's mean and the Trainer does not divide it by the accumulation steps, so the
+# logged loss and the gradient are 4 x a run without accumulation (21.2 against 5.27 here). There the reference for an
+# accumulated run is stock's unaccumulated run of the same 8 rows a step: what exact accumulation gives under SGD.
+STOCK_EXACT_UNDER_GA = "num_items_in_batch" in inspect.signature(LabelSmoother.__call__).parameters
+
+
+def _trl_has(name: str) -> bool:
+    import trl.trainer.sft_trainer as sft_module
+
+    return hasattr(sft_module, name)
 
 
 @pytest.fixture(autouse=True)
@@ -103,6 +115,10 @@ def run(kind, precision, ga, patch, out, b=B, precise=False, family="llama", arg
     calls = []
     model.get_output_embeddings().register_forward_hook(lambda *a: calls.append(1))
     fused_before = ENGAGEMENT.fused_calls
+    if kind == "sft" and patch is None and b > 0 and _trl_has("_patch_chunked_ce_lm_head"):
+        # TRL 1.x before its fused head (1.9, Axolotl's pin) defaults to its chunked loss, which has no smoothing and
+        # crashes when the Trainer's LabelSmoother takes the labels from it: stock smoothing is its "nll" loss there
+        args_over = dict(args_over or {}, loss_type="nll")
     trainer = make_trainer(kind, model, out, precision, ga, b, args_over=dict(args_over or {}))
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
@@ -153,7 +169,11 @@ def test_tolerances_are_far_below_the_effect_of_smoothing():
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("kind", ["trainer", "sft"])
 def test_patched_training_equals_stock_smoothing(kind, precision, patch, ga, tmp_path_factory):
-    ref_losses, ref_updates, ref_calls = stock(kind, precision, ga, str(tmp_path_factory.mktemp("stock")),
+    ref_ga = ga if STOCK_EXACT_UNDER_GA else 1
+    if ref_ga != ga and precision == "bf16":
+        pytest.skip("stock smoothing is not exact under accumulation in this transformers, and bf16 rounds an "
+                    "accumulated run differently from the unaccumulated reference; fp32 checks accumulation here")
+    ref_losses, ref_updates, ref_calls = stock(kind, precision, ref_ga, str(tmp_path_factory.mktemp("stock")),
                                                precise=precision == "bf16")
     losses, updates, calls, fused, trainer = run(kind, precision, ga, patch, tmp_path_factory.mktemp("ours"))
     assert ref_calls > 0  # the hook does see the lm_head when it runs
@@ -163,7 +183,7 @@ def test_patched_training_equals_stock_smoothing(kind, precision, patch, ga, tmp
     assert trainer.label_smoother is None
     checks = [(ref_losses, ref_updates, TOL if precision == "fp32" else TOL_BF16)]
     if precision == "bf16":  # and within stock bf16's own error of what users get today
-        checks.append((*stock(kind, precision, ga, str(tmp_path_factory.mktemp("stock16")))[:2], TOL_STOCK_BF16))
+        checks.append((*stock(kind, precision, ref_ga, str(tmp_path_factory.mktemp("stock16")))[:2], TOL_STOCK_BF16))
     for r_losses, r_updates, tol in checks:
         assert_same_run(losses, updates, r_losses, r_updates, tol)
     if kind == "sft":
@@ -189,9 +209,13 @@ def test_moe_and_scaled_logits_through_sft_trainer_like_stock_trl(family, tmp_pa
     """A mixture of experts and a family that scales its logits, through TRL's SFTTrainer, patched against stock TRL:
     at b = 0.1 (router loss off: stock TRL's smoothing drops it, see the next test), and for the MoE at b = 0 with
     the router loss on, where stock TRL adds coef * aux_loss from the model's outputs and so must the patch's."""
+    from trl import SFTConfig
+
     cases = [(B, dict(router_aux_loss_coef=0.0) if family == "qwen3_moe" else {})]
     if family == "qwen3_moe":
         cases.append((0.0, {}))
+        if not hasattr(SFTConfig, "router_aux_loss_coef"):  # TRL 0.x: no switch for the router loss in its config
+            cases = cases[1:]
     for b, over in cases:
         ref_losses, ref_updates, ref_calls, _, _ = run("sft", "fp32", 1, None, tmp_path / f"stock{b}", b=b,
                                                         family=family, args_over=over)
@@ -253,7 +277,8 @@ def test_trl_deprecation_warning_replaced_only_when_the_patch_handles_smoothing(
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         make_trainer("sft", tiny_model("llama"), tmp_path / "stock")
-    assert any("label_smoothing_factor` is deprecated" in str(w.message) for w in caught)  # stock: TRL's warning
+    deprecated = any("label_smoothing_factor` is deprecated" in str(w.message) for w in caught)  # stock: TRL's warning
+    assert deprecated == _trl_has("add_fused_lm_head")  # TRL 1.x with its fused head deprecates the flag; earlier not
     apply_lsce_patch()
     with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.INFO, logger="hf_lsce"):
         warnings.simplefilter("always")

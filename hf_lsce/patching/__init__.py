@@ -17,6 +17,7 @@ from .forward import ENGAGEMENT, ORIGINAL_CLASS_FORWARDS, is_ours, make_patched_
 from .models import (MODEL_TABLE, check_supported, family_classes, supported_message, table_spec, unwrap_model,
                      verify_generic)
 from .trainer import install_trainer_hooks, remove_trainer_hooks, route_smoothing
+from .versions import check_versions
 
 _SETTINGS = ("_lsce_label_smoothing", "_lsce_explicit_smoothing", "_lsce_fused_eval_loss", "_lsce_generic_spec")
 
@@ -86,8 +87,10 @@ def apply_lsce_patch(model=None, *, model_type: str | None = None, label_smoothi
             fused op; the outputs then carry no logits.
 
     Returns the model (or None for a class patch). Raises ValueError for unsupported models, TypeError for
-    arguments of the wrong kind.
+    arguments of the wrong kind, ImportError for a transformers or TRL older than the tested floors
+    (``versions.MIN_VERSIONS``).
     """
+    check_versions()
     b = _validate_smoothing(label_smoothing)
     if not isinstance(fused_eval_loss, bool):
         raise TypeError(f"fused_eval_loss must be True or False, got {fused_eval_loss!r}.")

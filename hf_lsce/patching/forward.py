@@ -119,6 +119,27 @@ class FusedCausalLMOutput(ModelOutput):
     attentions: Any = None
 
 
+@dataclass
+class TokenStatsCausalLMOutput(CausalLMOutputWithPast):
+    """A training output with the token statistics that TRL's SFTTrainer logs (``entropy``, ``mean_token_accuracy``)
+    where it cannot read them from logits: sums over the batch's scored tokens, from the op's own statistics.
+    The fields TRL 1.x's chunked loss (``loss_type="chunked_nll"``) returns; set when a trainer hook asks
+    (``_lsce_token_stats``, see trainer.py)."""
+
+    num_correct_tokens: torch.Tensor | None = None
+    entropy_sum: torch.Tensor | None = None
+    num_valid_tokens: torch.Tensor | None = None
+
+
+@dataclass
+class TokenStatsMoeCausalLMOutput(MoeCausalLMOutputWithPast):
+    """:class:`TokenStatsCausalLMOutput` for a mixture of experts (the router's fields kept)."""
+
+    num_correct_tokens: torch.Tensor | None = None
+    entropy_sum: torch.Tensor | None = None
+    num_valid_tokens: torch.Tensor | None = None
+
+
 def _eager(fn):
     """``fn`` run outside torch.compile's tracing (a graph break; the code around it still compiles)."""
     disable = getattr(getattr(torch, "compiler", None), "disable", None)
@@ -240,6 +261,11 @@ def lsce_forward(self, *args, **kwargs):
     op_kwargs = dict(label_smoothing=b, softcap=softcap_of(self), shift=shift)
     scale = logit_scale_of(self, spec)
 
+    token_stats = self.__dict__.get("_lsce_token_stats", False)
+    coef = getattr(self, "router_aux_loss_coef", None)
+    if token_stats == "chunked":  # as TRL's chunked forward: the config's coefficient (TRL writes its own there)
+        coef = getattr(self.config.get_text_config(), "router_aux_loss_coef", coef)
+
     def head_loss(weight, bias, hidden, targets):
         hidden, targets = hidden.to(weight.device), targets.to(weight.device)
         if scale is not None:  # logits * scale = (hidden * scale) W^T + bias * scale
@@ -248,7 +274,8 @@ def lsce_forward(self, *args, **kwargs):
         if not fused_lm_head:
             # sum of token losses / num_items_in_batch (or the valid-token count): the reduced loss lets the op
             # compute its gradients in the forward with the right weights (one pass, no rescaling).
-            return linear_cross_entropy(hidden, weight, targets, bias=bias, num_items_in_batch=num_items, **op_kwargs)
+            return linear_cross_entropy(hidden, weight, targets, bias=bias, num_items_in_batch=num_items,
+                                        return_stats=bool(token_stats), **op_kwargs)
         return linear_cross_entropy(hidden, weight, targets, bias=bias, reduction="none", return_stats=True,
                                     **op_kwargs)
 
@@ -258,13 +285,24 @@ def lsce_forward(self, *args, **kwargs):
     if router:  # as the family's own forward: loss + router_aux_loss_coef * load-balancing loss
         aux = router_aux_loss(self, spec, backbone_out.router_logits, kwargs.get("attention_mask"))
     if not fused_lm_head:
-        loss = result if aux is None else result + self.router_aux_loss_coef * aux.to(result.device)
+        if token_stats:
+            result, stats = result
+            valid = stats.valid
+            nxt = targets.to(valid.device)
+            if shift:  # the op's statistics at position t score the label at t + 1
+                nxt = F.pad(nxt, (0, 1), value=-100)[..., 1:]
+            counts = dict(num_valid_tokens=valid.sum(), entropy_sum=(stats.entropy * valid).sum(),
+                          num_correct_tokens=((stats.argmax == nxt) & valid).sum())
+        loss = result if aux is None else result + coef * aux.to(result.device)
         fields = dict(loss=loss, logits=None, hidden_states=backbone_out.hidden_states,
                       attentions=backbone_out.attentions, **{CACHE_FIELD: getattr(backbone_out, CACHE_FIELD, None)})
+        if token_stats:
+            fields.update(counts)
         if spec.router_aux:
-            out = MoeCausalLMOutputWithPast(**fields, aux_loss=aux, router_logits=backbone_out.router_logits)
+            cls = TokenStatsMoeCausalLMOutput if token_stats else MoeCausalLMOutputWithPast
+            out = cls(**fields, aux_loss=aux, router_logits=backbone_out.router_logits)
         else:
-            out = CausalLMOutputWithPast(**fields)
+            out = (TokenStatsCausalLMOutput if token_stats else CausalLMOutputWithPast)(**fields)
         return keep_fused_outputs(self, out if return_dict is not False else _stock_positions(out))
     tok, stats = result
     targets = targets.to(tok.device)

@@ -171,6 +171,77 @@ def _warn_unsupported(trainer, model) -> None:
                        "on full logits. %s", type(target).__name__, supported_message())
 
 
+def sft_protocol(trainer) -> str | None:
+    """How the installed TRL's ``SFTTrainer.compute_loss`` reads its logged token statistics, for a patched model
+    (None for any other trainer): ``"fused"`` (TRL with ``add_fused_lm_head``: the model is called with
+    ``fused_lm_head=True``, which the patched forward answers), ``"chunked"`` (TRL 1.x before that, with
+    ``loss_type="chunked_nll"``: it reads ``num_valid_tokens``, ``entropy_sum`` and ``num_correct_tokens`` from the
+    output, which the patched forward then returns, :class:`~.forward.TokenStatsCausalLMOutput`) or ``"logits"``
+    (TRL 0.x, or TRL 1.x with ``loss_type="nll"``: it computes them from the output's logits, which the patch does not
+    build; the hook then hands it a view of its arguments with ``use_liger_kernel=True``, TRL's own switch for a
+    model without logits, and logs the two statistics, and a mixture of experts' ``aux_loss`` that TRL logs beside
+    them, itself from the op's)."""
+    try:
+        import trl.trainer.sft_trainer as sft_module
+        from trl import SFTTrainer
+    except Exception:  # noqa: BLE001 - TRL is optional at runtime
+        return None
+    if not isinstance(trainer, SFTTrainer) or getattr(trainer.args, "use_liger_kernel", False):
+        return None
+    if hasattr(sft_module, "add_fused_lm_head"):
+        return "fused"
+    if hasattr(sft_module, "_patch_chunked_ce_lm_head") and getattr(trainer.args, "loss_type", None) == "chunked_nll":
+        return "chunked"
+    return "logits"
+
+
+class _ArgsView:
+    """``args`` with some attributes read as other values, for the duration of one call; the object itself (the
+    user's) is not changed."""
+
+    def __init__(self, args, **values):
+        self.__dict__["_args"], self.__dict__["_values"] = args, values
+
+    def __getattr__(self, name):
+        values = self.__dict__["_values"]
+        return values[name] if name in values else getattr(self.__dict__["_args"], name)
+
+    def __setattr__(self, name, value):
+        setattr(self.__dict__["_args"], name, value)
+
+
+def _call_with_token_stats(self, orig, target, protocol, model, inputs, args, kwargs):
+    """``orig`` (TRL's compute_loss) with the patched model returning its token statistics; for the ``"logits"``
+    protocol (:func:`sft_protocol`), TRL's logits-based statistics switched off for the call and the op's logged in
+    their place."""
+    target.__dict__["_lsce_token_stats"] = protocol
+    try:
+        if protocol == "chunked":
+            return orig(self, model, inputs, *args, **kwargs)
+        return_outputs = kwargs.pop("return_outputs", args[0] if args else False)
+        rest = dict(kwargs, num_items_in_batch=args[1]) if len(args) > 1 else kwargs
+        saved = self.args
+        self.args = _ArgsView(saved, use_liger_kernel=True)
+        try:
+            loss, outputs = orig(self, model, inputs, return_outputs=True, **rest)
+        finally:
+            self.args = saved
+    finally:
+        target.__dict__.pop("_lsce_token_stats", None)
+    n = getattr(outputs, "num_valid_tokens", None)
+    metrics = getattr(self, "_metrics", None)
+    if n is not None and isinstance(metrics, dict):
+        mode = "train" if self.model.training else "eval"
+        gather = self.accelerator.gather_for_metrics
+        n, ent, ok = (gather(t.detach()).sum() for t in (n, outputs.entropy_sum, outputs.num_correct_tokens))
+        if n > 0:
+            metrics[mode]["entropy"].append((ent / n).item())
+            metrics[mode]["mean_token_accuracy"].append((ok / n).item())
+        if getattr(self, "aux_loss_enabled", False) and getattr(outputs, "aux_loss", None) is not None:
+            metrics[mode]["aux_loss"].append(gather(outputs.aux_loss.detach()).mean().item())  # skipped with them
+    return (loss, outputs) if return_outputs else loss
+
+
 def _hooked_compute_loss(orig):
     @functools.wraps(orig)
     def compute_loss(self, model, inputs, *args, **kwargs):
@@ -185,9 +256,13 @@ def _hooked_compute_loss(orig):
 
         training = bool(getattr(model, "training", False)) and torch.is_grad_enabled()
         before = ENGAGEMENT.start() if training else 0
+        protocol = sft_protocol(self)
         self._lsce_in_compute_loss = True
         try:
-            out = orig(self, model, inputs, *args, **kwargs)
+            if protocol in ("chunked", "logits"):
+                out = _call_with_token_stats(self, orig, target, protocol, model, inputs, args, kwargs)
+            else:
+                out = orig(self, model, inputs, *args, **kwargs)
         finally:
             self._lsce_in_compute_loss = False
         if training:
@@ -195,6 +270,37 @@ def _hooked_compute_loss(orig):
         return out
     _HOOKS.add(compute_loss)
     return compute_loss
+
+
+def _shifted_count_batch(batch):
+    """A micro-batch whose ``labels`` count as the shifted loss scores them: the first position of each row masked
+    (no position predicts it), or the collator's ``shift_labels`` where it gives them. Other keys shared, not
+    copied."""
+    if not isinstance(batch, dict) or not torch.is_tensor(batch.get("labels")):
+        return batch
+    if torch.is_tensor(batch.get("shift_labels")):
+        return {**batch, "labels": batch["shift_labels"]}
+    labels = batch["labels"].clone()
+    labels[..., 0] = -100
+    return {**batch, "labels": labels}
+
+
+def _hooked_num_items(orig):
+    @functools.wraps(orig)
+    def _get_num_items_in_batch(self, batch_samples, *args, **kwargs):
+        """For a patched model, the Trainer's ``num_items_in_batch`` counts the labels the shifted loss scores.
+        transformers before 5.x (4.57, 5.6) counted every label not -100, the first of each row too, which no position
+        predicts: the fused loss, ``sum / num_items_in_batch``, would then be smaller than the LabelSmoother's mean
+        by one token per row (4.31 against 5.27 on the test model). Later versions count ``labels[..., 1:]``, which
+        the masked first column leaves unchanged. The installed Trainer still does the counting (and its gathering
+        across processes)."""
+        from . import find_patched
+
+        if find_patched(getattr(self, "model", None)) is None:
+            return orig(self, batch_samples, *args, **kwargs)
+        return orig(self, [_shifted_count_batch(b) for b in batch_samples], *args, **kwargs)
+    _HOOKS.add(_get_num_items_in_batch)
+    return _get_num_items_in_batch
 
 
 def _hooked_sft_init(orig):
@@ -218,6 +324,18 @@ def _hooked_sft_init(orig):
                         "pass.", type(target).__name__, b, source)
     _HOOKS.add(__init__)
     return __init__
+
+
+def _hooked_patch_chunked(orig):
+    @functools.wraps(orig)
+    def _patch_chunked_ce_lm_head(model, *args, **kwargs):
+        from . import is_patched
+
+        if is_patched(model):
+            return None  # the patched forward returns the chunked loss's statistics itself (sft_protocol)
+        return orig(model, *args, **kwargs)
+    _HOOKS.add(_patch_chunked_ce_lm_head)
+    return _patch_chunked_ce_lm_head
 
 
 def _hooked_add_fused_lm_head(orig):
@@ -251,6 +369,8 @@ def _targets():
     from transformers import Trainer
 
     out = [(Trainer, "compute_loss", _hooked_compute_loss), (Trainer, "train", _hooked_train)]
+    if "_get_num_items_in_batch" in Trainer.__dict__:
+        out.append((Trainer, "_get_num_items_in_batch", _hooked_num_items))
     try:
         import trl.trainer.sft_trainer as sft_module
         from trl import SFTTrainer
@@ -260,6 +380,8 @@ def _targets():
     out.append((SFTTrainer, "__init__", _hooked_sft_init))
     if hasattr(sft_module, "add_fused_lm_head"):
         out.append((sft_module, "add_fused_lm_head", _hooked_add_fused_lm_head))
+    if hasattr(sft_module, "_patch_chunked_ce_lm_head"):
+        out.append((sft_module, "_patch_chunked_ce_lm_head", _hooked_patch_chunked))
     return out
 
 

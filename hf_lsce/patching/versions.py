@@ -1,0 +1,46 @@
+"""The oldest transformers and TRL the patch is tested with, and the check that refuses older ones.
+
+The floors are the oldest versions ``tools/version_matrix.py`` runs the patch and training tests on (transformers
+4.57.1 with TRL 0.24.0); LLaMA-Factory 0.9.5 pins transformers 5.6.0 and TRL 0.24.0, Axolotl 0.19.0 transformers
+5.16.1 and TRL 1.9.0, and CI the newest. Below a floor the Trainer's and TRL's loss plumbing differs in ways the patch
+was not checked against, so ``apply_lsce_patch`` fails closed with one line naming the version found and the one needed.
+"""
+from __future__ import annotations
+
+import functools
+from importlib import metadata
+
+from packaging.version import Version
+
+MIN_VERSIONS = {"transformers": "4.57.1", "trl": "0.24.0"}
+
+
+def installed_version(name: str) -> str | None:
+    """The installed distribution's version, or None when it is not installed."""
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def version_problem(name: str, found: str | None) -> str | None:
+    """One line saying why ``found`` (a version of ``name``, None: not installed) cannot be used, or None."""
+    floor = MIN_VERSIONS[name]
+    if found is None:
+        return None if name == "trl" else f"hf_lsce needs {name} >= {floor}, which is not installed: pip install '{name}>={floor}'"
+    if Version(found) < Version(floor):
+        return (f"hf_lsce needs {name} >= {floor} (the oldest it is tested with), found {found}: "
+                f"pip install -U '{name}>={floor}'")
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _problems() -> tuple[str, ...]:
+    return tuple(p for name in MIN_VERSIONS if (p := version_problem(name, installed_version(name))) is not None)
+
+
+def check_versions() -> None:
+    """Raise ImportError (one line) when transformers or an installed TRL is older than the floors (TRL is optional)."""
+    problems = _problems()
+    if problems:
+        raise ImportError(problems[0])
