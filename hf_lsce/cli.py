@@ -553,6 +553,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("script", nargs="?", default=None)
     r.add_argument("script_args", nargs=argparse.REMAINDER)
     r.set_defaults(func=_cmd_run)
+    lf = sub.add_parser("llamafactory", help="LLaMA-Factory's training with the patch: llamafactory train CONFIG.yaml",
+                        usage="hf-lsce llamafactory train CONFIG.yaml [key=value ...]",
+                        description="Check CONFIG.yaml, patch every supported model class, then run LLaMA-Factory's "
+                                    "training entry in this process; its label_smoothing_factor drives the fused op "
+                                    "(docs/frameworks.md).")
+    lf.add_argument("lf_args", nargs=argparse.REMAINDER)
+    lf.set_defaults(func=_cmd_run)
     return p
 
 
@@ -565,11 +572,15 @@ def main(argv: list[str] | None = None) -> int:
     """Run ``hf-lsce``; returns the exit status (0, 2 for a user error, 1 for an unexpected one)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     debug = "--debug" in argv
-    argv = [a for a in argv if a != "--debug"] if argv[:1] != ["run"] else argv
-    if argv[:1] == ["run"] and argv[1:2] not in (["-h"], ["--help"]):
+    passthrough = argv[:1] in (["run"], ["llamafactory"])
+    argv = [a for a in argv if a != "--debug"] if not passthrough else argv
+    if passthrough and argv[1:2] not in (["-h"], ["--help"]):
         # everything after `run` belongs to the script (its own -h, --flags, ...): no parsing here, and the
         # script's own errors are its own (tracebacks included)
-        from .run import main as run_main
+        if argv[0] == "run":
+            from .run import main as run_main
+        else:
+            from .integrations.llamafactory import main as run_main
 
         try:
             run_main(argv[1:])

@@ -1,0 +1,83 @@
+"""hf_lsce as an Axolotl plugin: the fused label-smoothed loss in ``axolotl train``.
+
+    plugins:
+      - hf_lsce.integrations.axolotl.LscePlugin
+    label_smoothing_factor: 0.1        # Axolotl hands it to the Trainer; the patched model smooths with it
+
+Axolotl loads the plugin in the process that trains (``axolotl train`` launches it through accelerate, where a patch
+applied by ``hf-lsce run`` in the launching process would not reach). Its keys (``axolotl_args.LsceArgs``) are validated with
+Axolotl's config; before the model loads the plugin checks the versions and the model family; once Axolotl has built
+the model (LoRA and QLoRA adapters included) it applies ``apply_lsce_patch`` to it, and every training step then
+checks that the fused op ran with the smoothing asked for (``hf_lsce.patching.trainer``).
+"""
+from __future__ import annotations
+
+import logging
+
+from packaging.version import Version
+
+from ..patching.versions import MIN_VERSIONS, installed_version, version_problem
+
+try:
+    from axolotl.integrations.base import BasePlugin
+except ImportError as e:  # one line for a user who lists the plugin without Axolotl, or imports this by mistake
+    raise ImportError(f"hf_lsce.integrations.axolotl is a plugin for Axolotl, which is not importable here ({e}); "
+                      "pip install 'axolotl>=0.19' or remove the plugin from plugins:") from None
+
+from .axolotl_args import LsceArgs, validate_lsce_keys
+
+logger = logging.getLogger("hf_lsce")
+
+# The oldest Axolotl the plugin is tested with (tools/frameworks_e2e.py).
+MIN_AXOLOTL = "0.19.0"
+__all__ = ["LscePlugin", "LsceArgs", "MIN_AXOLOTL", "check_environment", "check_family"]
+
+
+def check_environment() -> None:
+    """Raise ValueError (one line) when Axolotl, transformers or TRL is older than what the plugin is tested with."""
+    found = installed_version("axolotl")
+    if found is not None and Version(found) < Version(MIN_AXOLOTL):
+        raise ValueError(f"hf_lsce's Axolotl plugin needs axolotl >= {MIN_AXOLOTL} (the oldest it is tested with), "
+                         f"found {found}: pip install -U 'axolotl>={MIN_AXOLOTL}'")
+    for name in MIN_VERSIONS:
+        problem = version_problem(name, installed_version(name))
+        if problem is not None:
+            raise ValueError(problem)
+
+
+def check_family(model_type: str | None) -> None:
+    """Raise ValueError (one line) for a model family outside hf_lsce's table: under Axolotl the plugin patches the
+    families whose loss it has checked (``hf_lsce.patching.MODEL_TABLE``)."""
+    from ..patching import MODEL_TABLE
+
+    if model_type is not None and model_type not in MODEL_TABLE:
+        raise ValueError(f"hf_lsce's Axolotl plugin does not support model type {model_type!r} (supported: "
+                         f"{', '.join(sorted(MODEL_TABLE))}); remove the plugin or set lsce: false.")
+
+
+class LscePlugin(BasePlugin):
+    """Axolotl plugin: ``plugins: [hf_lsce.integrations.axolotl.LscePlugin]``."""
+
+    def get_input_args(self) -> str:
+        return "hf_lsce.integrations.axolotl_args.LsceArgs"
+
+    def register(self, cfg: dict):  # Axolotl calls it with the raw YAML, before validation
+        check_environment()
+        validate_lsce_keys(dict(cfg))
+
+    def pre_model_load(self, cfg):
+        if cfg.lsce is False:
+            return
+        check_family(cfg.model_config_type)
+
+    def post_model_load(self, cfg, model):
+        if cfg.lsce is False:
+            logger.info("lsce: false: hf_lsce's plugin leaves the model unpatched")
+            return
+        from ..patching import apply_lsce_patch
+
+        apply_lsce_patch(model, label_smoothing=cfg.lsce_label_smoothing,
+                         fused_eval_loss=bool(cfg.lsce_fused_eval_loss))
+        source = (f"lsce_label_smoothing={cfg.lsce_label_smoothing}" if cfg.lsce_label_smoothing is not None
+                  else f"label_smoothing_factor={cfg.label_smoothing_factor or 0.0}")
+        logger.info("hf_lsce: %s patched; %s drives the fused op", type(model).__name__, source)

@@ -1,0 +1,67 @@
+"""The Axolotl plugin's config keys, validated when Axolotl loads the YAML (before any model loads).
+
+Axolotl merges this pydantic model into its own config model (``plugins:`` lists the plugin, whose
+``get_input_args`` names this class), so a wrong key value is reported by Axolotl's own validation, with the message
+below. No Axolotl import here: the keys are tested without it.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+
+from pydantic import BaseModel, model_validator
+
+# Other plugins' keys that replace the same loss: the fused op cannot run under either.
+CONFLICTS = {
+    "cut_cross_entropy": "Cut Cross-Entropy (cut_cross_entropy: true)",
+    "liger_fused_linear_cross_entropy": "Liger's fused linear cross-entropy (liger_fused_linear_cross_entropy: true)",
+}
+
+
+def _smoothing(key: str, value) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{key} must be a number in [0, 1] such as 0.1, got {value!r} ({type(value).__name__}).")
+    if not (math.isfinite(float(value)) and 0.0 <= float(value) <= 1.0):
+        raise ValueError(f"{key} must be in [0, 1] (0.1 is usual), got {value!r}.")
+
+
+def _flag(key: str, value) -> None:
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"{key} must be true or false, got {value!r} ({type(value).__name__}).")
+
+
+def validate_lsce_keys(data: dict) -> None:
+    """Raise ValueError (one line, naming the key) for a bad value of the plugin's keys or of
+    ``label_smoothing_factor``, or for another loss-replacing plugin enabled beside it. ``data``: the YAML's mapping."""
+    _flag("lsce", data.get("lsce"))
+    _flag("lsce_fused_eval_loss", data.get("lsce_fused_eval_loss"))
+    _smoothing("lsce_label_smoothing", data.get("lsce_label_smoothing"))
+    _smoothing("label_smoothing_factor", data.get("label_smoothing_factor"))
+    if data.get("lsce") is False:
+        return
+    for key, name in CONFLICTS.items():
+        if data.get(key):
+            raise ValueError(f"hf_lsce and {name} both replace the training loss; keep one: remove {key} or set "
+                             "lsce: false.")
+
+
+class LsceArgs(BaseModel):
+    """hf_lsce's keys in an Axolotl YAML.
+
+    ``lsce``: the fused label-smoothed loss on (the default once the plugin is listed) or off.
+    ``lsce_label_smoothing``: fixes b; unset, the YAML's ``label_smoothing_factor`` (which Axolotl passes to the
+    Trainer) drives it. ``lsce_fused_eval_loss``: the evaluation loss through the op too (no logits in evaluation).
+    """
+
+    lsce: bool | None = None
+    lsce_label_smoothing: float | None = None
+    lsce_fused_eval_loss: bool | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check(cls, data):
+        if isinstance(data, dict):
+            validate_lsce_keys(data)
+        return data

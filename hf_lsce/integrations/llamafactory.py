@@ -1,0 +1,99 @@
+"""LLaMA-Factory's route: ``llamafactory-cli train`` with hf_lsce's fused label-smoothed loss.
+
+    hf-lsce llamafactory train cfg.yaml [key=value ...]                      # one GPU, or the CPU
+    torchrun --nproc-per-node 8 -m hf_lsce.integrations.llamafactory train cfg.yaml   # several GPUs
+
+LLaMA-Factory's YAML takes ``label_smoothing_factor`` (a ``Seq2SeqTrainingArguments`` key) and hands it to its
+Trainer. This route checks the YAML first (LLaMA-Factory's version, the smoothing's value, a model family in hf_lsce's
+table, no ``enable_liger_kernel`` and no ``use_asft_loss`` beside it: each a one-line error before anything loads),
+then patches every supported model class (as ``hf-lsce run`` does) and runs LLaMA-Factory's own training entry,
+``llamafactory.launcher``, in this process. ``llamafactory-cli train`` itself would start ``torchrun`` children on a
+machine with several GPUs, which a patch in this process does not reach; launched by ``torchrun`` as above, each
+rank runs this module and patches itself. The YAML is read, never written.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+from packaging.version import Version
+
+# LLaMA-Factory versions this route is tested with (tools/frameworks_e2e.py): its SFT workflow and launcher entry
+MIN_LLAMAFACTORY = "0.9.5"
+USAGE = "usage: hf-lsce llamafactory train CONFIG.yaml [key=value ...]"
+
+
+def _config(argv: list[str]) -> dict:
+    """The YAML (or JSON) config with the command line's ``key=value`` overrides, as LLaMA-Factory reads it."""
+    from omegaconf import OmegaConf
+
+    path = argv[0]
+    if not os.path.isfile(path):
+        raise SystemExit(f"hf-lsce llamafactory: no such config file: {path}")
+    return OmegaConf.to_container(OmegaConf.merge(OmegaConf.load(path), OmegaConf.from_cli(argv[1:])))
+
+
+def check_config(cfg: dict, model_type: str | None = None) -> None:
+    """Raise ValueError (one line, naming the key) for what the route cannot train: a stage other than ``sft`` or
+    ``pt``, a ``label_smoothing_factor`` outside [0, 1], another loss replacement (``enable_liger_kernel``,
+    ``use_asft_loss``), or a model type outside hf_lsce's table (``model_type``: the config's, when known)."""
+    import math
+    import numbers
+
+    from ..patching import MODEL_TABLE
+
+    stage = cfg.get("stage", "sft")
+    if stage not in ("sft", "pt"):
+        raise ValueError(f"stage: {stage!r}: hf_lsce's fused loss replaces the language-model loss of stage sft or pt "
+                         "only; run other stages with llamafactory-cli train.")
+    b = cfg.get("label_smoothing_factor", 0.0)
+    if isinstance(b, bool) or not isinstance(b, numbers.Real) or not (math.isfinite(b) and 0.0 <= b <= 1.0):
+        raise ValueError(f"label_smoothing_factor must be a number in [0, 1] such as 0.1, got {b!r}.")
+    for key, what in (("enable_liger_kernel", "Liger-Kernel's fused loss"), ("use_asft_loss", "the ASFT loss")):
+        if cfg.get(key):
+            raise ValueError(f"{key}: true replaces the training loss with {what}, as hf_lsce does; keep one: remove "
+                             f"{key} or train with llamafactory-cli train.")
+    if model_type is not None and model_type not in MODEL_TABLE:
+        raise ValueError(f"model type {model_type!r} (model_name_or_path) is not in hf_lsce's table "
+                         f"({', '.join(sorted(MODEL_TABLE))}); train it with llamafactory-cli train.")
+
+
+def _model_type(cfg: dict) -> str | None:
+    from transformers import AutoConfig
+
+    name = cfg.get("model_name_or_path")
+    if not name:
+        return None
+    return AutoConfig.from_pretrained(name, trust_remote_code=bool(cfg.get("trust_remote_code"))).model_type
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] in (["-h"], ["--help"]) or not argv:
+        sys.stdout.write(f"{USAGE}\n\n{__doc__}")
+        raise SystemExit(0 if argv else 2)
+    if argv[0] != "train" or len(argv) < 2:
+        raise SystemExit(f"hf-lsce llamafactory: only 'train CONFIG.yaml' is routed. {USAGE}")
+    from ..patching.versions import installed_version
+
+    found = installed_version("llamafactory")
+    if found is None:
+        raise SystemExit("hf-lsce llamafactory: LLaMA-Factory is not installed: pip install "
+                         f"'llamafactory>={MIN_LLAMAFACTORY}'")
+    if Version(found) < Version(MIN_LLAMAFACTORY):
+        raise SystemExit(f"hf-lsce llamafactory: needs llamafactory >= {MIN_LLAMAFACTORY} (the oldest it is tested "
+                         f"with), found {found}: pip install -U 'llamafactory>={MIN_LLAMAFACTORY}'")
+    cfg = _config(argv[1:])
+    try:
+        check_config(cfg)
+        check_config(cfg, _model_type(cfg))
+    except ValueError as e:
+        raise SystemExit(f"hf-lsce llamafactory: {e}") from None
+    from ..run import run_script
+
+    # LLaMA-Factory's launcher module run as __main__ calls run_exp(), which reads the config from sys.argv
+    run_script("llamafactory.launcher", argv[1:], module=True)
+
+
+if __name__ == "__main__":
+    main()

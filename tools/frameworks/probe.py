@@ -1,0 +1,75 @@
+"""In-process probe for the framework end-to-end runs (tools/frameworks_e2e.py): on the trainer a framework builds,
+it records every training compute_loss's loss (full precision, not the 4-digit log), the lm_head calls that returned
+logits, and hf_lsce's engagement count, and writes them to $LSCE_PROBE_OUT as JSON when training ends. A test
+harness, not part of the package: the frameworks reach it through their own hooks (Axolotl: a plugin; LLaMA-Factory:
+its Trainer's train)."""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from transformers import Trainer
+
+
+def install(trainer) -> None:
+    record = dict(losses=[], lm_head_logit_calls=0, fused_calls=None, patched=False, confirmed=False)
+    head = trainer.model.get_output_embeddings() if hasattr(trainer.model, "get_output_embeddings") else None
+
+    def on_head(module, args, out):
+        if torch.is_tensor(out):
+            record["lm_head_logit_calls"] += 1
+
+    if head is not None:
+        head.register_forward_hook(on_head)
+    compute_loss = trainer.compute_loss
+
+    def probed(model, inputs, *args, **kwargs):
+        out = compute_loss(model, inputs, *args, **kwargs)
+        loss = out[0] if isinstance(out, tuple) else out
+        if model.training:
+            record["losses"].append(float(loss.detach()))
+        return out
+
+    trainer.compute_loss = probed
+    train = trainer.train
+
+    def probed_train(*args, **kwargs):
+        try:
+            return train(*args, **kwargs)
+        finally:
+            try:
+                from hf_lsce.patching import ENGAGEMENT, is_patched
+
+                record.update(fused_calls=ENGAGEMENT.fused_calls, patched=is_patched(trainer.model),
+                              confirmed=bool(getattr(trainer, "_lsce_confirmed", False)))
+            except ImportError:
+                pass
+            with open(os.environ["LSCE_PROBE_OUT"], "w") as f:
+                json.dump(record, f)
+
+    trainer.train = probed_train
+
+
+def install_on_every_trainer() -> None:
+    """Probe each Trainer when its train() is called (LLaMA-Factory builds and trains its own)."""
+    original = Trainer.train
+
+    def train(self, *args, **kwargs):
+        if not getattr(self, "_lsce_probed", False):
+            self._lsce_probed = True
+            install(self)
+            return self.train(*args, **kwargs)
+        return original(self, *args, **kwargs)
+
+    Trainer.train = train
+
+
+try:  # Axolotl: plugins: [..., probe.ProbePlugin]
+    from axolotl.integrations.base import BasePlugin
+
+    class ProbePlugin(BasePlugin):
+        def post_trainer_create(self, cfg, trainer):
+            install(trainer)
+except ImportError:
+    pass
