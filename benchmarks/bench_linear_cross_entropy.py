@@ -4,6 +4,8 @@ Methods (each on the same inputs):
   hf_lsce                the default (the training path the op picks: fused on Hopper in bf16)
   hf_lsce (low memory)   memory="low"
   hf_lsce (fused / one-pass / two-pass)   a path forced (``--methods``), to compare the paths at one shape
+  hf_lsce (pointers)     pointer loads where TMA ones would run (HF_LSCE_TMA=0: what GPUs without TMA run); also
+                         with a path forced, e.g. "hf_lsce (fused pointers)"
   torch.compile          fp32 logits + F.cross_entropy(label_smoothing=b), compiled afresh for each configuration
   torch eager            the same, not compiled
   liger                  Liger-Kernel's LigerFusedLinearCrossEntropyLoss(label_smoothing=b)
@@ -67,6 +69,23 @@ def _forced(path):
     return fn
 
 
+def _pointers(path=None):
+    """The op with pointer loads where it would take TMA ones (``HF_LSCE_TMA=0``: what GPUs without TMA run), in this
+    process beside the TMA rows; ``path``: a training path forced too."""
+    def fn(h, w, y, b, cap):
+        import hf_lsce.ops.config as config
+
+        saved = config.TMA_SWITCH, config.TRAIN_PATH
+        config.TMA_SWITCH, config.TRAIN_PATH = "0", path or config.TRAIN_PATH
+        config.clear_caches()
+        try:
+            return linear_cross_entropy(h, w, y, label_smoothing=b, softcap=cap)
+        finally:
+            config.TMA_SWITCH, config.TRAIN_PATH = saved
+            config.clear_caches()
+    return fn
+
+
 def method_fns():
     """name -> callable(h, w, y, b, cap) -> loss, or a string saying why it is unavailable."""
     fns = {"hf_lsce": lambda h, w, y, b, cap: linear_cross_entropy(h, w, y, label_smoothing=b, softcap=cap),
@@ -75,6 +94,8 @@ def method_fns():
            "torch eager": torch_loss, "torch.compile": torch_loss}  # compiled per configuration in run_config
     for path in ("fused", "one-pass", "two-pass"):
         fns[f"hf_lsce ({path})"] = _forced(path)
+        fns[f"hf_lsce ({path} pointers)"] = _pointers(path)
+    fns["hf_lsce (pointers)"] = _pointers()
     try:
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 

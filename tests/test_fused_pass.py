@@ -22,12 +22,15 @@ def rel(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
-@pytest.fixture
-def tma(monkeypatch):
-    """The TMA kernels (what an H100 runs), small tiles and three vocabulary splits, on the interpreter."""
+@pytest.fixture(params=[True, False], ids=["tma", "pointers"])
+def tma(monkeypatch, request):
+    """The fused kernel with TMA loads (what an H100 runs) and with pointer loads (what GPUs without TMA run, and an
+    H100 under HF_LSCE_TMA=0), small tiles and three vocabulary splits, on the interpreter."""
     real = config.forward_config
-    monkeypatch.setattr(config, "forward_config", lambda dt, dev: dataclasses.replace(
-        real(dt, dev), tma=True, min_splits=3, min_programs=1))
+    small = lambda dt, dev: dataclasses.replace(real(dt, dev), tma=request.param, min_splits=3, min_programs=1)  # noqa
+    monkeypatch.setattr(config, "forward_config", small)
+    monkeypatch.setattr(config, "fused_config", small)
+    return request.param
 
 
 def inputs(seed=0, bias=False, spike=False):
@@ -450,3 +453,54 @@ def test_fused_second_backward_doubles_the_gradients(tma, monkeypatch, softcap):
     assert len(calls) == 2  # the forward's pass, and the second backward's
     for t, g in zip((hh, ww, bb), first):
         assert torch.equal(t.grad, 2 * g)
+
+
+def test_tma_switch_values():
+    """HF_LSCE_TMA takes 0 or 1 (or nothing); anything else is refused at import, naming the variable."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import hf_lsce.ops.config as c; print(c.TMA_SWITCH)"
+    for value, ok in (("0", True), ("1", True), ("", True), ("yes", False), ("2", False)):
+        env = dict(os.environ, HF_LSCE_TMA=value)
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        assert (r.returncode == 0) == ok, (value, r.stderr[-300:])
+        if not ok:
+            assert "HF_LSCE_TMA must be 0" in r.stderr and repr(value) in r.stderr
+
+
+def test_no_fused_path_without_bf16_tensor_cores(monkeypatch):
+    """A GPU without bf16 tensor cores (Turing, Volta: config.bf16_dot False) never takes the fused path, forced or not."""
+    real = config.fused_config
+    monkeypatch.setattr(config, "fused_config", lambda dt, dev: dataclasses.replace(real(dt, dev), bf16_dot=False))
+    h = torch.zeros(4, D, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.zeros(V, D, dtype=torch.bfloat16)
+    monkeypatch.setattr(config, "TRAIN_PATH", "fused")
+    assert _train_path(h, w, None, 0.0, None) != "fused"
+    monkeypatch.setattr(config, "fused_config", real)
+    assert _train_path(h, w, None, 0.0, None) == "fused"
+
+
+def test_gpu_older_than_triton_supports_takes_the_torch_path_with_one_warning(monkeypatch):
+    """A CUDA device below compute capability 7.0 (Pascal): backend="auto" resolves to the chunked torch path and says
+    so once, instead of a compile error inside Triton."""
+    import importlib
+    import warnings
+
+    lce = importlib.import_module("hf_lsce.ops.linear_cross_entropy")  # the module (the package exports the function)
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (6, 1))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla P100")
+    lce._triton_runs_on.cache_clear()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert lce._resolve_backend("auto", torch.device("cuda", 0)) == "torch"
+            assert lce._resolve_backend("auto", torch.device("cuda", 0)) == "torch"
+        assert len([w for w in caught if "compute capability 6.1" in str(w.message)]) == 1
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+        lce._triton_runs_on.cache_clear()
+        assert lce._resolve_backend("auto", torch.device("cuda", 0)) == "triton"
+    finally:
+        lce._triton_runs_on.cache_clear()

@@ -241,3 +241,36 @@ def test_auto_reads_free_memory_only_for_large_buffers(monkeypatch):
     for h, w in ((h_small, w_small), (h_big, w_big)):
         for path in ("fused", "one-pass"):
             assert paths._small_buffers(h, w, None, path) == (paths._buffer_bytes(h, w, None, path) <= limit)
+
+
+def test_one_pass_g_handed_to_cpu_blas_has_no_stale_columns(monkeypatch):
+    """The one-pass path off CUDA: every G given to BLAS is its own dense matrix (row stride V). In place over the fp32
+    logits (row stride 2V in bf16), the columns past V hold the logits' other half, non-finite as bf16 pairs, which
+    torch 2.13's oneDNN bf16 mm read (a NaN row of dh at 8 x 16 tokens, D = 64, V = 1,000). Here those columns, where
+    they exist, are set to NaN before BLAS runs, so a view with them fails both checks: the stride and a finite,
+    fp64-exact dh."""
+    import hf_lsce.ops.config as config
+    import hf_lsce.ops.train_pass as tp
+
+    real = tp.add_chunk_gradients
+    strides = []
+
+    def checked(g, *args, **kwargs):
+        strides.append((g.stride(0), g.shape[1]))
+        if g.stride(0) > g.shape[1]:  # stale columns behind the view: make them what a stale bf16 pair can be
+            torch.as_strided(g, (g.shape[0], g.stride(0) - g.shape[1]), (g.stride(0), 1), g.shape[1]).fill_(math.nan)
+        return real(g, *args, **kwargs)
+
+    monkeypatch.setattr(tp, "add_chunk_gradients", checked)
+    monkeypatch.setattr(config, "TRAIN_PATH", "one-pass")
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(8, 16, 64, generator=g).to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(1000, 64, generator=g) / 8).to(torch.bfloat16).requires_grad_()
+    y = torch.randint(0, 1000, (8, 16), generator=g)
+    linear_cross_entropy(h, w, y, backend="triton", label_smoothing=0.1).backward()
+    assert strides and all(s == v for s, v in strides), strides
+    h64, w64 = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    F.cross_entropy((h64 @ w64.T).reshape(-1, 1000), y.reshape(-1), label_smoothing=0.1).backward()
+    assert torch.isfinite(h.grad).all() and torch.isfinite(w.grad).all()
+    for ours, ref in ((h.grad, h64.grad), (w.grad, w64.grad)):
+        assert float((ours.double() - ref).norm() / ref.norm()) < 2e-2

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TEST_DEPS = ["pytest", "pytest-xdist", "torchmetrics", "gguf", "matplotlib"]
+TEST_DEPS = ["pytest", "pytest-xdist", "torchmetrics", "gguf", "matplotlib", "pydantic>=2"]
 SETS = {
     "floor": [["torch==2.13.0"], ["transformers==4.57.1", "trl==0.24.0", "peft==0.18.1", "accelerate<=1.11",
                                    "datasets<=4.0.0", "evaluate", "tqdm", "torch==2.13.0", *TEST_DEPS]],

@@ -1,6 +1,7 @@
 """Block sizes of the Triton kernels, chosen per dtype and device."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from dataclasses import dataclass
@@ -27,6 +28,16 @@ class KernelConfig:
     min_splits: int = 1
     # Forward: the TMA kernel (Hopper and newer, half precision), see forward.py.
     tma: bool = False
+    # bf16 tensor-core dots (compute capability 8.0 and newer, and the interpreter): the fused path's condition.
+    bf16_dot: bool = True
+
+
+# HF_LSCE_TMA=0: the kernels take pointer loads where they would take TMA ones (a Hopper GPU then runs what an A100,
+# an L4 or an RTX card runs, so that path is measured and tested here); 1 or unset: TMA where the GPU has it.
+TMA_SWITCH = os.environ.get("HF_LSCE_TMA", "")
+if TMA_SWITCH not in ("", "0", "1"):
+    raise ValueError(f"HF_LSCE_TMA must be 0 (pointer loads everywhere) or 1 (TMA where the GPU has it; the default), "
+                     f"got {TMA_SWITCH!r}.")
 
 
 def interpreting() -> bool:
@@ -47,9 +58,10 @@ def _forward_config(dtype: torch.dtype, device: torch.device, interp: bool) -> K
         return KernelConfig(16, 32, 16, 1, 1, prec, 6, upcast_dot=dtype == torch.bfloat16)
     props = torch.cuda.get_device_properties(device)
     sms = props.multi_processor_count
+    bf16_dot = props.major >= 8
     if dtype == torch.float32:
-        return KernelConfig(64, 64, 32, 4, 3, prec, 2 * sms)
-    if torch.version.cuda is not None and tma_capable(props) and _has_tensor_descriptors():
+        return KernelConfig(64, 64, 32, 4, 3, prec, 2 * sms, bf16_dot=bf16_dot)
+    if torch.version.cuda is not None and tma_capable(props) and _has_tensor_descriptors() and TMA_SWITCH != "0":
         # The TMA kernel, one block shape: 128 x 256 x 64 tiles, 8 warps, 3 stages was the fastest candidate at
         # every shape and split count measured on an H100 (256 x 128, 128 x 128 and 4 stages were slower;
         # docs/benchmarks.md, settled experiments: forward_variants.py). About two waves of programs: as few vocabulary
@@ -57,7 +69,39 @@ def _forward_config(dtype: torch.dtype, device: torch.device, interp: bool) -> K
         # N = 8192 took 14.5 / 15.7 / 20.1 ms (Gemma2-2B shape). At least 2, or the rows of h the resident
         # programs read no longer fit in L2: at N = 32768, 1 / 2 / 4 splits took 77.2 / 60.8 / 58.8 ms.
         return KernelConfig(128, 256, 64, 8, 3, prec, 2 * sms, min_splits=2, tma=True)
-    return KernelConfig(128, 128, 64, 8, 3, prec, 2 * sms, autotune=True, min_splits=16)
+    return KernelConfig(128, 128, 64, 8, 3, prec, 2 * sms, autotune=True, min_splits=16, bf16_dot=bf16_dot)
+
+
+def fused_config(dtype: torch.dtype, device: torch.device) -> KernelConfig:
+    """The fused path's logits kernel (``fused_pass._exp_tiles_kernel``): the forward's TMA configuration where it has
+    one, else pointer loads with 128 x 256 x 64 tiles, 8 warps and 3 stages in a D loop per vocabulary tile, as few
+    vocabulary splits as fill the GPU (at least 2). Measured with HF_LSCE_TMA=0 on an H200 (tools/gpu/pointer_blocks.py,
+    b = 0.1, N = 8,192): 1.06-1.11 x the TMA kernel's op at the Gemma-3-270m, Gemma2-2B and Llama-3-8B heads, the
+    fastest of five shapes at each; 128 x 128 and 256 x 128 tiles were 1-12 % slower. The stages shrink to the shared
+    memory a GPU gives a block (3 x 48 KiB on an A100's 164 KiB; 2 on the 100 KiB of an L4 or an RTX 4090, and
+    128 x 128 tiles below that): those cards were not measured here."""
+    return _fused_config(dtype, torch.device(device), interpreting())
+
+
+@functools.lru_cache(maxsize=None)
+def _fused_config(dtype: torch.dtype, device: torch.device, interp: bool) -> KernelConfig:
+    base = _forward_config(dtype, device, interp)
+    if base.tma or interp or dtype == torch.float32:
+        return base
+    smem = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 0) or 0
+    bn, bv, bd = 128, 256, 64
+    stages = min(3, smem // ((bn + bv) * bd * 2 + 8192)) if smem else 3
+    if stages < 2:
+        bv, stages = 128, 2
+    return dataclasses.replace(base, block_n=bn, block_v=bv, block_d=bd, num_warps=8, num_stages=stages,
+                               autotune=False, min_splits=2)
+
+
+def clear_caches() -> None:
+    """Forget the cached kernel configurations (after ``TMA_SWITCH`` changed in this process: the benchmarks run
+    both kernels side by side)."""
+    _forward_config.cache_clear()
+    _fused_config.cache_clear()
 
 
 @functools.lru_cache(maxsize=None)

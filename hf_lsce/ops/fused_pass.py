@@ -1,7 +1,8 @@
 """The fused training path: one logits matmul for the loss and its gradients, no fp32 logits in memory.
 
-The forward kernel's loop (``forward._lce_forward_tma_kernel``: TMA loads, one flattened loop over (vocabulary tile,
-D step) pairs) computes each logit tile once and, in the same epilogue, both folds it into the row statistics and
+The logits kernel (``_exp_tiles_kernel``: the forward's TMA loop, one flattened loop over (vocabulary tile, D step)
+pairs, on Hopper; pointer loads with a D loop per tile on every other GPU with bf16 tensor cores, and under
+``HF_LSCE_TMA=0``) computes each logit tile once and, in the same epilogue, both folds it into the row statistics and
 stores it, as the shifted exponentials
 
     R_nv = exp(z_nv - c_n)        (the input dtype, bf16)
@@ -71,16 +72,54 @@ FUSED_CHUNK_BYTES = 1 << 30
 # Gemma-3-1B head (D = 1152) 22.4 against 30.6; frozen (every column in one chunk), Gemma-3-270m 8.9 against 9.3 ms in
 # 1 GiB of columns (docs/benchmarks.md). 4 GiB takes these; Gemma-3-270m at N = 16384 (6.9 GB more) stays chunked.
 EVERY_ROW_EXTRA_BYTES = 4 << 30
+# Pointer loads: a D loop per vocabulary tile (True) or the TMA kernel's one flattened loop (False).
+NESTED_POINTERS = True
 
 
 @triton.jit
-def _exp_tiles_tma_kernel(
-    h_desc, w_desc, R, B, C,
+def _exp_epilogue(acc, v0, v_end, B, R, stride_rn, offs_n, mask_n, c, c2, m, s, t_acc, sz, am, softcap,
+                  HAS_BIAS: tl.constexpr, STATS: tl.constexpr, STORE: tl.constexpr, SOFTCAP: tl.constexpr,
+                  BLOCK_V: tl.constexpr):
+    """One finished logit tile (``acc``, columns from ``v0``) folded into the rows' state and (STORE) its R stored:
+    ``_exp_tiles_kernel``'s epilogue, shared by its loops."""
+    offs_v = v0 + tl.arange(0, BLOCK_V)
+    mask_v = offs_v < v_end
+    z, _t = _finish_logits(acc, B, offs_v, mask_v, 1.0, HAS_BIAS, False)
+    # -inf past this split's columns; the mask is a select per logit, kept rather than a branch for full
+    # tiles (a runtime branch here slowed the loop 5-8 % at D >= 2,304: docs/benchmarks.md)
+    if SOFTCAP:
+        # cap tanh(z / cap) = cap (1 - 2 d) with d = 1 / (exp(2 z / cap) + 1); the offset is the cap, so
+        # R = exp(-2 cap d), and the row's sum of capped logits is 2 cap times that of 1/2 - d. No max
+        # unless STATS: no row leaves the range.
+        d = 1.0 / (tl.math.exp2(z * (2.8853900817779268 / softcap)) + 1.0)
+        half = tl.where(mask_v[None, :], 0.5 - d, 0.0)
+        sz += tl.sum(half, axis=1)
+        r = tl.where(mask_v[None, :], tl.math.exp2(d * (-2.8853900817779268 * softcap)), 0.0)
+        z = (2.0 * softcap) * half
+    else:
+        r = tl.math.exp2(tl.where(mask_v[None, :], z, float("-inf")) * 1.4426950408889634 - c2[:, None])
+    if STATS or not SOFTCAP:
+        z_m = tl.where(mask_v[None, :], z, float("-inf"))
+        tile_max = tl.max(z_m, axis=1)
+        if STATS:
+            am = tl.where(tile_max > m, tl.argmax(z_m, axis=1).to(tl.int32) + v0, am)
+            t_acc += tl.sum(r * (tl.where(mask_v[None, :], z, 0.0) - c[:, None]), axis=1)
+        m = tl.maximum(m, tile_max)
+    s += tl.sum(r, axis=1)
+    if STORE:
+        tl.store(R + offs_n[:, None].to(tl.int64) * stride_rn + offs_v[None, :],
+                 r.to(R.dtype.element_ty), mask=mask_n[:, None] & mask_v[None, :])
+    return m, s, t_acc, sz, am
+
+
+@triton.jit
+def _exp_tiles_kernel(
+    H, W, R, B, C,
     S_OUT, T_OUT, M_OUT, AM_OUT, SZ_OUT,
-    N, V, D, NUM_SPLITS, stride_rn, r_exp_max, softcap,
+    N, V, D, NUM_SPLITS, stride_rn, stride_hn, stride_hd, stride_wv, stride_wd, r_exp_max, softcap,
     HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, STATS: tl.constexpr,
-    FIXUP: tl.constexpr, STORE: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    FIXUP: tl.constexpr, STORE: tl.constexpr, SOFTCAP: tl.constexpr, TMA: tl.constexpr, NESTED: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Per (vocabulary split, row block): R = exp(z - c) stored tile by tile, and per row over the split
     S = sum R, the max and (STATS) T = sum R (z - c) (entropy) and the argmax. The target logit and the sum of logits
@@ -90,7 +129,10 @@ def _exp_tiles_tma_kernel(
     with its max as the offset (``_effective_offsets``, as ``_finish_rows_kernel`` does); only blocks holding a
     flagged row run (the others return at once), and they redo every row of the block (the others with their own
     offsets, the same R). SOFTCAP: the logits capped (``cap tanh(z / cap)``) before R, and per row the sum of the
-    capped logits into SZ_OUT (no dot product gives it); the offset is then ``cap`` itself (``_offsets_kernel``)."""
+    capped logits into SZ_OUT (no dot product gives it); the offset is then ``cap`` itself (``_offsets_kernel``).
+    TMA: H and W are tensor descriptors (Hopper and data-centre Blackwell; loads past N, V and D zero-filled); else
+    pointers with masked loads (every GPU Triton supports, and the interpreter): in the same flattened loop, or
+    (NESTED) a D loop per vocabulary tile."""
     n0 = tl.program_id(1) * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -105,41 +147,42 @@ def _exp_tiles_tma_kernel(
         v_start, v_end = _split_bounds(V, NUM_SPLITS, BLOCK_V)
         k_steps = tl.cdiv(D, BLOCK_D)
         acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
-        for it in range(0, tl.cdiv(v_end - v_start, BLOCK_V) * k_steps):
+        flat_steps = tl.cdiv(v_end - v_start, BLOCK_V) * k_steps
+        if NESTED:  # the loop below instead
+            flat_steps = 0
+        for it in range(0, flat_steps):
             v0 = v_start + (it // k_steps) * BLOCK_V
             k = it % k_steps
-            h = h_desc.load([n0, k * BLOCK_D])
-            w = w_desc.load([v0, k * BLOCK_D])
+            if TMA:
+                h = H.load([n0, k * BLOCK_D])
+                w = W.load([v0, k * BLOCK_D])
+            else:
+                offs_d = k * BLOCK_D + tl.arange(0, BLOCK_D)
+                mask_d = offs_d < D
+                offs_w = v0 + tl.arange(0, BLOCK_V)
+                h = tl.load(H + offs_n[:, None].to(tl.int64) * stride_hn + offs_d[None, :] * stride_hd,
+                            mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+                w = tl.load(W + offs_w[:, None].to(tl.int64) * stride_wv + offs_d[None, :] * stride_wd,
+                            mask=(offs_w < V)[:, None] & mask_d[None, :], other=0.0)
             acc = _dot(h, tl.trans(w), acc, DOT_PRECISION, UPCAST)
             if k == k_steps - 1:
-                offs_v = v0 + tl.arange(0, BLOCK_V)
-                mask_v = offs_v < v_end
-                z, _t = _finish_logits(acc, B, offs_v, mask_v, 1.0, HAS_BIAS, False)
-                # -inf past this split's columns; the mask is a select per logit, kept rather than a branch for full
-                # tiles (a runtime branch here slowed the loop 5-8 % at D >= 2,304: docs/benchmarks.md)
-                if SOFTCAP:
-                    # cap tanh(z / cap) = cap (1 - 2 d) with d = 1 / (exp(2 z / cap) + 1); the offset is the cap, so
-                    # R = exp(-2 cap d), and the row's sum of capped logits is 2 cap times that of 1/2 - d. No max
-                    # unless STATS: no row leaves the range.
-                    d = 1.0 / (tl.math.exp2(z * (2.8853900817779268 / softcap)) + 1.0)
-                    half = tl.where(mask_v[None, :], 0.5 - d, 0.0)
-                    sz += tl.sum(half, axis=1)
-                    r = tl.where(mask_v[None, :], tl.math.exp2(d * (-2.8853900817779268 * softcap)), 0.0)
-                    z = (2.0 * softcap) * half
-                else:
-                    r = tl.math.exp2(tl.where(mask_v[None, :], z, float("-inf")) * 1.4426950408889634 - c2[:, None])
-                if STATS or not SOFTCAP:
-                    z_m = tl.where(mask_v[None, :], z, float("-inf"))
-                    tile_max = tl.max(z_m, axis=1)
-                    if STATS:
-                        am = tl.where(tile_max > m, tl.argmax(z_m, axis=1).to(tl.int32) + v0, am)
-                        t_acc += tl.sum(r * (tl.where(mask_v[None, :], z, 0.0) - c[:, None]), axis=1)
-                    m = tl.maximum(m, tile_max)
-                s += tl.sum(r, axis=1)
-                if STORE:
-                    tl.store(R + offs_n[:, None].to(tl.int64) * stride_rn + offs_v[None, :],
-                             r.to(R.dtype.element_ty), mask=mask_n[:, None] & mask_v[None, :])
+                m, s, t_acc, sz, am = _exp_epilogue(acc, v0, v_end, B, R, stride_rn, offs_n, mask_n, c, c2, m, s,
+                                                    t_acc, sz, am, softcap, HAS_BIAS, STATS, STORE, SOFTCAP, BLOCK_V)
                 acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+        if NESTED:  # pointer loads: a D loop per vocabulary tile (Triton's classic matmul loop)
+            for v0 in range(v_start, v_end, BLOCK_V):
+                offs_w = v0 + tl.arange(0, BLOCK_V)
+                acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+                for d0 in range(0, D, BLOCK_D):
+                    offs_d = d0 + tl.arange(0, BLOCK_D)
+                    mask_d = offs_d < D
+                    h = tl.load(H + offs_n[:, None].to(tl.int64) * stride_hn + offs_d[None, :] * stride_hd,
+                                mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+                    w = tl.load(W + offs_w[:, None].to(tl.int64) * stride_wv + offs_d[None, :] * stride_wd,
+                                mask=(offs_w < V)[:, None] & mask_d[None, :], other=0.0)
+                    acc = _dot(h, tl.trans(w), acc, DOT_PRECISION, UPCAST)
+                m, s, t_acc, sz, am = _exp_epilogue(acc, v0, v_end, B, R, stride_rn, offs_n, mask_n, c, c2, m, s,
+                                                    t_acc, sz, am, softcap, HAS_BIAS, STATS, STORE, SOFTCAP, BLOCK_V)
         out = tl.program_id(0) * N + offs_n
         tl.store(S_OUT + out, s, mask=mask_n)
         tl.store(T_OUT + out, t_acc, mask=mask_n)
@@ -150,18 +193,18 @@ def _exp_tiles_tma_kernel(
 
 
 def supported(hidden, weight, softcap, z_loss, config) -> bool:
-    """Whether the fused path can run these inputs: bf16 (a bias has hidden's dtype: the op's validation), no soft-cap
-    or one of at most ``SOFTCAP_MAX`` (any z-loss), and the TMA kernel's inputs (``forward.tma_ready``)."""
-    return (hidden.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
-            and (softcap is None or softcap <= SOFTCAP_MAX) and tma_ready(config, hidden, weight))
+    """Whether the fused path can run these inputs: bf16 (a bias has hidden's dtype: the op's validation) on a GPU with
+    bf16 tensor cores (``config.bf16_dot``: compute capability 8.0 or newer) or the interpreter, and no soft-cap or one
+    of at most ``SOFTCAP_MAX`` (any z-loss). The kernel takes TMA loads where ``forward.tma_ready`` allows them, pointer
+    loads elsewhere."""
+    return (hidden.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and config.bf16_dot
+            and (softcap is None or softcap <= SOFTCAP_MAX))
 
 
 def _exp_tiles(config, h, weight, bias, c, r, stats: bool, bufs=None, descs=None, store: bool = True, softcap=None):
     """Launch the kernel on the rows ``h`` (offsets ``c``, R into ``r``); returns (per-split buffers S, T, max,
     argmax, sum of capped logits; the tensor descriptors of h and W). ``bufs`` given: the fix-up launch, into the
     buffers and with the descriptors ``descs`` the first launch returned."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     n, d = h.shape
     v = weight.shape[0]
     splits = fused_splits(config, n, v)
@@ -169,18 +212,23 @@ def _exp_tiles(config, h, weight, bias, c, r, stats: bool, bufs=None, descs=None
     if bufs is None:
         s, t, m, sz = torch.empty(4, splits, n, dtype=torch.float32, device=h.device)
         bufs = (s, t, m, torch.empty(splits, n, dtype=torch.int32, device=h.device), sz)
-    if descs is None:
-        descs = (TensorDescriptor.from_tensor(h, [config.block_n, config.block_d]),
-                 TensorDescriptor.from_tensor(weight, [config.block_v, config.block_d]))
-    h_desc, w_desc = descs
+    if descs is None:  # the TMA kernel's descriptors, or the tensors themselves for pointer loads
+        descs = (h, weight)
+        if tma_ready(config, h, weight):
+            from triton.tools.tensor_descriptor import TensorDescriptor
+
+            descs = (TensorDescriptor.from_tensor(h, [config.block_n, config.block_d]),
+                     TensorDescriptor.from_tensor(weight, [config.block_v, config.block_d]))
+    use_tma = descs[0] is not h
     grid = (splits, triton.cdiv(n, config.block_n))
-    _exp_tiles_tma_kernel[grid](
-        h_desc, w_desc, r, bias if bias is not None else weight, c,
-        *bufs, n, v, d, splits, r.stride(0), R_EXP_MAX, float(softcap) if softcap is not None else 1.0,
+    _exp_tiles_kernel[grid](
+        *descs, r, bias if bias is not None else weight, c,
+        *bufs, n, v, d, splits, r.stride(0), *h.stride(), *weight.stride(), R_EXP_MAX,
+        float(softcap) if softcap is not None else 1.0,
         HAS_BIAS=bias is not None, DOT_PRECISION=config.dot_precision, UPCAST=config.upcast_dot,
-        STATS=stats, FIXUP=fixup, STORE=store, SOFTCAP=softcap is not None, BLOCK_N=config.block_n,
-        BLOCK_V=config.block_v,
-        BLOCK_D=config.block_d, num_warps=config.num_warps, num_stages=config.num_stages)
+        STATS=stats, FIXUP=fixup, STORE=store, SOFTCAP=softcap is not None, TMA=use_tma,
+        NESTED=not use_tma and NESTED_POINTERS, BLOCK_N=config.block_n,
+        BLOCK_V=config.block_v, BLOCK_D=config.block_d, num_warps=config.num_warps, num_stages=config.num_stages)
     return bufs, descs
 
 

@@ -11,8 +11,10 @@ logits: the kernels return per-token statistics, from which the loss is a few O(
 """
 from __future__ import annotations
 
+import functools
 import math
 import numbers
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -52,9 +54,28 @@ def _triton_available() -> bool:
     return True
 
 
+# Triton compiles for NVIDIA GPUs of compute capability 7.0 (Volta) and newer.
+TRITON_MIN_CAPABILITY = (7, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_runs_on(device: torch.device) -> bool:
+    """Whether Triton's kernels can run on this CUDA device; an older GPU takes the chunked torch path, with one
+    warning per process (cached per device: asked on every call)."""
+    if not _triton_available():
+        return False
+    cap = torch.cuda.get_device_capability(device)
+    if torch.version.hip is None and cap < TRITON_MIN_CAPABILITY:
+        warnings.warn(f"hf_lsce: {torch.cuda.get_device_name(device)} (compute capability {cap[0]}.{cap[1]}) is older "
+                      "than Triton supports (7.0); the op runs its chunked torch path there (exact, without the fused "
+                      "kernels' speed).", RuntimeWarning, stacklevel=3)
+        return False
+    return True
+
+
 def _resolve_backend(backend: str, device: torch.device) -> str:
     if backend == "auto":
-        return "triton" if device.type == "cuda" and _triton_available() else "torch"
+        return "triton" if device.type == "cuda" and _triton_runs_on(device) else "torch"
     if backend == "triton":
         from .config import interpreting
 

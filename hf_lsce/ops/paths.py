@@ -119,7 +119,7 @@ def _fused_runs(hidden, weight, softcap, z_loss) -> bool:
     from . import config
     from .fused_pass import supported
 
-    cfg = config.forward_config(hidden.dtype, hidden.device) if hidden.is_cuda or config.interpreting() else None
+    cfg = config.fused_config(hidden.dtype, hidden.device) if hidden.is_cuda or config.interpreting() else None
     return cfg is not None and supported(hidden, weight, softcap, z_loss, cfg)
 
 
@@ -254,10 +254,10 @@ def _fused_gradients(hidden, weight, bias, targets, smoothing, token_weight, opt
     (``fused_pass.triton_fused_columns``). Under ``memory="low"`` dW or db need every row's normalisation before a
     chunk's product: the fused pass gives the statistics alone (no R stored; ``lse`` given, as a second backward has
     it: none) and the two-pass computation the gradients."""
-    from .config import forward_config, low_memory_chunk_bytes
+    from .config import fused_config, low_memory_chunk_bytes
     from .fused_pass import frozen_chunk_bytes, triton_fused_columns, triton_fused_pass
 
-    cfg = forward_config(hidden.dtype, hidden.device)
+    cfg = fused_config(hidden.dtype, hidden.device)
     (n, d), v = hidden.shape, weight.shape[0]
     if opts.memory == "low" and (need_dw or need_db):
         stats = None

@@ -181,9 +181,12 @@ def triton_train_pass(hidden, weight, bias, targets, smoothing, scale, softcap,
     write_g = need_dh or need_dw or need_db
     rows = max(1, min(n, (chunk_bytes or TRAIN_CHUNK_BYTES) // (v * 4)))
     buf = torch.empty(rows, v, **f32)
-    # G in hidden's dtype, in place over the fp32 logits (row stride 4V bytes).
-    g_all = buf.view(hidden.dtype)[:, :v]
     on_cpu = dev.type != "cuda"
+    # G in hidden's dtype, in place over the fp32 logits (row stride 4V bytes) on CUDA, where cuBLAS reads a strided
+    # matrix's V columns alone (432 forced-path cases on an H100: no non-finite value). Off CUDA G has its own storage:
+    # CPU BLAS (torch 2.13's oneDNN bf16 mm) read the strided view past its columns, where the logits' other half lies
+    # (non-finite as bf16 pairs), and a row of dh came back NaN.
+    g_all = torch.empty(rows, v, dtype=hidden.dtype, device=dev) if on_cpu else buf.view(hidden.dtype)[:, :v]
     w_cpu = weight.float() if on_cpu and weight.dtype != torch.float32 else weight
     dh = torch.empty(n, d, dtype=hidden.dtype, device=dev) if need_dh else None
     acc_dt = accum_dtype or weight.dtype
