@@ -75,9 +75,10 @@ def _forward_config(dtype: torch.dtype, device: torch.device, interp: bool) -> K
 def fused_config(dtype: torch.dtype, device: torch.device) -> KernelConfig:
     """The fused path's logits kernel (``fused_pass._exp_tiles_kernel``): the forward's TMA configuration where it has
     one, else pointer loads with 128 x 256 x 64 tiles, 8 warps and 3 stages in a D loop per vocabulary tile, as few
-    vocabulary splits as fill the GPU (at least 2). Measured with HF_LSCE_TMA=0 on an H200 (tools/gpu/pointer_blocks.py,
-    b = 0.1, N = 8,192): 1.06-1.11 x the TMA kernel's op at the Gemma-3-270m, Gemma2-2B and Llama-3-8B heads, the
-    fastest of five shapes at each; 128 x 128 and 256 x 128 tiles were 1-12 % slower. The stages shrink to the shared
+    vocabulary splits as fill the GPU (at least 2). Measured with HF_LSCE_TMA=0 on an H200 (b = 0.1, N = 8,192;
+    docs/benchmarks.md, settled experiments: pointer_blocks.py): 1.06-1.11 x the TMA kernel's op at the Gemma-3-270m,
+    Gemma2-2B and Llama-3-8B heads, the fastest of five shapes at each; 128 x 128 and 256 x 128 tiles were 1-12 %
+    slower. The stages shrink to the shared
     memory a GPU gives a block (3 x 48 KiB on an A100's 164 KiB; 2 on the 100 KiB of an L4 or an RTX 4090, and
     128 x 128 tiles below that): those cards were not measured here."""
     return _fused_config(dtype, torch.device(device), interpreting())

@@ -72,8 +72,6 @@ FUSED_CHUNK_BYTES = 1 << 30
 # Gemma-3-1B head (D = 1152) 22.4 against 30.6; frozen (every column in one chunk), Gemma-3-270m 8.9 against 9.3 ms in
 # 1 GiB of columns (docs/benchmarks.md). 4 GiB takes these; Gemma-3-270m at N = 16384 (6.9 GB more) stays chunked.
 EVERY_ROW_EXTRA_BYTES = 4 << 30
-# Pointer loads: a D loop per vocabulary tile (True) or the TMA kernel's one flattened loop (False).
-NESTED_POINTERS = True
 
 
 @triton.jit
@@ -118,8 +116,8 @@ def _exp_tiles_kernel(
     S_OUT, T_OUT, M_OUT, AM_OUT, SZ_OUT,
     N, V, D, NUM_SPLITS, stride_rn, stride_hn, stride_hd, stride_wv, stride_wd, r_exp_max, softcap,
     HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, STATS: tl.constexpr,
-    FIXUP: tl.constexpr, STORE: tl.constexpr, SOFTCAP: tl.constexpr, TMA: tl.constexpr, NESTED: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    FIXUP: tl.constexpr, STORE: tl.constexpr, SOFTCAP: tl.constexpr, TMA: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Per (vocabulary split, row block): R = exp(z - c) stored tile by tile, and per row over the split
     S = sum R, the max and (STATS) T = sum R (z - c) (entropy) and the argmax. The target logit and the sum of logits
@@ -130,9 +128,9 @@ def _exp_tiles_kernel(
     flagged row run (the others return at once), and they redo every row of the block (the others with their own
     offsets, the same R). SOFTCAP: the logits capped (``cap tanh(z / cap)``) before R, and per row the sum of the
     capped logits into SZ_OUT (no dot product gives it); the offset is then ``cap`` itself (``_offsets_kernel``).
-    TMA: H and W are tensor descriptors (Hopper and data-centre Blackwell; loads past N, V and D zero-filled); else
-    pointers with masked loads (every GPU Triton supports, and the interpreter): in the same flattened loop, or
-    (NESTED) a D loop per vocabulary tile."""
+    TMA: H and W are tensor descriptors (Hopper and data-centre Blackwell; loads past N, V and D zero-filled) in one
+    flattened loop over (vocabulary tile, D step) pairs; else pointers with masked loads (every GPU with bf16 tensor
+    cores, and the interpreter) in a D loop per vocabulary tile."""
     n0 = tl.program_id(1) * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -148,28 +146,20 @@ def _exp_tiles_kernel(
         k_steps = tl.cdiv(D, BLOCK_D)
         acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
         flat_steps = tl.cdiv(v_end - v_start, BLOCK_V) * k_steps
-        if NESTED:  # the loop below instead
+        if not TMA:  # the loop below instead
             flat_steps = 0
         for it in range(0, flat_steps):
             v0 = v_start + (it // k_steps) * BLOCK_V
             k = it % k_steps
-            if TMA:
-                h = H.load([n0, k * BLOCK_D])
-                w = W.load([v0, k * BLOCK_D])
-            else:
-                offs_d = k * BLOCK_D + tl.arange(0, BLOCK_D)
-                mask_d = offs_d < D
-                offs_w = v0 + tl.arange(0, BLOCK_V)
-                h = tl.load(H + offs_n[:, None].to(tl.int64) * stride_hn + offs_d[None, :] * stride_hd,
-                            mask=mask_n[:, None] & mask_d[None, :], other=0.0)
-                w = tl.load(W + offs_w[:, None].to(tl.int64) * stride_wv + offs_d[None, :] * stride_wd,
-                            mask=(offs_w < V)[:, None] & mask_d[None, :], other=0.0)
+            h = H.load([n0, k * BLOCK_D])
+            w = W.load([v0, k * BLOCK_D])
             acc = _dot(h, tl.trans(w), acc, DOT_PRECISION, UPCAST)
             if k == k_steps - 1:
                 m, s, t_acc, sz, am = _exp_epilogue(acc, v0, v_end, B, R, stride_rn, offs_n, mask_n, c, c2, m, s,
                                                     t_acc, sz, am, softcap, HAS_BIAS, STATS, STORE, SOFTCAP, BLOCK_V)
                 acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
-        if NESTED:  # pointer loads: a D loop per vocabulary tile (Triton's classic matmul loop)
+        if not TMA:  # pointer loads: a D loop per vocabulary tile (Triton's classic matmul loop: 1-13 % faster than
+            # the flattened one with pointers, settled experiments: pointer_blocks.py)
             for v0 in range(v_start, v_end, BLOCK_V):
                 offs_w = v0 + tl.arange(0, BLOCK_V)
                 acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
@@ -226,8 +216,7 @@ def _exp_tiles(config, h, weight, bias, c, r, stats: bool, bufs=None, descs=None
         *bufs, n, v, d, splits, r.stride(0), *h.stride(), *weight.stride(), R_EXP_MAX,
         float(softcap) if softcap is not None else 1.0,
         HAS_BIAS=bias is not None, DOT_PRECISION=config.dot_precision, UPCAST=config.upcast_dot,
-        STATS=stats, FIXUP=fixup, STORE=store, SOFTCAP=softcap is not None, TMA=use_tma,
-        NESTED=not use_tma and NESTED_POINTERS, BLOCK_N=config.block_n,
+        STATS=stats, FIXUP=fixup, STORE=store, SOFTCAP=softcap is not None, TMA=use_tma, BLOCK_N=config.block_n,
         BLOCK_V=config.block_v, BLOCK_D=config.block_d, num_warps=config.num_warps, num_stages=config.num_stages)
     return bufs, descs
 
