@@ -324,6 +324,128 @@ def _validate_options(z_loss, return_lse, memory, accum_dtype, weight, process_g
         raise ValueError("return_lse and memory='low' are not available with process_group.")
 
 
+class _Targets(NamedTuple):
+    """The targets as the kernels take them (``_prepare_targets``), per flattened token."""
+
+    ids: torch.Tensor  # int64, -1 where ignored (and for a target past the vocabulary, which the checks refuse)
+    smoothing: torch.Tensor  # fp32 b per token
+    weight: torch.Tensor | None  # the reduction's weight per token from prepare's kernel (None: from valid and denom)
+    valid: torch.Tensor | None  # bool, where the torch preparation computed it
+    denom: torch.Tensor | None  # the reduction's divisor (None: a sum, or no reduction)
+    bad: torch.Tensor | None  # the device checks' flag: a bad batch gets a NaN loss and no gradient
+
+
+def _autocast_inputs(hidden, weight, bias):
+    """What F.linear would do under autocast: hidden, weight and bias in the autocast dtype."""
+    if not (torch.is_tensor(hidden) and torch.is_autocast_enabled(hidden.device.type)):
+        return hidden, weight, bias
+    dt = torch.get_autocast_dtype(hidden.device.type)
+    return tuple(t.to(dt) if torch.is_tensor(t) and t.dtype != dt else t for t in (hidden, weight, bias))
+
+
+def _prepare_targets(h2, targets, label_smoothing, ignore_index, vocab, shift, num_items_in_batch, reduction,
+                     fast: bool) -> _Targets:
+    """The flat ids, smoothing, weights, the reduction's divisor and the checks of the device's values. ``fast`` (the
+    Triton backend on one device): one launch (prepare.py), unless the inputs are fp64, empty or traced; otherwise
+    torch operations, whose checks are synchronous on the CPU and a device flag on CUDA (checks.py)."""
+    n, dtype = h2.shape[0], h2.dtype
+    # The reduction's divisor of the summed token losses (None: the sum itself, or no reduction).
+    divide = reduction == "mean" or (reduction == "sum" and num_items_in_batch is not None)
+    if fast and n and dtype != torch.float64 and not compiling():
+        from .prepare import prepare
+
+        ids, b1, weight, values, divisor, bad = prepare(
+            targets, label_smoothing, ignore_index, vocab, shift, num_items_in_batch, divide)
+        bad = check_summary(values, bad, vocab, ignore_index, num_items_in_batch)
+        return _Targets(ids, b1, weight, None, divisor if divide else None, bad)
+    smoothing, shifted = label_smoothing, targets
+    if shift:
+        shifted = F.pad(targets, (0, 1), value=ignore_index)[..., 1:]
+        if torch.is_tensor(smoothing) and smoothing.dim():
+            smoothing = F.pad(smoothing, (0, 1), value=0.0)[..., 1:]
+    ids = shifted.reshape(-1).to(torch.int64)
+    ids = torch.where((ids == ignore_index) | (ids >= vocab), torch.full_like(ids, -1), ids).contiguous()
+    valid = ids >= 0
+    valid_count = valid.sum()
+    if torch.is_tensor(smoothing):
+        b1 = smoothing.detach().to(torch.float32).expand(targets.shape).reshape(-1).contiguous()
+    else:
+        b1 = torch.full((n,), float(smoothing), dtype=torch.float32, device=h2.device)
+    b_given = smoothing if torch.is_tensor(smoothing) else None
+    if compiling():  # an operator the compiled graph calls, so the checks run (and can raise) at every call
+        items = num_items_in_batch if torch.is_tensor(num_items_in_batch) else None
+        items_value = None if items is not None or num_items_in_batch is None else float(num_items_in_batch)
+        bad = check_values(targets, vocab, ignore_index, items, items_value, valid_count, b_given)
+    else:
+        bad = check_device_values(targets, vocab, ignore_index, num_items_in_batch, valid_count, b_given)
+    if bad is not None and torch.is_tensor(smoothing):
+        b1 = b1.nan_to_num(0.0).clamp(0.0, 1.0)  # bad b clamped while its error waits for the next call
+    denom = None
+    if divide:
+        denom = loss_denominator(num_items_in_batch, valid_count,
+                                 torch.float64 if dtype == torch.float64 else torch.float32)
+    return _Targets(ids, b1, None, valid, denom, bad)
+
+
+def _losses(h2, weight, bias, tg: _Targets, shard, softcap, backend, z_loss, memory, accum_dtype, return_stats,
+            return_lse, reduce: bool, observed_b, training: bool):
+    """(loss, lse, argmax, nll, entropy) by one of three dispatches: the vocabulary-parallel head; a traced call
+    (``torch.compile``: the custom operators of compiled.py); the eager autograd function. The loss is reduced, or per
+    token (flat), and NaN where the device checks failed."""
+    one_pass = shard is None and use_train_pass(h2, weight, bias, backend)
+    lse = argmax = nll = entropy = None
+    bad = tg.bad
+    with torch.autocast(h2.device.type, enabled=False):
+        if shard is not None:
+            from .vocab_parallel import vocab_parallel_token_losses
+
+            loss = vocab_parallel_token_losses(h2, weight, bias, tg.ids, tg.smoothing, softcap, backend, shard,
+                                               z_loss=float(z_loss))
+            if reduce:
+                loss = loss.sum() if tg.denom is None else loss.sum() / tg.denom
+        elif compiling() and reduce and one_pass and not return_lse:
+            # a reduced training loss: the gradients computed in the forward, as eagerly (no second logits pass)
+            token_weight = tg.valid.float() if tg.denom is None else tg.valid.float() / tg.denom
+            loss, lse, argmax, nll, entropy = reduced_loss(
+                h2, weight, bias, tg.ids, tg.smoothing, token_weight, tg.denom, softcap, backend, float(z_loss),
+                return_stats, memory, accum_dtype, observed_b)
+        elif compiling():
+            loss, lse, argmax, nll, entropy = token_losses(
+                h2, weight, bias, tg.ids, tg.smoothing, softcap, backend, float(z_loss), return_stats, memory,
+                accum_dtype, one_pass, training, observed_b)
+            if reduce:
+                loss = loss.sum() if tg.denom is None else loss.sum() / tg.denom
+        else:
+            opts = training_options(h2, weight, softcap, backend, z_loss, memory, accum_dtype, one_pass,
+                                    need_stats=return_stats, reduce=reduce, smoothed=observed_b != 0.0)
+            token_weight = None
+            if one_pass:  # the weighting the reduction gives each token's loss (the gradients the forward computes);
+                # all 0 where a check failed (prepare's kernel too), so the NaN loss passes no gradient
+                token_weight = tg.weight
+                if token_weight is None:
+                    token_weight = tg.valid.float() if tg.denom is None else tg.valid.float() / tg.denom
+                    token_weight = token_weight if bad is None else torch.where(bad, 0.0, token_weight)
+            loss, lse, argmax, nll, entropy = _LinearCrossEntropy.apply(h2, weight, bias, tg.ids, tg.smoothing,
+                                                                        token_weight, tg.denom, bad, opts)
+            bad = None  # (the NaN loss: applied by the forward)
+        if bad is not None:
+            loss = torch.where(bad, float("nan"), loss)
+    return loss, lse, argmax, nll, entropy
+
+
+def _outputs(loss, lse, argmax, nll, entropy, tg: _Targets, shape, reduce: bool, return_stats, return_lse):
+    """The loss (per token in ``shape`` unless reduced), then the statistics and the lse where asked (copies: the
+    saved lse stays the op's own)."""
+    out = [loss if reduce else loss.reshape(shape)]
+    if return_stats:
+        valid = tg.ids >= 0 if tg.valid is None else tg.valid
+        out.append(LCEStats(lse.detach().clone().reshape(shape), argmax.reshape(shape), nll.reshape(shape),
+                            entropy.reshape(shape), valid.reshape(shape)))
+    if return_lse:
+        out.append(lse.clone().reshape(shape))
+    return out[0] if len(out) == 1 else tuple(out)
+
+
 def linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -396,14 +518,7 @@ def linear_cross_entropy(
         The loss (float32; float64 for float64 inputs), then the stats if ``return_stats``, then the lse if
         ``return_lse``. All-ignored or empty inputs give a loss of 0 and zero gradients, never NaN.
     """
-    if torch.is_tensor(hidden) and torch.is_autocast_enabled(hidden.device.type):
-        # What F.linear would do under autocast: compute in the autocast dtype.
-        dt = torch.get_autocast_dtype(hidden.device.type)
-        hidden = hidden.to(dt) if hidden.dtype != dt else hidden
-        if torch.is_tensor(weight) and weight.dtype != dt:
-            weight = weight.to(dt)
-        if torch.is_tensor(bias) and bias.dtype != dt:
-            bias = bias.to(dt)
+    hidden, weight, bias = _autocast_inputs(hidden, weight, bias)
     shard = None
     if process_group is not None:
         from .vocab_parallel import vocab_shard
@@ -413,110 +528,15 @@ def linear_cross_entropy(
               num_items_in_batch, backend, shift, return_stats)
     _validate_options(z_loss, return_lse, memory, accum_dtype, weight, process_group)
     backend = _resolve_backend(backend, hidden.device)
-    targets_given = targets
-    v, d = weight.shape
-    out_shape = targets.shape
-    smoothing = label_smoothing
     if shift and hidden.dim() < 2:
         raise ValueError("shift=True needs hidden of shape (..., T, D).")
-    h2 = hidden.reshape(-1, d)
-    vocab = shard.vocab_size if shard else v
-    n = h2.shape[0]
-    # The reduction's divisor of the summed token losses (None: the sum itself, or no reduction).
-    divide = reduction == "mean" or (reduction == "sum" and num_items_in_batch is not None)
-    prepared_weight = valid1 = None
-    if shard is None and backend == "triton" and n and hidden.dtype != torch.float64 and not compiling():
-        # The ids, smoothing, weights, divisor and the checks of the device's values in one launch (prepare.py)
-        from .prepare import prepare
-
-        t1, b1, prepared_weight, values, divisor, bad = prepare(
-            targets_given, label_smoothing, ignore_index, vocab, shift, num_items_in_batch, divide)
-        bad = check_summary(values, bad, vocab, ignore_index, num_items_in_batch)
-        denom = divisor if divide else None
-    else:
-        if shift:
-            targets = F.pad(targets, (0, 1), value=ignore_index)[..., 1:]
-            if torch.is_tensor(smoothing) and smoothing.dim():
-                smoothing = F.pad(smoothing, (0, 1), value=0.0)[..., 1:]
-        t1 = targets.reshape(-1).to(torch.int64)
-        # -1 for an ignored token, and for a target past the vocabulary (which the checks below refuse), so the
-        # kernels never read outside W
-        t1 = torch.where((t1 == ignore_index) | (t1 >= vocab), torch.full_like(t1, -1), t1).contiguous()
-        valid1 = t1 >= 0
-        valid_count = valid1.sum()
-        if torch.is_tensor(smoothing):
-            b1 = smoothing.detach().to(torch.float32).expand(out_shape).reshape(-1).contiguous()
-        else:
-            b1 = torch.full((n,), float(smoothing), dtype=torch.float32, device=hidden.device)
-        # The checks of values on the device: synchronous on the CPU; on CUDA a device flag (bad -> NaN loss, no
-        # gradient) whose summary raises at the next call (checks.py), with bad b clamped meanwhile.
-        b_given = smoothing if torch.is_tensor(smoothing) else None
-        if compiling():  # an operator the compiled graph calls, so the checks run (and can raise) at every call
-            items = num_items_in_batch if torch.is_tensor(num_items_in_batch) else None
-            items_value = None if items is not None or num_items_in_batch is None else float(num_items_in_batch)
-            bad = check_values(targets_given, vocab, ignore_index, items, items_value, valid_count, b_given)
-        else:
-            bad = check_device_values(targets_given, vocab, ignore_index, num_items_in_batch, valid_count, b_given)
-        if bad is not None and torch.is_tensor(smoothing):
-            b1 = b1.nan_to_num(0.0).clamp(0.0, 1.0)
-        denom = None
-        if divide:
-            denom = loss_denominator(num_items_in_batch, valid_count,
-                                     torch.float64 if hidden.dtype == torch.float64 else torch.float32)
-
-    one_pass = shard is None and use_train_pass(h2, weight, bias, backend)
-    reduce = reduction != "none"
-    traced = compiling()
+    h2 = hidden.reshape(-1, weight.shape[1])
+    tg = _prepare_targets(h2, targets, label_smoothing, ignore_index, shard.vocab_size if shard else weight.shape[0],
+                          shift, num_items_in_batch, reduction, fast=shard is None and backend == "triton")
     observed_b = None if torch.is_tensor(label_smoothing) else float(label_smoothing)
-    if not traced:  # (traced: resolved by the operator when the graph runs)
-        opts = training_options(h2, weight, softcap, backend, z_loss, memory, accum_dtype, one_pass,
-                                need_stats=return_stats, reduce=reduce, smoothed=observed_b != 0.0)
     training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (h2, weight, bias))
-
-    with torch.autocast(hidden.device.type, enabled=False):
-        if shard is not None:
-            from .vocab_parallel import vocab_parallel_token_losses
-
-            loss_tok = vocab_parallel_token_losses(h2, weight, bias, t1, b1, softcap, backend, shard,
-                                                   z_loss=float(z_loss))
-            loss = loss_tok.reshape(out_shape) if not reduce else (
-                loss_tok.sum() if denom is None else loss_tok.sum() / denom)
-        elif traced and reduce and one_pass and not return_lse:
-            # a reduced training loss: the gradients computed in the forward, as eagerly (no second logits pass)
-            token_weight = valid1.float() if denom is None else valid1.float() / denom
-            loss, lse, argmax, nll, entropy = reduced_loss(
-                h2, weight, bias, t1, b1, token_weight, denom, softcap, backend, float(z_loss), return_stats,
-                memory, accum_dtype, observed_b)
-        elif traced:
-            loss, lse, argmax, nll, entropy = token_losses(
-                h2, weight, bias, t1, b1, softcap, backend, float(z_loss), return_stats, memory, accum_dtype,
-                one_pass, training, observed_b)
-            if reduce:
-                loss = loss.sum() if denom is None else loss.sum() / denom
-            else:
-                loss = loss.reshape(out_shape)
-        else:
-            token_weight = None
-            if one_pass:  # the weighting the reduction gives each token's loss (the gradients the forward computes);
-                # all 0 where a check failed (prepare's kernel too), so the NaN loss passes no gradient
-                token_weight = prepared_weight
-                if token_weight is None:
-                    token_weight = valid1.float() if denom is None else valid1.float() / denom
-                    token_weight = token_weight if bad is None else torch.where(bad, 0.0, token_weight)
-            loss, lse, argmax, nll, entropy = _LinearCrossEntropy.apply(h2, weight, bias, t1, b1, token_weight,
-                                                                        denom, bad, opts)
-            if not reduce:
-                loss = loss.reshape(out_shape)
-            bad = None  # (the NaN loss: applied by the forward)
-        if bad is not None:
-            loss = torch.where(bad, float("nan"), loss)
-    if training and not traced:  # (traced: the operator notifies when the graph runs)
+    loss, lse, argmax, nll, entropy = _losses(h2, weight, bias, tg, shard, softcap, backend, z_loss, memory, accum_dtype,
+                                              return_stats, return_lse, reduction != "none", observed_b, training)
+    if training and not compiling():  # (traced: the operator notifies when the graph runs)
         notify_training_call(observed_b)
-    out = [loss]
-    if return_stats:
-        valid1 = t1 >= 0 if valid1 is None else valid1
-        out.append(LCEStats(lse.detach().clone().reshape(out_shape), argmax.reshape(out_shape), nll.reshape(out_shape),
-                            entropy.reshape(out_shape), valid1.reshape(out_shape)))
-    if return_lse:
-        out.append(lse.clone().reshape(out_shape))
-    return out[0] if len(out) == 1 else tuple(out)
+    return _outputs(loss, lse, argmax, nll, entropy, tg, targets.shape, reduction != "none", return_stats, return_lse)
