@@ -56,10 +56,10 @@ def make_data(folder: Path) -> Path:
     return folder / "train.jsonl"
 
 
-def axolotl_yaml(model: Path, data: Path, out: Path, lora: bool, lsce: bool) -> str:
+def axolotl_yaml(model: Path, data: Path, out: Path, lora: bool, lsce: bool, packing: bool = False) -> str:
     plugins = (["hf_lsce.integrations.axolotl.LscePlugin"] if lsce else []) + ["probe.ProbePlugin"]
     lines = [f"base_model: {model}", "model_type: LlamaForCausalLM", "datasets:", f"  - path: {data}",
-             "    ds_type: json", "    type: alpaca", "sequence_len: 256", "sample_packing: false",
+             "    ds_type: json", "    type: alpaca", "sequence_len: 256", f"sample_packing: {str(packing).lower()}",
              "micro_batch_size: 4", "gradient_accumulation_steps: 1", "max_steps: 2", "num_epochs: 1",
              "learning_rate: 0.001", "optimizer: adamw_torch", "lr_scheduler: constant", f"output_dir: {out}",
              "val_set_size: 0", "save_strategy: 'no'", "logging_steps: 1", "seed: 0", "dataloader_num_workers: 0",
@@ -119,17 +119,19 @@ def main(argv=None) -> int:
     model = make_model(work / "model")
     data = make_data(work / "data")
     results = {}
-    for lora in (False, True):
-        mode = "lora" if lora else "full"
+    for lora, packing in ((False, False), (True, False), (False, True)):
+        mode = ("lora" if lora else "full") + ("_packed" if packing else "")
         if args.axolotl_python:
             axolotl = Path(args.axolotl_python).parent / "axolotl"
             runs = {}
             for lsce in (False, True):
                 name = f"axolotl_{mode}_{'lsce' if lsce else 'stock'}"
                 cfg = work / f"{name}.yml"
-                cfg.write_text(axolotl_yaml(model, data, work / name, lora, lsce))
+                cfg.write_text(axolotl_yaml(model, data, work / name, lora, lsce, packing))
                 runs[lsce] = run([str(axolotl), "train", str(cfg)], {}, work / f"{name}.log", work / f"{name}.json")
             results[f"axolotl_{mode}"] = compare(runs[False], runs[True])
+        if packing:  # (sample packing is run through Axolotl only)
+            continue
         if args.llamafactory_python:
             runs = {}
             for lsce in (False, True):
