@@ -471,7 +471,8 @@ def test_tma_switch_values():
 
 
 def test_no_fused_path_without_bf16_tensor_cores(monkeypatch):
-    """A GPU without bf16 tensor cores (Turing, Volta: config.bf16_dot False) never takes the fused path, forced or not."""
+    """A GPU without bf16 tensor cores (Turing, Volta: config.bf16_dot False) never takes the fused path, forced or
+    not."""
     real = config.fused_config
     monkeypatch.setattr(config, "fused_config", lambda dt, dev: dataclasses.replace(real(dt, dev), bf16_dot=False))
     h = torch.zeros(4, D, dtype=torch.bfloat16, requires_grad=True)

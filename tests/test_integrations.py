@@ -16,10 +16,10 @@ from hf_lsce.patching import versions
 
 
 @pytest.mark.parametrize("data, match", [
-    (dict(lsce_label_smoothing="0.1"), "lsce_label_smoothing must be a number in \\[0, 1\\]"),
-    (dict(lsce_label_smoothing=True), "lsce_label_smoothing must be a number"),
-    (dict(lsce_label_smoothing=1.5), "lsce_label_smoothing must be in \\[0, 1\\]"),
-    (dict(label_smoothing_factor=-0.1), "label_smoothing_factor must be in \\[0, 1\\]"),
+    (dict(lsce_label_smoothing="0.1"), "lsce_label_smoothing must be None or a float in .*, got '0.1' \\(str\\)"),
+    (dict(lsce_label_smoothing=True), "lsce_label_smoothing must be None or a float .* \\(bool\\)"),
+    (dict(lsce_label_smoothing=1.5), "lsce_label_smoothing must be None or a float in \\[0, 1\\], got 1.5"),
+    (dict(label_smoothing_factor=-0.1), "label_smoothing_factor must be None or a float in \\[0, 1\\], got -0.1"),
     (dict(lsce="yes"), "lsce must be true or false"),
     (dict(lsce_fused_eval_loss=1), "lsce_fused_eval_loss must be true or false"),
     (dict(cut_cross_entropy=True), "Cut Cross-Entropy .* both replace the training loss; keep one: remove cut_cross"),
@@ -33,15 +33,16 @@ def test_axolotl_keys_refused_with_one_line_naming_the_key(data, match):
 
 
 def test_axolotl_keys_accepted():
-    assert LsceArgs.model_validate(dict(lsce_label_smoothing=0.1, label_smoothing_factor=0.2)).lsce_label_smoothing == 0.1
+    keys = LsceArgs.model_validate(dict(lsce_label_smoothing=0.1, label_smoothing_factor=0.2))
+    assert keys.lsce_label_smoothing == 0.1
     assert LsceArgs.model_validate(dict(lsce=False, cut_cross_entropy=True)).lsce is False  # off: no conflict
     assert LsceArgs.model_validate(dict(liger_fused_linear_cross_entropy=False, liger_rms_norm=True)).lsce is None
 
 
 @pytest.mark.parametrize("cfg, model_type, match", [
     (dict(stage="dpo"), None, "stage: 'dpo'"),
-    (dict(label_smoothing_factor=2), None, "label_smoothing_factor must be a number in \\[0, 1\\]"),
-    (dict(label_smoothing_factor="0.1"), None, "label_smoothing_factor must be a number"),
+    (dict(label_smoothing_factor=2), None, "label_smoothing_factor must be None or a float in \\[0, 1\\], got 2"),
+    (dict(label_smoothing_factor="0.1"), None, "label_smoothing_factor must be None or a float .* \\(str\\)"),
     (dict(enable_liger_kernel=True), None, "enable_liger_kernel: true replaces the training loss"),
     (dict(use_asft_loss=True), None, "use_asft_loss: true"),
     (dict(stage="sft"), "bert", "model type 'bert' .* is not in hf_lsce's table"),
@@ -122,7 +123,7 @@ def test_plugin_is_axolotls_own_and_its_keys_join_axolotls_config(tmp_path):
     try:
         _, input_config = merge_input_args()
         assert {"lsce", "lsce_label_smoothing", "lsce_fused_eval_loss"} <= set(input_config.model_fields)
-        with pytest.raises(ValueError, match="lsce_label_smoothing must be in \\[0, 1\\]"):
+        with pytest.raises(ValueError, match="lsce_label_smoothing must be None or a float in \\[0, 1\\]"):
             input_config.model_validate(dict(base_model="x", lsce_label_smoothing=3.0))
         with pytest.raises(ValueError, match="keep one: remove cut_cross_entropy"):
             input_config.model_validate(dict(base_model="x", cut_cross_entropy=True, bf16=True))

@@ -87,7 +87,8 @@ def llamafactory_yaml(model: Path, data_dir: Path, out: Path, lora: bool) -> str
 
 def run(cmd: list[str], env: dict, log: Path, probe: Path) -> dict:
     bin_dir = str(Path(cmd[0]).parent)  # the environment's own launchers (axolotl starts accelerate from PATH)
-    env = {**os.environ, **env, "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}", "VIRTUAL_ENV": str(Path(bin_dir).parent),
+    env = {**os.environ, **env, "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}",
+           "VIRTUAL_ENV": str(Path(bin_dir).parent),
            "LSCE_PROBE_OUT": str(probe), "PYTHONPATH": str(PROBE_DIR),
            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "AXOLOTL_DO_NOT_TRACK": "1", "WANDB_DISABLED": "true",
            "CUDA_VISIBLE_DEVICES": ""}
@@ -144,7 +145,8 @@ def main(argv=None) -> int:
             results[f"llamafactory_{mode}"] = compare(runs[False], runs[True])
     for name, r in results.items():
         print(f"{name:22s} passed={r['passed']}  stock losses {r['stock']['losses']}  hf_lsce {r['lsce']['losses']}  "
-              f"first / max rel error {r['first_rel_loss_error']:.1e} / {r['max_rel_loss_error']:.1e}  lm_head logit calls {r['stock']['lm_head_logit_calls']} "
+              f"first / max rel error {r['first_rel_loss_error']:.1e} / {r['max_rel_loss_error']:.1e}  "
+              f"lm_head logit calls {r['stock']['lm_head_logit_calls']} "
               f"-> {r['lsce']['lm_head_logit_calls']}  op confirmed {r['lsce']['confirmed']}")
     Path(args.out).write_text(json.dumps(dict(work=str(work), results=results), indent=1))
     return 0 if results and all(r["passed"] for r in results.values()) else 1

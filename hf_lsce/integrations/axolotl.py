@@ -5,9 +5,9 @@
     label_smoothing_factor: 0.1        # Axolotl hands it to the Trainer; the patched model smooths with it
 
 Axolotl loads the plugin in the process that trains (``axolotl train`` launches it through accelerate, where a patch
-applied by ``hf-lsce run`` in the launching process would not reach). Its keys (``axolotl_args.LsceArgs``) are validated with
-Axolotl's config; before the model loads the plugin checks the versions and the model family; once Axolotl has built
-the model (LoRA and QLoRA adapters included) it applies ``apply_lsce_patch`` to it, and every training step then
+applied by ``hf-lsce run`` in the launching process would not reach). Its keys (``axolotl_args.LsceArgs``) are
+validated with Axolotl's config; before the model loads the plugin checks the versions and the model family; once
+Axolotl has built the model (LoRA and QLoRA adapters included) it applies ``apply_lsce_patch`` to it, and every training step then
 checks that the fused op ran with the smoothing asked for (``hf_lsce.patching.trainer``).
 """
 from __future__ import annotations

@@ -6,10 +6,9 @@ below. No Axolotl import here: the keys are tested without it.
 """
 from __future__ import annotations
 
-import math
-import numbers
-
 from pydantic import BaseModel, model_validator
+
+from ..patching import validate_smoothing
 
 # Other plugins' keys that replace the same loss: the fused op cannot run under either.
 CONFLICTS = {
@@ -19,12 +18,10 @@ CONFLICTS = {
 
 
 def _smoothing(key: str, value) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{key} must be a number in [0, 1] such as 0.1, got {value!r} ({type(value).__name__}).")
-    if not (math.isfinite(float(value)) and 0.0 <= float(value) <= 1.0):
-        raise ValueError(f"{key} must be in [0, 1] (0.1 is usual), got {value!r}.")
+    try:
+        validate_smoothing(value, key)
+    except TypeError as e:  # pydantic reports a validator's ValueError as the config's error, not a TypeError
+        raise ValueError(str(e)) from None
 
 
 def _flag(key: str, value) -> None:

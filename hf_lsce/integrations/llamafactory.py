@@ -37,18 +37,16 @@ def check_config(cfg: dict, model_type: str | None = None) -> None:
     """Raise ValueError (one line, naming the key) for what the route cannot train: a stage other than ``sft`` or
     ``pt``, a ``label_smoothing_factor`` outside [0, 1], another loss replacement (``enable_liger_kernel``,
     ``use_asft_loss``), or a model type outside hf_lsce's table (``model_type``: the config's, when known)."""
-    import math
-    import numbers
-
-    from ..patching import MODEL_TABLE
+    from ..patching import MODEL_TABLE, validate_smoothing
 
     stage = cfg.get("stage", "sft")
     if stage not in ("sft", "pt"):
         raise ValueError(f"stage: {stage!r}: hf_lsce's fused loss replaces the language-model loss of stage sft or pt "
                          "only; run other stages with llamafactory-cli train.")
-    b = cfg.get("label_smoothing_factor", 0.0)
-    if isinstance(b, bool) or not isinstance(b, numbers.Real) or not (math.isfinite(b) and 0.0 <= b <= 1.0):
-        raise ValueError(f"label_smoothing_factor must be a number in [0, 1] such as 0.1, got {b!r}.")
+    try:
+        validate_smoothing(cfg.get("label_smoothing_factor"), "label_smoothing_factor")
+    except TypeError as e:
+        raise ValueError(str(e)) from None
     for key, what in (("enable_liger_kernel", "Liger-Kernel's fused loss"), ("use_asft_loss", "the ASFT loss")):
         if cfg.get(key):
             raise ValueError(f"{key}: true replaces the training loss with {what}, as hf_lsce does; keep one: remove "

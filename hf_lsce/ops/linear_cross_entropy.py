@@ -535,8 +535,9 @@ def linear_cross_entropy(
                           shift, num_items_in_batch, reduction, fast=shard is None and backend == "triton")
     observed_b = None if torch.is_tensor(label_smoothing) else float(label_smoothing)
     training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (h2, weight, bias))
-    loss, lse, argmax, nll, entropy = _losses(h2, weight, bias, tg, shard, softcap, backend, z_loss, memory, accum_dtype,
-                                              return_stats, return_lse, reduction != "none", observed_b, training)
+    loss, lse, argmax, nll, entropy = _losses(h2, weight, bias, tg, shard, softcap, backend, z_loss, memory,
+                                              accum_dtype, return_stats, return_lse, reduction != "none", observed_b,
+                                              training)
     if training and not compiling():  # (traced: the operator notifies when the graph runs)
         notify_training_call(observed_b)
     return _outputs(loss, lse, argmax, nll, entropy, tg, targets.shape, reduction != "none", return_stats, return_lse)

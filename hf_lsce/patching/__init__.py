@@ -57,15 +57,16 @@ def is_patched(model) -> bool:
     return find_patched(model) is not None
 
 
-def _validate_smoothing(label_smoothing):
-    if label_smoothing is None:
+def validate_smoothing(value, name: str = "label_smoothing") -> float | None:
+    """``value`` as a smoothing b (None stays None): TypeError for anything but a real number, ValueError outside
+    [0, 1]; both name ``name`` (the argument, or a config key of the framework integrations)."""
+    if value is None:
         return None
-    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, numbers.Real):
-        raise TypeError(f"label_smoothing must be None or a float in [0, 1], got {label_smoothing!r} "
-                        f"({type(label_smoothing).__name__}).")
-    b = float(label_smoothing)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be None or a float in [0, 1], got {value!r} ({type(value).__name__}).")
+    b = float(value)
     if not (math.isfinite(b) and 0.0 <= b <= 1.0):
-        raise ValueError(f"label_smoothing must be None or a float in [0, 1], got {label_smoothing!r}.")
+        raise ValueError(f"{name} must be None or a float in [0, 1], got {value!r}.")
     return b
 
 
@@ -91,7 +92,7 @@ def apply_lsce_patch(model=None, *, model_type: str | None = None, label_smoothi
     (``versions.MIN_VERSIONS``).
     """
     check_versions()
-    b = _validate_smoothing(label_smoothing)
+    b = validate_smoothing(label_smoothing)
     if not isinstance(fused_eval_loss, bool):
         raise TypeError(f"fused_eval_loss must be True or False, got {fused_eval_loss!r}.")
     if model_type is not None and not isinstance(model_type, str):
@@ -162,5 +163,6 @@ def revert_lsce_patch(model=None, *, model_type: str | None = None) -> None:
         remove_trainer_hooks()
 
 
-__all__ = ["apply_lsce_patch", "revert_lsce_patch", "is_patched", "find_patched", "route_smoothing", "supported_message",
+__all__ = ["apply_lsce_patch", "revert_lsce_patch", "is_patched", "find_patched", "route_smoothing",
+           "supported_message", "validate_smoothing",
            "MODEL_TABLE", "ENGAGEMENT", "unwrap_model"]

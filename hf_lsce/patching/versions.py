@@ -27,7 +27,9 @@ def version_problem(name: str, found: str | None) -> str | None:
     """One line saying why ``found`` (a version of ``name``, None: not installed) cannot be used, or None."""
     floor = MIN_VERSIONS[name]
     if found is None:
-        return None if name == "trl" else f"hf_lsce needs {name} >= {floor}, which is not installed: pip install '{name}>={floor}'"
+        if name == "trl":
+            return None
+        return f"hf_lsce needs {name} >= {floor}, which is not installed: pip install '{name}>={floor}'"
     if Version(found) < Version(floor):
         return (f"hf_lsce needs {name} >= {floor} (the oldest it is tested with), found {found}: "
                 f"pip install -U '{name}>={floor}'")
