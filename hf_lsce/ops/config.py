@@ -78,9 +78,9 @@ def fused_config(dtype: torch.dtype, device: torch.device) -> KernelConfig:
     vocabulary splits as fill the GPU (at least 2). Measured with HF_LSCE_TMA=0 on an H200 (b = 0.1, N = 8,192;
     docs/benchmarks.md, settled experiments: pointer_blocks.py): 1.06-1.11 x the TMA kernel's op at the Gemma-3-270m,
     Gemma2-2B and Llama-3-8B heads, the fastest of five shapes at each; 128 x 128 and 256 x 128 tiles were 1-12 %
-    slower. The stages shrink to the shared
-    memory a GPU gives a block (3 x 48 KiB on an A100's 164 KiB; 2 on the 100 KiB of an L4 or an RTX 4090, and
-    128 x 128 tiles below that): those cards were not measured here."""
+    slower. The stages are as many as the shared memory a GPU gives a block holds at 48 KiB each plus 8 KiB of the
+    epilogue's scratch, at most 3 (an H100's 227 KiB); an A100's 164 KiB takes 2, and the 100 KiB of an L4, an
+    RTX 4090 or an RTX 5090 take 128 x 128 tiles in 2 stages: those cards were not measured here."""
     return _fused_config(dtype, torch.device(device), interpreting())
 
 

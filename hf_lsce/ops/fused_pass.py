@@ -143,23 +143,24 @@ def _exp_tiles_kernel(
         c2 = c * 1.4426950408889634
         m, s, t_acc, sz, _zy, am = _init_state(BLOCK_N)
         v_start, v_end = _split_bounds(V, NUM_SPLITS, BLOCK_V)
-        k_steps = tl.cdiv(D, BLOCK_D)
-        acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
-        flat_steps = tl.cdiv(v_end - v_start, BLOCK_V) * k_steps
-        if not TMA:  # the loop below instead
-            flat_steps = 0
-        for it in range(0, flat_steps):
-            v0 = v_start + (it // k_steps) * BLOCK_V
-            k = it % k_steps
-            h = H.load([n0, k * BLOCK_D])
-            w = W.load([v0, k * BLOCK_D])
-            acc = _dot(h, tl.trans(w), acc, DOT_PRECISION, UPCAST)
-            if k == k_steps - 1:
-                m, s, t_acc, sz, am = _exp_epilogue(acc, v0, v_end, B, R, stride_rn, offs_n, mask_n, c, c2, m, s,
-                                                    t_acc, sz, am, softcap, HAS_BIAS, STATS, STORE, SOFTCAP, BLOCK_V)
-                acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
-        if not TMA:  # pointer loads: a D loop per vocabulary tile (Triton's classic matmul loop: 1-13 % faster than
-            # the flattened one with pointers, settled experiments: pointer_blocks.py)
+        # One of the two loops is compiled (TMA is a compile-time constant): a runtime-empty loop would still be
+        # compiled, and descriptor loads do not compile on pointers.
+        if TMA:
+            k_steps = tl.cdiv(D, BLOCK_D)
+            acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+            for it in range(0, tl.cdiv(v_end - v_start, BLOCK_V) * k_steps):
+                v0 = v_start + (it // k_steps) * BLOCK_V
+                k = it % k_steps
+                h = H.load([n0, k * BLOCK_D])
+                w = W.load([v0, k * BLOCK_D])
+                acc = _dot(h, tl.trans(w), acc, DOT_PRECISION, UPCAST)
+                if k == k_steps - 1:
+                    m, s, t_acc, sz, am = _exp_epilogue(acc, v0, v_end, B, R, stride_rn, offs_n, mask_n, c, c2, m, s,
+                                                        t_acc, sz, am, softcap, HAS_BIAS, STATS, STORE, SOFTCAP,
+                                                        BLOCK_V)
+                    acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+        else:  # pointer loads: a D loop per vocabulary tile (Triton's classic matmul loop: 1-13 % faster than the
+            # flattened one with pointers, settled experiments: pointer_blocks.py)
             for v0 in range(v_start, v_end, BLOCK_V):
                 offs_w = v0 + tl.arange(0, BLOCK_V)
                 acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
