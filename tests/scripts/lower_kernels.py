@@ -1,0 +1,50 @@
+"""Lower the fused path's logits kernel to Triton IR for a GPU target, on the CPU (no GPU, no interpreter): both loads
+(TMA descriptors and pointers) x the flags that change its code, for sm80 and sm90. Prints one JSON line per variant
+("ok" or the compiler's last line). Run by tests/test_kernel_lowering.py in a process without TRITON_INTERPRET, since
+the interpreter runs Python and never compiles a branch it does not take."""
+import itertools
+import json
+import os
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+try:
+    from triton._C.libtriton import ir
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.compiler.compiler import make_backend
+except ImportError as e:  # Triton's compiler API moved: the test skips with this line
+    print(json.dumps(dict(unavailable=str(e))))
+    sys.exit(0)
+
+import hf_lsce.ops.fused_pass as fp  # noqa: E402
+
+fn = fp._exp_tiles_kernel
+FLOATS = ("r_exp_max", "softcap")
+POINTERS = dict(R="*bf16", B="*bf16", C="*fp32", S_OUT="*fp32", T_OUT="*fp32", M_OUT="*fp32", AM_OUT="*i32",
+                SZ_OUT="*fp32")
+for arch, tma, stats, fixup, store, softcap, bias in itertools.product(
+        (80, 90), (True, False), (True, False), (True, False), (True, False), (True, False), (True, False)):
+    if tma and arch < 90:
+        continue
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    options = backend.parse_options({})
+    types = dict(POINTERS, H="tensordesc<bf16[128, 64]>" if tma else "*bf16",
+                 W="tensordesc<bf16[256, 64]>" if tma else "*bf16")
+    consts = dict(HAS_BIAS=bias, DOT_PRECISION="tf32", UPCAST=False, STATS=stats, FIXUP=fixup, STORE=store,
+                  SOFTCAP=softcap, TMA=tma, BLOCK_N=128, BLOCK_V=256, BLOCK_D=64)
+    signature = {p.name: "constexpr" if p.is_constexpr else types.get(p.name, "fp32" if p.name in FLOATS else "i32")
+                 for p in fn.params}
+    src = ASTSource(fn, signature, {(fn.arg_names.index(k),): v for k, v in consts.items()})
+    ctx = ir.context()
+    ir.load_dialects(ctx)
+    backend.load_dialects(ctx)
+    variant = dict(arch=arch, tma=tma, stats=stats, fixup=fixup, store=store, softcap=softcap, bias=bias)
+    try:
+        src.make_ir(target, options, backend.get_codegen_implementation(options), backend.get_module_map(), ctx)
+        print(json.dumps(dict(variant, result="ok")), flush=True)
+    except Exception as e:  # noqa: BLE001 - reported per variant
+        print(json.dumps(dict(variant, result=str(e).strip().splitlines()[-1][:300])), flush=True)
