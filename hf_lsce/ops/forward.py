@@ -65,6 +65,18 @@ def _logit_tile(
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """fp32 logits of one (BLOCK_N, BLOCK_V) tile; also tanh(z/cap) when soft-capped (else 0)."""
+    acc = _logit_acc(H, W, offs_n, offs_v, mask_n, mask_v, D, stride_hn, stride_hd, stride_wv, stride_wd, BLOCK_D,
+                     DOT_PRECISION, UPCAST, BLOCK_N, BLOCK_V)
+    return _finish_logits(acc, B, offs_v, mask_v, softcap, HAS_BIAS, SOFTCAP)
+
+
+@triton.jit
+def _logit_acc(
+    H, W, offs_n, offs_v, mask_n, mask_v, D, stride_hn, stride_hd, stride_wv, stride_wd, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """h W^T of one (BLOCK_N, BLOCK_V) tile in fp32, by pointer loads over D in BLOCK_D steps (rows outside
+    ``mask_n`` / ``mask_v`` read as 0): the loop of every pointer kernel's logit tile."""
     acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D):
         offs_d = d0 + tl.arange(0, BLOCK_D)
@@ -74,7 +86,7 @@ def _logit_tile(
         w = tl.load(W + offs_v[:, None] * stride_wv + offs_d[None, :] * stride_wd,
                     mask=mask_v[:, None] & mask_d[None, :], other=0.0)
         acc = _dot(h, tl.trans(w), acc, DOT_PRECISION, UPCAST)
-    return _finish_logits(acc, B, offs_v, mask_v, softcap, HAS_BIAS, SOFTCAP)
+    return acc
 
 
 @triton.jit

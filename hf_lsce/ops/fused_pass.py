@@ -53,7 +53,7 @@ import triton
 import triton.language as tl
 
 from .config import interpreting
-from .forward import _dot, _finish_logits, _init_state, _split_bounds, _tanh, tma_ready
+from .forward import _dot, _finish_logits, _init_state, _logit_acc, _split_bounds, _tanh, tma_ready
 from .matmul import addmm_f32, mm_f32
 
 # c_n = mean logit + C_SHIFT; a row whose max exceeds c_n by more than R_EXP_MAX is redone with c_n = its max.
@@ -163,15 +163,8 @@ def _exp_tiles_kernel(
             # flattened one with pointers, settled experiments: pointer_blocks.py)
             for v0 in range(v_start, v_end, BLOCK_V):
                 offs_w = v0 + tl.arange(0, BLOCK_V)
-                acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
-                for d0 in range(0, D, BLOCK_D):
-                    offs_d = d0 + tl.arange(0, BLOCK_D)
-                    mask_d = offs_d < D
-                    h = tl.load(H + offs_n[:, None].to(tl.int64) * stride_hn + offs_d[None, :] * stride_hd,
-                                mask=mask_n[:, None] & mask_d[None, :], other=0.0)
-                    w = tl.load(W + offs_w[:, None].to(tl.int64) * stride_wv + offs_d[None, :] * stride_wd,
-                                mask=(offs_w < V)[:, None] & mask_d[None, :], other=0.0)
-                    acc = _dot(h, tl.trans(w), acc, DOT_PRECISION, UPCAST)
+                acc = _logit_acc(H, W, offs_n.to(tl.int64), offs_w.to(tl.int64), mask_n, offs_w < V, D, stride_hn,
+                                 stride_hd, stride_wv, stride_wd, BLOCK_D, DOT_PRECISION, UPCAST, BLOCK_N, BLOCK_V)
                 m, s, t_acc, sz, am = _exp_epilogue(acc, v0, v_end, B, R, stride_rn, offs_n, mask_n, c, c2, m, s,
                                                     t_acc, sz, am, softcap, HAS_BIAS, STATS, STORE, SOFTCAP, BLOCK_V)
         out = tl.program_id(0) * N + offs_n
