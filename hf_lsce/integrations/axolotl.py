@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import logging
 
-from packaging.version import Version
-
-from ..patching.versions import MIN_VERSIONS, installed_version, version_problem
+from ..patching.versions import environment_problem
 
 try:
     from axolotl.integrations.base import BasePlugin
@@ -35,14 +33,9 @@ __all__ = ["LscePlugin", "LsceArgs", "MIN_AXOLOTL", "check_environment", "check_
 
 def check_environment() -> None:
     """Raise ValueError (one line) when Axolotl, transformers or TRL is older than what the plugin is tested with."""
-    found = installed_version("axolotl")
-    if found is not None and Version(found) < Version(MIN_AXOLOTL):
-        raise ValueError(f"hf_lsce's Axolotl plugin needs axolotl >= {MIN_AXOLOTL} (the oldest it is tested with), "
-                         f"found {found}: pip install -U 'axolotl>={MIN_AXOLOTL}'")
-    for name in MIN_VERSIONS:
-        problem = version_problem(name, installed_version(name))
-        if problem is not None:
-            raise ValueError(problem)
+    problem = environment_problem("axolotl", MIN_AXOLOTL)
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def check_family(model_type: str | None) -> None:

@@ -16,8 +16,6 @@ from __future__ import annotations
 import os
 import sys
 
-from packaging.version import Version
-
 # LLaMA-Factory versions this route is tested with (tools/frameworks_e2e.py): its SFT workflow and launcher entry
 MIN_LLAMAFACTORY = "0.9.5"
 USAGE = "usage: hf-lsce llamafactory train CONFIG.yaml [key=value ...]"
@@ -72,15 +70,14 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(0 if argv else 2)
     if argv[0] != "train" or len(argv) < 2:
         raise SystemExit(f"hf-lsce llamafactory: only 'train CONFIG.yaml' is routed. {USAGE}")
-    from ..patching.versions import installed_version
+    from ..patching.versions import environment_problem, installed_version
 
-    found = installed_version("llamafactory")
-    if found is None:
+    if installed_version("llamafactory") is None:
         raise SystemExit("hf-lsce llamafactory: LLaMA-Factory is not installed: pip install "
                          f"'llamafactory>={MIN_LLAMAFACTORY}'")
-    if Version(found) < Version(MIN_LLAMAFACTORY):
-        raise SystemExit(f"hf-lsce llamafactory: needs llamafactory >= {MIN_LLAMAFACTORY} (the oldest it is tested "
-                         f"with), found {found}: pip install -U 'llamafactory>={MIN_LLAMAFACTORY}'")
+    problem = environment_problem("llamafactory", MIN_LLAMAFACTORY)  # and transformers / TRL, before anything loads
+    if problem is not None:
+        raise SystemExit(f"hf-lsce llamafactory: {problem}")
     cfg = _config(argv[1:])
     try:
         check_config(cfg)

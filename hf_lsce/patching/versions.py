@@ -23,9 +23,10 @@ def installed_version(name: str) -> str | None:
         return None
 
 
-def version_problem(name: str, found: str | None) -> str | None:
-    """One line saying why ``found`` (a version of ``name``, None: not installed) cannot be used, or None."""
-    floor = MIN_VERSIONS[name]
+def version_problem(name: str, found: str | None, floor: str | None = None) -> str | None:
+    """One line saying why ``found`` (a version of ``name``, None: not installed) cannot be used, or None; ``floor``:
+    the oldest version tested (default: ``MIN_VERSIONS``'s)."""
+    floor = floor or MIN_VERSIONS[name]
     if found is None:
         if name == "trl":
             return None
@@ -36,9 +37,21 @@ def version_problem(name: str, found: str | None) -> str | None:
     return None
 
 
+def environment_problem(framework: str | None = None, floor: str | None = None) -> str | None:
+    """The first version problem (one line) of ``framework`` (an integration's, at least ``floor``; when installed),
+    transformers and TRL, or None: what the integrations refuse a launch with before anything loads."""
+    if framework is not None and installed_version(framework) is not None:
+        problem = version_problem(framework, installed_version(framework), floor)
+        if problem is not None:
+            return problem
+    return next((p for name in MIN_VERSIONS if (p := version_problem(name, installed_version(name))) is not None),
+                None)
+
+
 @functools.lru_cache(maxsize=None)
 def _problems() -> tuple[str, ...]:
-    return tuple(p for name in MIN_VERSIONS if (p := version_problem(name, installed_version(name))) is not None)
+    problem = environment_problem()
+    return () if problem is None else (problem,)
 
 
 def check_versions() -> None:
