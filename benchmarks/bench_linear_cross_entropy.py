@@ -14,7 +14,7 @@ Methods (each on the same inputs):
                          head): three matmuls, or two for a frozen one
 
 Heads: ``trainable`` (dh and dW) and ``frozen`` (``W.requires_grad = False``: LoRA's case, dh only).
-Inputs: bf16, N = 8,192 tokens, the generator of benchmarks/real_inputs.py fitted to the real softmax of Gemma-3-270m on
+Inputs: bf16 (``--dtype fp16``), N = 8,192 tokens (``--tokens``), the generator of benchmarks/real_inputs.py fitted to the real softmax of Gemma-3-270m on
 real text. Time: the median of ``triton.testing.do_bench``; memory: the peak allocated during the call minus what was
 allocated before it and the inputs' gradients. Errors: relative to an fp64 computation on materialised logits.
 
@@ -198,19 +198,21 @@ def errors(fn, h, w, y, b, cap, frozen, ref):
     return dict(dh_err=rel(hh.grad, ref[0]), dw_err=None if frozen else rel(ww.grad, ref[1]))
 
 
-def run_config(rows, fns, shape, head, b, cap, methods, with_errors, cuda, do_bench):
+def run_config(rows, fns, shape, head, b, cap, methods, with_errors, cuda, do_bench, dtype=torch.bfloat16,
+               tokens=None):
     from real_inputs import fitted_params, realistic_batch
 
     n, d, v = SHAPES[shape]
+    n = tokens or n
     frozen = head == "frozen"
     dev = "cuda" if cuda else "cpu"
-    h, w, y = realistic_batch(n, d, v, seed=0, device=dev, **(fitted_params() if cuda else {}))
+    h, w, y = realistic_batch(n, d, v, seed=0, device=dev, dtype=dtype, **(fitted_params() if cuda else {}))
     ref = fp64_reference(h, w, y, b, cap) if with_errors else None
     if cuda:  # compiled afresh per configuration: one compiled function reused across shapes recompiles
         torch._dynamo.reset()
         fns = dict(fns, **{"torch.compile": torch.compile(torch_loss, dynamic=False)})
     for name in methods:
-        row = dict(shape=shape, N=n, D=d, V=v, head=head, b=b, softcap=cap, method=name)
+        row = dict(shape=shape, N=n, D=d, V=v, head=head, b=b, softcap=cap, method=name, dtype=str(dtype)[6:])
         fn = fns.get(name, f"unknown method {name!r}")
         try:
             if name == "floor":
@@ -242,7 +244,7 @@ def table(rows) -> str:
     """One line per method, with its time over torch.compile's and over the floor's of the same configuration."""
     def same(r, method):
         return next((x for x in rows if x["method"] == method and "fwdbwd_ms" in x and all(
-            x[k] == r[k] for k in ("shape", "head", "b", "softcap"))), None)
+            x.get(k) == r.get(k) for k in ("shape", "head", "b", "softcap", "N", "dtype"))), None)
     lines = ["| shape (N, D, V) | head | b | soft-cap | method | fwd+bwd ms | / torch.compile | / floor | extra MB | "
              "dh err | dW err |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -297,7 +299,10 @@ def main():
     ap.add_argument("--out-dir", default="bench_out")
     ap.add_argument("--stem", default="bench_linear_cross_entropy")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="the inputs' dtype")
+    ap.add_argument("--tokens", type=int, default=None, help="N for every shape (default: each shape's 8,192)")
     args = ap.parse_args()
+    dtype = dict(bf16=torch.bfloat16, fp16=torch.float16, fp32=torch.float32)[args.dtype]
     cuda = not args.smoke
     if cuda and not torch.cuda.is_available():
         raise SystemExit("bench_linear_cross_entropy.py needs a CUDA GPU (or --smoke for the CPU code path)")
@@ -320,7 +325,8 @@ def main():
                     if cap is not None and b == 0:
                         continue
                     ms = [m for m in methods if cap is None or m not in ("cce",)]
-                    run_config(rows, fns, shape, head, b, cap, ms, args.errors or args.smoke, cuda, do_bench)
+                    run_config(rows, fns, shape, head, b, cap, ms, args.errors or args.smoke, cuda, do_bench,
+                               dtype, args.tokens)
     os.makedirs(args.out_dir, exist_ok=True)
     import triton
 

@@ -62,14 +62,15 @@ def fp64(h, w, y, b, smoothing, num_items, weights=None, softcap=None):
     return out.detach(), hh.grad, ww.grad, bb.grad if bb is not None else None, torch.logsumexp(z, -1).detach()
 
 
-def run(path, h, w, y, b, smoothing, reduction, num_items, weights=None, stats=False, softcap=None):
+def run(path, h, w, y, b, smoothing, reduction, num_items, weights=None, stats=False, softcap=None,
+        dtype=torch.bfloat16, frozen=False, z_loss=0.0):
     config.TRAIN_PATH = path
     try:
-        hh, ww = h.bfloat16().requires_grad_(), w.bfloat16().requires_grad_()
-        bb = b.bfloat16().requires_grad_() if b is not None else None
+        hh, ww = h.to(dtype).requires_grad_(), w.to(dtype).requires_grad_(not frozen)
+        bb = b.to(dtype).requires_grad_(not frozen) if b is not None else None
         out = linear_cross_entropy(hh, ww, y, bias=bb, label_smoothing=smoothing, reduction=reduction,
                                    num_items_in_batch=num_items, backend="triton", return_stats=stats,
-                                   softcap=softcap)
+                                   softcap=softcap, z_loss=z_loss)
         loss = out[0] if stats else out
         (loss * weights).sum().backward() if weights is not None else loss.backward()
         return (loss.detach(), hh.grad, ww.grad, bb.grad if b is not None else None) + ((out[1],) if stats else ())
@@ -254,11 +255,16 @@ def test_fused_layout_and_its_memory():
     n, v, d = 8192, 256000, 2304
     assert fp.layout(n, v, d, True) == (256000, n, True)
     assert fp.extra_memory(n, v, d) == (n + 2) * v * 2  # N rows and the rank-one term's two
+    # fp16: every row, but dW through its fp32 accumulator (fused_pass.online)
+    assert fp.layout(n, v, d, True, half_range=True) == (v, n, False)
+    assert fp.extra_memory(n, v, d, half_range=True) == (n + 2) * v * 2 + v * d * 4
+    assert fp.preferred(n, v, 640, True, half_range=True) and not fp.preferred(n, v, 2304, True, half_range=True)
+    assert fp.preferred(n, v, 2304, False, half_range=True)  # a frozen head
     assert fp.preferred(n, v, d, True)
     assert fp.preferred(n, v, d, False)  # frozen head (LoRA): no dW, R read by dh's matmul alone
     assert not fp.preferred(4 * n, v, d, True)  # R for 32,768 rows (16.8 GB) would cost far more: chunked
     v_pad, rows, direct = fp.layout(4 * n, v, d, True)
-    assert not direct and rows * v_pad * 2 <= gib and fp.extra_memory(4 * n, v, d) == rows * v_pad * 2 + v * d * 4
+    assert not direct and rows * v_pad * 2 <= gib and fp.extra_memory(4 * n, v, d) == (rows + 2) * v_pad * 2 + v * d * 4
     # Gemma-3-270m shape: R for every row (4.3 GB) against 1 GiB + 0.67 GB: within 4 GiB more, direct; at N = 16,384
     # (8.6 GB) chunked, and preferred (D <= 1024) anyway
     assert fp.layout(8192, 262144, 640, True)[2]
@@ -285,7 +291,62 @@ def test_fused_layout_and_its_memory():
     assert fp.layout(n, v, d, True, free_bytes=int(1.25 * need))[2]
     assert not fp.layout(n, v, d, True, free_bytes=int(1.25 * need) - 1)[2]
     assert not fp.preferred(n, v, d, True, free_bytes=need)
-    assert fp.extra_memory(n, v, d, free_bytes=need) == fp.chunk_rows(n, v)[1] * v * 2 + v * d * 4
+    assert fp.extra_memory(n, v, d, free_bytes=need) == (fp.chunk_rows(n, v)[1] + 2) * v * 2 + v * d * 4
+
+
+def torch_half(h, w, y, b, smoothing, num_items, dtype, frozen=False):
+    """dh, dW, db of torch's own half-precision path: logits in ``dtype``, the loss in fp64 (as check_gpu's)."""
+    hh, ww = h.to(dtype).requires_grad_(), w.to(dtype).requires_grad_(not frozen)
+    bb = b.to(dtype).requires_grad_(not frozen) if b is not None else None
+    z = (hh @ ww.T + (bb if bb is not None else 0)).double()
+    logp = torch.log_softmax(z, -1)
+    tok = -(1 - smoothing.double()) * logp.gather(1, y.clamp(min=0)[:, None])[:, 0] - smoothing.double() * logp.mean(-1)
+    (torch.where(y != -100, tok, 0.0).sum() / num_items).backward()
+    return None, hh.grad, ww.grad, bb.grad if bb is not None else None
+
+
+@pytest.mark.parametrize("case", ["every row", "row chunks", "frozen", "bias+z_loss", "spike+stats"])
+def test_fp16_fused_path_matches_fp64(tma, monkeypatch, case):
+    """fp16 on the fused path (``fused_pass.online``: R relative to each row's running max, normalised into p once the
+    row's lse is known; dW from (a / gamma) o h in fp32): loss, lse, dh, dW, db against fp64 on the fp16 inputs, no
+    worse than torch's fp16 logits (the bar of issue 54), with rows whose max sits 160 nats above their mean logit
+    (past fp16's range under any offset fixed before the logits), every row or row chunks, a frozen head, a bias and
+    a z-loss, per-token b and ignored rows; the pass ran in fp16."""
+    h, w, y, b = inputs(seed=1, bias=case == "bias+z_loss", spike=case == "spike+stats")
+    sm = torch.rand(N, generator=torch.Generator().manual_seed(3)) * 0.3
+    calls = []
+    real = fp.triton_fused_pass
+    chunk = 16 * 208 * 2 if case == "row chunks" else None
+    monkeypatch.setattr(fp, "triton_fused_pass",
+                        lambda *a, **k: calls.append(a[0].dtype) or real(*a, **dict(k, chunk_bytes=chunk)))
+    zl = 1e-2 if case == "bias+z_loss" else 0.0
+    frozen = case == "frozen"
+    got = run("fused", h, w, y, b, sm, "sum", 29, stats=case == "spike+stats", dtype=torch.float16, frozen=frozen,
+              z_loss=zl)
+    assert calls == [torch.float16]
+    h16, w16 = h.half().double(), w.half().double()
+    b16 = b.half().double() if b is not None else None
+    ref = fp64(h16, w16, y, b16, sm, 29.0) if not zl else None
+    if zl:  # the z-loss's fp64 truth: the op's own formula, on the same inputs
+        hh, ww, bb = h16.clone().requires_grad_(), w16.clone().requires_grad_(), b16.clone().requires_grad_()
+        z = hh @ ww.T + bb
+        lse = torch.logsumexp(z, -1)
+        tok = lse - (1 - sm.double()) * z.gather(1, y.clamp(min=0)[:, None])[:, 0] - sm.double() * z.mean(-1)
+        (torch.where(y != -100, tok + zl * lse * lse, 0.0).sum() / 29.0).backward()
+        ref = (None, hh.grad, ww.grad, bb.grad, lse.detach())
+    else:
+        assert rel(got[0], ref[0]) < 1e-5
+    half = torch_half(h, w, y, b, sm, 29.0, torch.float16, frozen)
+    for i in (1, 2, 3):
+        if ref[i] is not None and got[i] is not None:
+            err = rel(got[i], ref[i])
+            assert err < 2e-3, (i, err)
+            if not zl:
+                assert err <= rel(half[i], ref[i]) * 1.1 + 1e-4, (i, err, rel(half[i], ref[i]))
+    if frozen:
+        assert got[2] is None
+    if case == "spike+stats":
+        assert rel(got[4].lse, ref[4]) < 1e-6
 
 
 def test_fused_rows_past_the_exponent_range_are_redone(tma):
@@ -330,7 +391,9 @@ def test_fused_pass_only_where_it_applies(tma):
         assert _train_path(h, w, fp.SOFTCAP_MAX * 1.25, 0.0, None) != "fused"
         assert _train_path(h, w, None, 1e-4, None) == "fused"
         assert _train_path(h, w, 30.0, 1e-4, None) == "fused"
-        assert _train_path(h.half(), w.half(), None, 0.0, None) != "fused"
+        assert _train_path(h.half(), w.half(), None, 0.0, None) == "fused"
+        assert _train_path(h.half(), w.half(), 30.0, 0.0, None) != "fused"  # (fp16's R cannot give the cap's slope)
+        assert training_options(h.half(), w.half(), None, "triton", 0.0, "low", None, True).path == "two-pass"
         low = training_options(h, w, 30.0, "triton", 0.0, "low", None, True)
         assert low.path == "two-pass" and low.memory == "low"
     finally:

@@ -274,3 +274,23 @@ def test_one_pass_g_handed_to_cpu_blas_has_no_stale_columns(monkeypatch):
     assert torch.isfinite(h.grad).all() and torch.isfinite(w.grad).all()
     for ours, ref in ((h.grad, h64.grad), (w.grad, w64.grad)):
         assert float((ours.double() - ref).norm() / ref.norm()) < 2e-2
+
+
+# ------------------------------------------------------------------------------------------------- the path on CUDA
+@pytest.mark.parametrize("case,expected", [
+    (("bf16", 640, True, True), "fused"), (("bf16", 4096, True, True), "fused"),  # (every row's R: direct dW)
+    (("bf16", 640, True, False), "two-pass"),  # a cap above fused_pass.SOFTCAP_MAX, or no bf16 tensor cores
+    (("bf16", 4096, True, False), "one-pass"),
+    (("fp16", 640, True, True), "fused"), (("fp16", 4096, False, True), "fused"),  # small D, a frozen head
+    (("fp16", 4096, True, True), "one-pass"),  # dW through fp16's fp32 accumulator: the one-pass path measured faster
+    (("fp16", 640, True, False), "two-pass"),  # fp16 with a soft-cap
+    (("fp32", 640, True, False), "one-pass"), (("fp32", 4096, True, False), "one-pass"),  # cuBLAS, not fp32 dots
+])
+def test_cuda_path_choice_follows_the_measured_rules(case, expected):
+    """``paths.cuda_path``: which training path a CUDA call takes by dtype, hidden size, head and whether the fused
+    pass can run (N = 8,192, V = 128,256, memory='fast'), as docs/how_it_works.md's table of measured paths gives it."""
+    from hf_lsce.ops.paths import cuda_path
+
+    dt, d, need_dw, fused = case
+    dtype = dict(bf16=torch.bfloat16, fp16=torch.float16, fp32=torch.float32)[dt]
+    assert cuda_path(8192, d, 128256, dtype, need_dw, fused, True) == expected

@@ -75,16 +75,34 @@ EVERY_ROW_EXTRA_BYTES = 4 << 30
 
 
 @triton.jit
-def _exp_epilogue(acc, v0, v_end, B, R, stride_rn, offs_n, mask_n, c, c2, m, s, t_acc, sz, am, softcap,
+def _exp_epilogue(acc, v0, v_end, B, R, stride_rn, offs_n, mask_n, c, c2, m, s, t_acc, sz, am, softcap, MT, stride_mt,
                   HAS_BIAS: tl.constexpr, STATS: tl.constexpr, STORE: tl.constexpr, SOFTCAP: tl.constexpr,
-                  BLOCK_V: tl.constexpr):
+                  ONLINE: tl.constexpr, BLOCK_V: tl.constexpr):
     """One finished logit tile (``acc``, columns from ``v0``) folded into the rows' state and (STORE) its R stored:
-    ``_exp_tiles_kernel``'s epilogue, shared by its loops."""
+    ``_exp_tiles_kernel``'s epilogue, shared by its loops. ONLINE (fp16): R relative to the row's running max, which
+    the tile's column of MT records, and the state kept relative to it (an online softmax)."""
     offs_v = v0 + tl.arange(0, BLOCK_V)
     mask_v = offs_v < v_end
     z, _t = _finish_logits(acc, B, offs_v, mask_v, 1.0, HAS_BIAS, False)
     # -inf past this split's columns; the mask is a select per logit, kept rather than a branch for full
     # tiles (a runtime branch here slowed the loop 5-8 % at D >= 2,304: docs/benchmarks.md)
+    if ONLINE:
+        z_m = tl.where(mask_v[None, :], z, float("-inf"))
+        tile_max = tl.max(z_m, axis=1)
+        m_new = tl.maximum(m, tile_max)
+        dm = tl.where(m > float("-inf"), m - m_new, 0.0)  # (0 before the first tile, where s = t = 0)
+        f = tl.math.exp2(dm * 1.4426950408889634)
+        r = tl.math.exp2((z_m - m_new[:, None]) * 1.4426950408889634)
+        if STATS:
+            am = tl.where(tile_max > m, tl.argmax(z_m, axis=1).to(tl.int32) + v0, am)
+            t_acc = f * (t_acc + s * dm) + tl.sum(r * tl.where(mask_v[None, :], z - m_new[:, None], 0.0), axis=1)
+        s = f * s + tl.sum(r, axis=1)
+        m = m_new
+        tl.store(MT + offs_n * stride_mt + v0 // BLOCK_V, m, mask=mask_n)
+        if STORE:
+            tl.store(R + offs_n[:, None].to(tl.int64) * stride_rn + offs_v[None, :],
+                     r.to(R.dtype.element_ty), mask=mask_n[:, None] & mask_v[None, :])
+        return m, s, t_acc, sz, am
     if SOFTCAP:
         # cap tanh(z / cap) = cap (1 - 2 d) with d = 1 / (exp(2 z / cap) + 1); the offset is the cap, so
         # R = exp(-2 cap d), and the row's sum of capped logits is 2 cap times that of 1/2 - d. No max
@@ -112,12 +130,12 @@ def _exp_epilogue(acc, v0, v_end, B, R, stride_rn, offs_n, mask_n, c, c2, m, s, 
 
 @triton.jit
 def _exp_tiles_kernel(
-    H, W, R, B, C,
+    H, W, R, B, C, MT,
     S_OUT, T_OUT, M_OUT, AM_OUT, SZ_OUT,
-    N, V, D, NUM_SPLITS, stride_rn, stride_hn, stride_hd, stride_wv, stride_wd, r_exp_max, softcap,
+    N, V, D, NUM_SPLITS, stride_rn, stride_hn, stride_hd, stride_wv, stride_wd, stride_mt, r_exp_max, softcap,
     HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, STATS: tl.constexpr,
-    FIXUP: tl.constexpr, STORE: tl.constexpr, SOFTCAP: tl.constexpr, TMA: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    FIXUP: tl.constexpr, STORE: tl.constexpr, SOFTCAP: tl.constexpr, ONLINE: tl.constexpr, TMA: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Per (vocabulary split, row block): R = exp(z - c) stored tile by tile, and per row over the split
     S = sum R, the max and (STATS) T = sum R (z - c) (entropy) and the argmax. The target logit and the sum of logits
@@ -128,7 +146,9 @@ def _exp_tiles_kernel(
     flagged row run (the others return at once), and they redo every row of the block (the others with their own
     offsets, the same R). SOFTCAP: the logits capped (``cap tanh(z / cap)``) before R, and per row the sum of the
     capped logits into SZ_OUT (no dot product gives it); the offset is then ``cap`` itself (``_offsets_kernel``).
-    TMA: H and W are tensor descriptors (Hopper and data-centre Blackwell; loads past N, V and D zero-filled) in one
+    ONLINE (fp16, whose range cannot hold R with an offset fixed before the logits): R and the state relative to
+    each row's running max, recorded per tile in MT (``_normalize_kernel`` turns R into p afterwards); no C, no
+    fix-up. TMA: H and W are tensor descriptors (Hopper and data-centre Blackwell; loads past N, V and D zero-filled) in one
     flattened loop over (vocabulary tile, D step) pairs; else pointers with masked loads (every GPU with bf16 tensor
     cores, and the interpreter) in a D loop per vocabulary tile."""
     n0 = tl.program_id(1) * BLOCK_N
@@ -156,8 +176,8 @@ def _exp_tiles_kernel(
                 acc = _dot(h, tl.trans(w), acc, DOT_PRECISION, UPCAST)
                 if k == k_steps - 1:
                     m, s, t_acc, sz, am = _exp_epilogue(acc, v0, v_end, B, R, stride_rn, offs_n, mask_n, c, c2, m, s,
-                                                        t_acc, sz, am, softcap, HAS_BIAS, STATS, STORE, SOFTCAP,
-                                                        BLOCK_V)
+                                                        t_acc, sz, am, softcap, MT, stride_mt, HAS_BIAS, STATS,
+                                                        STORE, SOFTCAP, ONLINE, BLOCK_V)
                     acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
         else:  # pointer loads: a D loop per vocabulary tile (Triton's classic matmul loop: 1-13 % faster than the
             # flattened one with pointers, settled experiments: pointer_blocks.py)
@@ -166,7 +186,8 @@ def _exp_tiles_kernel(
                 acc = _logit_acc(H, W, offs_n.to(tl.int64), offs_w.to(tl.int64), mask_n, offs_w < V, D, stride_hn,
                                  stride_hd, stride_wv, stride_wd, BLOCK_D, DOT_PRECISION, UPCAST, BLOCK_N, BLOCK_V)
                 m, s, t_acc, sz, am = _exp_epilogue(acc, v0, v_end, B, R, stride_rn, offs_n, mask_n, c, c2, m, s,
-                                                    t_acc, sz, am, softcap, HAS_BIAS, STATS, STORE, SOFTCAP, BLOCK_V)
+                                                    t_acc, sz, am, softcap, MT, stride_mt, HAS_BIAS, STATS, STORE,
+                                                    SOFTCAP, ONLINE, BLOCK_V)
         out = tl.program_id(0) * N + offs_n
         tl.store(S_OUT + out, s, mask=mask_n)
         tl.store(T_OUT + out, t_acc, mask=mask_n)
@@ -179,16 +200,30 @@ def _exp_tiles_kernel(
 def supported(hidden, weight, softcap, z_loss, config) -> bool:
     """Whether the fused path can run these inputs: bf16 (a bias has hidden's dtype: the op's validation) on a GPU with
     bf16 tensor cores (``config.bf16_dot``: compute capability 8.0 or newer) or the interpreter, and no soft-cap or one
-    of at most ``SOFTCAP_MAX`` (any z-loss). The kernel takes TMA loads where ``forward.tma_ready`` allows them, pointer
+    of at most ``SOFTCAP_MAX`` (any z-loss); fp16 without a soft-cap (``online``). The kernel takes TMA loads where ``forward.tma_ready`` allows them, pointer
     loads elsewhere."""
+    if hidden.dtype == torch.float16 and weight.dtype == torch.float16:  # (R by running maxima: ``online``)
+        return softcap is None
     return (hidden.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and config.bf16_dot
             and (softcap is None or softcap <= SOFTCAP_MAX))
 
 
-def _exp_tiles(config, h, weight, bias, c, r, stats: bool, bufs=None, descs=None, store: bool = True, softcap=None):
+def online(hidden) -> bool:
+    """fp16's mode of the pass: fp16 holds about 27 nats (e^-16.6 to e^11), too few for R with an offset fixed before
+    the logits, so the kernel stores R relative to each row's running max (per tile, in MT) and ``_normalize_kernel``
+    turns it into p once the row's lse is known (2 more bytes read and written per logit); dW is accumulated in fp32
+    from (a / gamma) o h (gamma a power of two at least every row's a: fp16 would hold a ~ 1 / N as subnormal numbers)
+    and scaled by gamma when cast. No soft-cap: its derivative needs every logit back from R, and fp16's R does not
+    keep the small ones."""
+    return hidden.dtype == torch.float16
+
+
+def _exp_tiles(config, h, weight, bias, c, r, stats: bool, bufs=None, descs=None, store: bool = True, softcap=None,
+               mt=None):
     """Launch the kernel on the rows ``h`` (offsets ``c``, R into ``r``); returns (per-split buffers S, T, max,
     argmax, sum of capped logits; the tensor descriptors of h and W). ``bufs`` given: the fix-up launch, into the
-    buffers and with the descriptors ``descs`` the first launch returned."""
+    buffers and with the descriptors ``descs`` the first launch returned. ``mt`` given (fp16: ``online``): each
+    tile's running maxima, (rows, tiles) fp32."""
     n, d = h.shape
     v = weight.shape[0]
     splits = fused_splits(config, n, v)
@@ -206,11 +241,12 @@ def _exp_tiles(config, h, weight, bias, c, r, stats: bool, bufs=None, descs=None
     use_tma = descs[0] is not h
     grid = (splits, triton.cdiv(n, config.block_n))
     _exp_tiles_kernel[grid](
-        *descs, r, bias if bias is not None else weight, c,
-        *bufs, n, v, d, splits, r.stride(0), *h.stride(), *weight.stride(), R_EXP_MAX,
-        float(softcap) if softcap is not None else 1.0,
+        *descs, r, bias if bias is not None else weight, c, c if mt is None else mt,
+        *bufs, n, v, d, splits, r.stride(0), *h.stride(), *weight.stride(), 0 if mt is None else mt.stride(0),
+        R_EXP_MAX, float(softcap) if softcap is not None else 1.0,
         HAS_BIAS=bias is not None, DOT_PRECISION=config.dot_precision, UPCAST=config.upcast_dot,
-        STATS=stats, FIXUP=fixup, STORE=store, SOFTCAP=softcap is not None, TMA=use_tma, BLOCK_N=config.block_n,
+        STATS=stats, FIXUP=fixup, STORE=store, SOFTCAP=softcap is not None, ONLINE=mt is not None, TMA=use_tma,
+        BLOCK_N=config.block_n,
         BLOCK_V=config.block_v, BLOCK_D=config.block_d, num_warps=config.num_warps, num_stages=config.num_stages)
     return bufs, descs
 
@@ -278,19 +314,32 @@ def _offset_rule(m, c, mask_r, r_exp_max):
 
 
 @triton.jit
-def _merge_splits(S, T, M, AM, rows, mask_r, n, splits, STATS: tl.constexpr, BLOCK_R: tl.constexpr):
-    """Per row, the splits' (sum of R, T, max, first index of the max) merged; they share the row's offset."""
+def _merge_splits(S, T, M, AM, rows, mask_r, n, splits, STATS: tl.constexpr, BLOCK_R: tl.constexpr,
+                  ONLINE: tl.constexpr = False):
+    """Per row, the splits' (sum of R, T, max, first index of the max) merged; they share the row's offset (ONLINE:
+    each split's sums are relative to its own max, and the merged ones to the row's)."""
     zero = tl.zeros((BLOCK_R,), dtype=tl.float32)
     s, t_acc = zero, zero
     m = tl.full((BLOCK_R,), float("-inf"), dtype=tl.float32)
     am = tl.zeros((BLOCK_R,), dtype=tl.int32)
     for k in range(0, splits):
         at = k * n + rows
-        s += tl.load(S + at, mask=mask_r, other=1.0)
-        mk = tl.load(M + at, mask=mask_r, other=float("-inf"))
+        sk = tl.load(S + at, mask=mask_r, other=1.0)
+        mk = tl.load(M + at, mask=mask_r, other=0.0)
+        tk = zero
         if STATS:
-            t_acc += tl.load(T + at, mask=mask_r, other=0.0)
+            tk = tl.load(T + at, mask=mask_r, other=0.0)
             am = tl.where(mk > m, tl.load(AM + at, mask=mask_r, other=0), am)  # first split holding the max
+        if ONLINE:
+            m_new = tl.maximum(m, mk)
+            dm = tl.where(m > float("-inf"), m - m_new, 0.0)
+            fa, fb = tl.exp(dm), tl.exp(mk - m_new)
+            if STATS:
+                t_acc = fa * (t_acc + s * dm) + fb * (tk + sk * (mk - m_new))
+            s = fa * s + fb * sk
+        else:
+            s += sk
+            t_acc += tk
         m = tl.maximum(m, mk)
     return s, t_acc, m, am
 
@@ -329,20 +378,22 @@ def _merge_columns_kernel(S, T, M, AM, C, S_RUN, T_RUN, M_RUN, AM_RUN, ACC, n, s
 
 @triton.jit
 def _finish_rows_kernel(
-    S, T, M, AM, SZS, C, ZY, SZ, Y, SMOOTH, SCALE, H, R, HS,
+    S, T, M, AM, SZS, C, ZY, SZ, Y, SMOOTH, SCALE, H, R, HS, GAMMA,
     LSE_OUT, ENT_OUT, AM_OUT, A_OUT, U_OUT, LOSS_OUT, NLL_OUT,
     n, splits, D, stride_h, stride_r, stride_hs, inv_v, r_exp_max, z_loss,
     STATS: tl.constexpr, GRAD: tl.constexpr, R_TARGET: tl.constexpr, SCALE_H: tl.constexpr, SOFTCAP: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    ONLINE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Per row: the splits merged (lse = c + log S with the offset R was computed with: ``_offset_rule``;
     STATS: entropy and argmax; SOFTCAP: the sum of capped logits from the splits' SZS, written to SZ), the token's
     loss and nll (``paths.token_loss_terms``' formula: 0 for an ignored token), and for the gradients (GRAD)
     a = w k / S and u = w b / V (k = 1 + 2 z_loss lse), (R_TARGET) R's target entry made R_ny - (1 - b) S / k from
-    the fp32 target logit, and (SCALE_H) the rows of a o h in the input dtype for dW."""
+    the fp32 target logit, and (SCALE_H) the rows of a o h in the input dtype for dW. ONLINE (``online``): the splits
+    relative to their own maxima, lse = m + log S, and a = w k (``_normalize_kernel`` makes R the probabilities and
+    sets the target entry), a o h divided by GAMMA[0]."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     mask_r = rows < n
-    s, t_acc, m, am = _merge_splits(S, T, M, AM, rows, mask_r, n, splits, STATS, BLOCK_R)
+    s, t_acc, m, am = _merge_splits(S, T, M, AM, rows, mask_r, n, splits, STATS, BLOCK_R, ONLINE)
     if SOFTCAP:
         sz = tl.zeros((BLOCK_R,), dtype=tl.float32)
         for k in range(0, splits):
@@ -350,7 +401,10 @@ def _finish_rows_kernel(
         tl.store(SZ + rows, sz, mask=mask_r)
     else:
         sz = tl.load(SZ + rows, mask=mask_r, other=0.0)
-    c, _flagged = _offset_rule(m, tl.load(C + rows, mask=mask_r, other=0.0), mask_r, r_exp_max)
+    if ONLINE:
+        c = m
+    else:
+        c, _flagged = _offset_rule(m, tl.load(C + rows, mask=mask_r, other=0.0), mask_r, r_exp_max)
     log_s = tl.log(s)
     lse = c + log_s
     tl.store(LSE_OUT + rows, lse, mask=mask_r)
@@ -372,8 +426,10 @@ def _finish_rows_kernel(
         # lose the target term; 2^-20 of p is far below bf16's rounding)
         k = 1.0 + 2.0 * z_loss * lse
         k = tl.where(tl.abs(k) < 9.5367431640625e-07, 9.5367431640625e-07, k)
-        a = w * k / s
+        a = w * k if ONLINE else w * k / s
         tl.store(A_OUT + rows, a, mask=mask_r)
+        if ONLINE:
+            a = a / tl.load(GAMMA)  # (hs only)
         tl.store(U_OUT + rows, w * b * inv_v, mask=mask_r)
         if R_TARGET:
             tgt = tl.exp(zy - c) - (1.0 - b) * s / k
@@ -436,6 +492,29 @@ def _softcap_grad_kernel(R, A, U, SCALE, SMOOTH, Y, n, V, stride_r, softcap, BLO
     tl.store(at, (g * (-q * (2.0 + q))).to(R.dtype.element_ty), mask=m2)
 
 
+@triton.jit
+def _normalize_kernel(R, MT, LSE, ZY, SMOOTH, Y, n, V, stride_r, stride_mt, z_loss, BLOCK_R: tl.constexpr,
+                      BLOCK_V: tl.constexpr):
+    """fp16 (``online``): R, relative to the running max its tile's column of MT records, made the probabilities
+    ``p = R exp(MT - lse)`` in place, and the target entry ``p_y - (1 - b) / k`` from the fp32 target logit
+    (``_finish_rows_kernel``'s R_TARGET with S = 1). One program per BLOCK_R rows of one kernel tile."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask_r = rows < n
+    m2 = mask_r[:, None] & (cols < V)[None, :]
+    lse = tl.load(LSE + rows, mask=mask_r, other=0.0)
+    f = tl.exp(tl.load(MT + rows * stride_mt + tl.program_id(1), mask=mask_r, other=0.0) - lse)
+    at = R + rows[:, None].to(tl.int64) * stride_r + cols[None, :]
+    p = tl.load(at, mask=m2, other=0.0).to(tl.float32) * f[:, None]
+    y = tl.load(Y + rows, mask=mask_r, other=-1)
+    k = 1.0 + 2.0 * z_loss * lse
+    k = tl.where(tl.abs(k) < 9.5367431640625e-07, 9.5367431640625e-07, k)
+    tgt = tl.exp(tl.load(ZY + rows, mask=mask_r, other=0.0) - lse) - (
+        1.0 - tl.load(SMOOTH + rows, mask=mask_r, other=0.0)) / k
+    p = tl.where(cols[None, :] == y[:, None], tgt[:, None], p)
+    tl.store(at, p.to(R.dtype.element_ty), mask=m2)
+
+
 def chunk_rows(n: int, v: int, chunk_bytes: int | None = None) -> tuple[int, int]:
     """(R's padded row length, rows per chunk): a row stride of a multiple of 8 elements (16-byte rows for cuBLAS and
     TMA), and as many bf16 rows as ``chunk_bytes`` (default ``FUSED_CHUNK_BYTES``) hold."""
@@ -444,43 +523,48 @@ def chunk_rows(n: int, v: int, chunk_bytes: int | None = None) -> tuple[int, int
 
 
 def layout(n: int, v: int, d: int, need_dw: bool, chunk_bytes: int | None = None,
-           free_bytes: int | None = None) -> tuple[int, int, bool]:
+           free_bytes: int | None = None, half_range: bool = False) -> tuple[int, int, bool]:
     """(R's padded row length, rows per chunk, direct). One chunk holds every row where R for all of them (with dW,
     plus the rank-one term's two rows) costs at most ``EVERY_ROW_EXTRA_BYTES`` more than the chunked layout (a chunk
     of R and, with dW, its fp32 accumulator) and, where ``free_bytes`` (CUDA's free memory, ``memory="auto"``) is
-    given, fits it with the op's headroom; ``direct``: dW is needed and then written by one matmul."""
+    given, fits it with the op's headroom; ``direct``: dW is needed and then written by one matmul (not for fp16,
+    ``half_range``: its dW goes through the fp32 accumulator, see ``online``)."""
     from .config import MEMORY_HEADROOM
 
     v_pad, rows = chunk_rows(n, v, chunk_bytes)
     need = (n + (2 if need_dw else 0)) * v_pad * 2
     whole = (need <= rows * v_pad * 2 + (v * d * 4 if need_dw else 0) + EVERY_ROW_EXTRA_BYTES
              and (free_bytes is None or MEMORY_HEADROOM * need <= free_bytes))
-    return v_pad, (n if whole else rows), whole and need_dw
+    return v_pad, (n if whole else rows), whole and need_dw and not half_range
 
 
-def preferred(n: int, v: int, d: int, need_dw: bool, free_bytes: int | None = None) -> bool:
+def preferred(n: int, v: int, d: int, need_dw: bool, free_bytes: int | None = None, half_range: bool = False) -> bool:
     """Whether the fused path is the training path of choice where it can run (``supported``): up to hidden size
     ``config.TWO_PASS_MAX_D`` always; above it for a frozen head (LoRA: no dW, so R is read by dh's matmul alone, a
-    chunk at a time), and where dW is needed and written directly (``layout``). Measured on an H100
-    (docs/how_it_works.md): with chunks and the fp32 accumulator for dW the fused path took the one-pass path's time
-    at D = 2304 and 4096, with more memory; written directly it is faster. Where dW is needed without the free memory
-    for every row's R, the one-pass path is kept there."""
+    chunk at a time), and where dW is needed and written directly (``layout``; never in fp16: ``half_range``).
+    Measured on an H100 (b = 0.1; docs/how_it_works.md): written directly it is faster. With chunks and dW's fp32
+    accumulator (Gemma2-2B and Llama-3-8B heads, N = 32,768) it took 179.5 and 150.1 ms against the one-pass path's
+    196.0 and 155.2 with TMA, but 204.2 and 160.2 against 195.4 and 155.7 with pointer loads, and 1.1-1.3 GB more
+    memory; fp16 (dW through the accumulator, N = 8,192) 45.8 and 38.3 against 45.9 and 37.4. So where dW is needed
+    without the direct layout the one-pass path is kept."""
     from .config import TWO_PASS_MAX_D
 
-    return d <= TWO_PASS_MAX_D or not need_dw or layout(n, v, d, need_dw, free_bytes=free_bytes)[2]
+    return d <= TWO_PASS_MAX_D or not need_dw or layout(n, v, d, need_dw, free_bytes=free_bytes,
+                                                          half_range=half_range)[2]
 
 
-def extra_memory(n: int, v: int, d: int, need_dw: bool = True, free_bytes: int | None = None) -> int:
+def extra_memory(n: int, v: int, d: int, need_dw: bool = True, free_bytes: int | None = None,
+                 half_range: bool = False) -> int:
     """Bytes the fused path holds beyond its inputs and outputs, for ``memory="auto"``: R for every row (direct
     layout), or one chunk of R and dW's fp32 accumulator; a frozen head: R (every column where it fits, else a chunk
     of ``FUSED_CHUNK_BYTES``) and dh's fp32 accumulator (every row by columns, one chunk of rows: see
     ``frozen_chunk_bytes``). A soft-capped frozen head goes by rows without that accumulator: an upper bound there,
     by at most ``4 N D`` bytes."""
-    v_pad, rows, direct = layout(n, v, d, need_dw, free_bytes=free_bytes)
+    v_pad, rows, direct = layout(n, v, d, need_dw, free_bytes=free_bytes, half_range=half_range)
     if direct:
         return (n + 2) * v_pad * 2
     if need_dw:
-        return rows * v_pad * 2 + v * d * 4
+        return (rows + 2) * v_pad * 2 + v * d * 4
     return rows * v_pad * 2 + 4 * (n if frozen_chunk_bytes(n, v, d, free_bytes) else rows) * d
 
 
@@ -599,7 +683,8 @@ def triton_fused_pass(hidden, weight, bias, targets, smoothing, scale, config, n
     v = weight.shape[0]
     dev = hidden.device
     f32 = dict(dtype=torch.float32, device=dev)
-    v_pad, rows, direct = layout(n, v, d, need_dw, chunk_bytes, free_bytes)
+    on = online(hidden)
+    v_pad, rows, direct = layout(n, v, d, need_dw, chunk_bytes, free_bytes, half_range=on)
     if rows < n and rows > config.block_n:
         rows = rows // config.block_n * config.block_n  # whole row blocks per chunk
     soft = softcap is not None
@@ -621,6 +706,10 @@ def triton_fused_pass(hidden, weight, bias, targets, smoothing, scale, config, n
     dh32 = torch.empty(rows, d, **f32) if need_dh and not soft else None
     hs = torch.empty(rows + extra, d, dtype=hidden.dtype, device=dev) if need_dw and not soft else None
     c_buf = torch.empty(rows, **f32)
+    mt = torch.empty(rows, triton.cdiv(v, config.block_v), **f32) if on else None
+    gamma = a_all  # (fp16: dW and db from (a / gamma) o h, scaled back by gamma, a power of two: ``online``)
+    if on:
+        gamma = torch.exp2(torch.ceil(torch.log2(scale.abs().amax().clamp_min(2.0 ** -100)))).reshape(1)
     per_row = (zy, sz, smoothing, scale, lse, ent, am, a_all, u_all, loss, nll, dh)
     for s0 in range(0, n, rows):
         e0 = min(n, s0 + rows)
@@ -632,14 +721,19 @@ def triton_fused_pass(hidden, weight, bias, targets, smoothing, scale, config, n
         r, c = r_buf[:nr, :v], c_buf if nr == rows else c_buf[:nr]
         grid, br, bd, warps = _rows_launch(nr)
         _row_offsets(h, weight, bias, sums, y, c, sz_c, zy_c, softcap)
-        st, descs = _exp_tiles(config, h, weight, bias, c, r, need_stats, softcap=softcap)
-        if not soft:  # (capped logits never leave the range)
+        mt_c = None if mt is None else mt[:nr]
+        st, descs = _exp_tiles(config, h, weight, bias, c, r, need_stats, softcap=softcap, mt=mt_c)
+        if not (soft or on):  # (capped logits never leave the range; fp16 has no fixed offset)
             _exp_tiles(config, h, weight, bias, c, r, need_stats, bufs=st, descs=descs)  # the flagged rows redone
         _finish_rows_kernel[grid](
-            *st, c, zy_c, sz_c, y, b_c, w_c, h, r, h if hs is None else hs, lse_c, ent_c, am_c, a, u, loss_c, nll_c,
-            nr, st[0].shape[0], d, h.stride(0), r.stride(0), 0 if hs is None else hs.stride(0), 1.0 / v, R_EXP_MAX,
-            float(z_loss), STATS=need_stats, GRAD=grad, R_TARGET=not soft, SCALE_H=hs is not None, SOFTCAP=soft,
-            BLOCK_R=br, BLOCK_D=bd, num_warps=warps)
+            *st, c, zy_c, sz_c, y, b_c, w_c, h, r, h if hs is None else hs, gamma, lse_c, ent_c, am_c, a, u, loss_c,
+            nll_c, nr, st[0].shape[0], d, h.stride(0), r.stride(0), 0 if hs is None else hs.stride(0), 1.0 / v,
+            R_EXP_MAX, float(z_loss), STATS=need_stats, GRAD=grad, R_TARGET=not (soft or on), SCALE_H=hs is not None,
+            SOFTCAP=soft, ONLINE=on, BLOCK_R=br, BLOCK_D=bd, num_warps=warps)
+        if on and grad:
+            _normalize_kernel[(triton.cdiv(nr, 8), mt.shape[1])](
+                r, mt_c, lse_c, zy_c, b_c, y, nr, v, r.stride(0), mt.stride(0), float(z_loss), BLOCK_R=8,
+                BLOCK_V=config.block_v, num_warps=1 if interpreting() else 4)
         if soft and grad:
             blocks = (8, 32) if interpreting() else (8, 256)  # 3.3 ms at the Gemma2-2B head (in-place scale: 3.05)
             _softcap_grad_kernel[(triton.cdiv(nr, blocks[0]), triton.cdiv(v, blocks[1]))](
@@ -657,7 +751,7 @@ def triton_fused_pass(hidden, weight, bias, targets, smoothing, scale, config, n
             if not soft:
                 rhs = hs
                 if e0 == n and smoothed:  # the last chunk also adds the rank-one term (u is whole now)
-                    _rank_one_rows(r_buf, hs, u_all, hidden, nr, v)
+                    _rank_one_rows(r_buf, hs, u_all / gamma if on else u_all, hidden, nr, v)
                     k = nr + 2
             if s0 == 0:
                 mm_f32(r_buf[:k, :v].T, rhs[:k], dw32)
@@ -665,11 +759,13 @@ def triton_fused_pass(hidden, weight, bias, targets, smoothing, scale, config, n
                 addmm_f32(dw32, r_buf[:k, :v].T, rhs[:k])
         if db is not None:  # R's column sums weighted by a (soft-cap: G's column sums)
             db_chunk = torch.empty(v, 1, **f32)
-            mm_f32(r.T, (torch.ones_like(a) if soft else a).to(r.dtype)[:, None], db_chunk)
-            db += db_chunk[:, 0]
+            mm_f32(r.T, (torch.ones_like(a) if soft else a / gamma if on else a).to(r.dtype)[:, None], db_chunk)
+            db += db_chunk[:, 0] * gamma if on else db_chunk[:, 0]
     dw = None
     if direct:
         dw = _direct_dw(r_buf, hs, u_all, hidden, n, v, weight, rank_one=smoothed)
+    elif need_dw and on:
+        dw = torch.mul(dw32, gamma, out=torch.empty(v, d, dtype=weight.dtype, device=dev))
     elif need_dw:
         dw = dw32.to(weight.dtype)
     if db is not None and not soft and smoothed:
@@ -727,10 +823,10 @@ def triton_fused_columns(hidden, weight, bias, targets, smoothing, scale, config
     # R_EXP_MAX, so the row kernel keeps them)
     state = st[:4] if one else (s_run, t_run, c, am_run)
     _finish_rows_kernel[grid](
-        *state, st[4], c, zy, sz, targets, smoothing, scale, hidden, r_buf, hidden,
+        *state, st[4], c, zy, sz, targets, smoothing, scale, hidden, r_buf, hidden, c,
         lse, ent, am, a, u, loss, nll, n, state[0].shape[0] if one else 1, d, hidden.stride(0), r_buf.stride(0), 0,
         1.0 / v, R_EXP_MAX, float(z_loss), STATS=need_stats, GRAD=need_dh, R_TARGET=False, SCALE_H=False,
-        SOFTCAP=False, BLOCK_R=br, BLOCK_D=bd, num_warps=warps)
+        SOFTCAP=False, ONLINE=False, BLOCK_R=br, BLOCK_D=bd, num_warps=warps)
     dh = None
     if need_dh:
         dh = torch.empty(n, d, dtype=hidden.dtype, device=dev)

@@ -91,14 +91,10 @@ def use_train_pass(hidden, weight, bias, backend) -> bool:
 
 
 def _train_path(hidden, weight, softcap, z_loss, accum_dtype, free_bytes=None) -> str:
-    """The training path. On CUDA the fused path where it can run (bf16, the TMA kernel, a soft-cap of at most
-    ``fused_pass.SOFTCAP_MAX``: ``fused_pass.supported``) and is preferred (``fused_pass.preferred``); else, up to
-    hidden size ``config.TWO_PASS_MAX_D``, the two-pass path (with dW accumulated in the weight's dtype: it is written
-    once per row there); above it, and off CUDA, the one-pass path. ``free_bytes``: CUDA's free memory
-    (``memory="auto"``), which the fused path's every-row layout must fit. ``config.TRAIN_PATH`` forces a path where
-    it can run. Measured: see docs/how_it_works.md ("Fused training path")."""
+    """The training path: ``config.TRAIN_PATH`` where it can run; off CUDA the one-pass path; on CUDA
+    ``cuda_path``'s choice. ``free_bytes``: CUDA's free memory (``memory="auto"``), which the fused path's every-row
+    layout must fit."""
     from . import config
-    from .fused_pass import preferred
 
     can = {"fused": _fused_runs(hidden, weight, softcap, z_loss),
            "two-pass": accum_dtype in (None, weight.dtype), "one-pass": True}
@@ -106,10 +102,23 @@ def _train_path(hidden, weight, softcap, z_loss, accum_dtype, free_bytes=None) -
         return config.TRAIN_PATH
     if not hidden.is_cuda:
         return "one-pass"
-    (n, d), v = hidden.shape, weight.shape[0]
-    if can["fused"] and preferred(n, v, d, weight.requires_grad, free_bytes):
+    return cuda_path(*hidden.shape, weight.shape[0], hidden.dtype, weight.requires_grad, can["fused"],
+                     can["two-pass"], free_bytes)
+
+
+def cuda_path(n: int, d: int, v: int, dtype, need_dw: bool, fused_runs: bool, two_pass_runs: bool,
+              free_bytes=None) -> str:
+    """The training path on CUDA: the fused path where it can run (``fused_pass.supported``) and is preferred
+    (``fused_pass.preferred``); else, in half precision up to hidden size ``config.TWO_PASS_MAX_D``, the two-pass
+    path (dW written once per row there); otherwise the one-pass path, fp32 inputs at every D: their two-pass
+    logits are Triton's fp32 dots, 2.9-3.9 x the one-pass path's cuBLAS (H100, N = 8,192, Gemma-3-270m and
+    Llama-3-8B heads: 494 against 168 ms, 1,372 against 355; docs/how_it_works.md)."""
+    from . import config
+    from .fused_pass import preferred
+
+    if fused_runs and preferred(n, v, d, need_dw, free_bytes, half_range=dtype == torch.float16):
         return "fused"
-    if d <= config.TWO_PASS_MAX_D and can["two-pass"]:
+    if d <= config.TWO_PASS_MAX_D and two_pass_runs and dtype != torch.float32:
         return "two-pass"
     return "one-pass"
 
@@ -150,7 +159,8 @@ def training_options(hidden, weight, softcap, backend, z_loss, memory, accum_dty
         path = _train_path(hidden, weight, softcap, z_loss, accum_dtype, free)
     mem = _resolve_memory(memory, one_pass, hidden, weight, accum_dtype, path, free)
     if mem == "low":  # the fused pass's statistics and a frozen head's columns where it runs (see _fused_gradients)
-        path = "fused" if one_pass and softcap is None and _fused_runs(hidden, weight, softcap, z_loss) else "two-pass"
+        path = "fused" if (one_pass and softcap is None and hidden.dtype == torch.bfloat16
+                           and _fused_runs(hidden, weight, softcap, z_loss)) else "two-pass"
     return Options(softcap=softcap, backend=backend, z_loss=float(z_loss), memory=mem, accum_dtype=accum_dtype,
                    need_stats=need_stats, path=path, reduce=reduce, free_bytes=free, smoothed=smoothed)
 
@@ -168,7 +178,7 @@ def _buffer_bytes(hidden, weight, accum_dtype, path, free=None) -> int:
 
     n, (v, d) = hidden.shape[0], weight.shape
     if path == "fused":
-        need = extra_memory(n, v, d, weight.requires_grad, free)
+        need = extra_memory(n, v, d, weight.requires_grad, free, half_range=hidden.dtype == torch.float16)
     else:
         need = min(n, max(1, TRAIN_CHUNK_BYTES // (v * 4))) * v * 4
     if accum_dtype == torch.float32 and weight.dtype != torch.float32 and path != "fused":
@@ -255,7 +265,7 @@ def _fused_gradients(hidden, weight, bias, targets, smoothing, token_weight, opt
     chunk's product: the fused pass gives the statistics alone (no R stored; ``lse`` given, as a second backward has
     it: none) and the two-pass computation the gradients."""
     from .config import fused_config, low_memory_chunk_bytes
-    from .fused_pass import frozen_chunk_bytes, triton_fused_columns, triton_fused_pass
+    from .fused_pass import frozen_chunk_bytes, online, triton_fused_columns, triton_fused_pass
 
     cfg = fused_config(hidden.dtype, hidden.device)
     (n, d), v = hidden.shape, weight.shape[0]
@@ -268,8 +278,9 @@ def _fused_gradients(hidden, weight, bias, targets, smoothing, token_weight, opt
         return stats, two_pass_gradients(hidden, weight, bias, targets, smoothing, token_weight, lse, opts, need_dh,
                                          need_dw, need_db)
     chunk = None
-    if not (need_dw or need_db or opts.softcap):  # a frozen head: by vocabulary columns (unless their accumulator is
-        # large); not soft-capped, whose G needs each row's normalisation before its product
+    if not (need_dw or need_db or opts.softcap or online(hidden)):  # a frozen head: by vocabulary columns (unless
+        # their accumulator is large); not soft-capped, whose G needs each row's normalisation before its product, nor
+        # fp16, whose R is normalised per row (fused_pass.online)
         chunk = (low_memory_chunk_bytes(n, d, opts.free_bytes) if opts.memory == "low"
                  else frozen_chunk_bytes(n, v, d, opts.free_bytes))
     if chunk is not None:

@@ -1,5 +1,5 @@
 """Lower the fused path's logits kernel to Triton IR for a GPU target, on the CPU (no GPU, no interpreter): both loads
-(TMA descriptors and pointers) x the flags that change its code, for sm80 and sm90. Prints one JSON line per variant
+(TMA descriptors and pointers) x the flags that change its code (fp16's online mode included), for sm80 and sm90. Prints one JSON line per variant
 ("ok" or the compiler's last line). Run by tests/test_kernel_lowering.py in a process without TRITON_INTERPRET, since
 the interpreter runs Python and never compiles a branch it does not take."""
 import itertools
@@ -23,26 +23,28 @@ import hf_lsce.ops.fused_pass as fp  # noqa: E402
 
 fn = fp._exp_tiles_kernel
 FLOATS = ("r_exp_max", "softcap")
-POINTERS = dict(R="*bf16", B="*bf16", C="*fp32", S_OUT="*fp32", T_OUT="*fp32", M_OUT="*fp32", AM_OUT="*i32",
-                SZ_OUT="*fp32")
-for arch, tma, stats, fixup, store, softcap, bias in itertools.product(
-        (80, 90), (True, False), (True, False), (True, False), (True, False), (True, False), (True, False)):
-    if tma and arch < 90:
+for arch, tma, stats, fixup, store, softcap, bias, online in itertools.product(
+        (80, 90), (True, False), (True, False), (True, False), (True, False), (True, False), (True, False),
+        (False, True)):
+    if (tma and arch < 90) or (online and (fixup or softcap)):  # (fp16's online mode: no fix-up, no soft-cap)
         continue
     target = GPUTarget("cuda", arch, 32)
     backend = make_backend(target)
     options = backend.parse_options({})
-    types = dict(POINTERS, H="tensordesc<bf16[128, 64]>" if tma else "*bf16",
-                 W="tensordesc<bf16[256, 64]>" if tma else "*bf16")
+    dt = "fp16" if online else "bf16"
+    types = dict(R=f"*{dt}", B=f"*{dt}", C="*fp32", MT="*fp32", S_OUT="*fp32", T_OUT="*fp32", M_OUT="*fp32",
+                 AM_OUT="*i32", SZ_OUT="*fp32", H=f"tensordesc<{dt}[128, 64]>" if tma else f"*{dt}",
+                 W=f"tensordesc<{dt}[256, 64]>" if tma else f"*{dt}")
     consts = dict(HAS_BIAS=bias, DOT_PRECISION="tf32", UPCAST=False, STATS=stats, FIXUP=fixup, STORE=store,
-                  SOFTCAP=softcap, TMA=tma, BLOCK_N=128, BLOCK_V=256, BLOCK_D=64)
+                  SOFTCAP=softcap, ONLINE=online, TMA=tma, BLOCK_N=128, BLOCK_V=256, BLOCK_D=64)
     signature = {p.name: "constexpr" if p.is_constexpr else types.get(p.name, "fp32" if p.name in FLOATS else "i32")
                  for p in fn.params}
     src = ASTSource(fn, signature, {(fn.arg_names.index(k),): v for k, v in consts.items()})
     ctx = ir.context()
     ir.load_dialects(ctx)
     backend.load_dialects(ctx)
-    variant = dict(arch=arch, tma=tma, stats=stats, fixup=fixup, store=store, softcap=softcap, bias=bias)
+    variant = dict(arch=arch, tma=tma, stats=stats, fixup=fixup, store=store, softcap=softcap, bias=bias,
+                   online=online)
     try:
         src.make_ir(target, options, backend.get_codegen_implementation(options), backend.get_module_map(), ctx)
         print(json.dumps(dict(variant, result="ok")), flush=True)
