@@ -87,7 +87,7 @@ def paths_section(emit):
     g = torch.Generator(device=DEV).manual_seed(0)
     configs = [(1500, 640, 32768, None, False, torch.bfloat16, 0), (1500, 576, 50257, 30.0, True, torch.bfloat16, 0),
                (777, 2304, 40000, None, False, torch.bfloat16, 0), (1500, 640, 32771, None, True, torch.bfloat16, 1e-3),
-               (900, 1536, 30000, None, False, torch.float16, 0)]
+               (900, 1536, 30000, None, False, torch.float16, 0), (1500, 640, 32771, None, True, torch.float16, 1e-3)]
     for n, d, v, cap, with_bias, dt, zl in configs:
         w = (torch.randn(v, d, device=DEV, generator=g) / d ** 0.5).to(dt)
         h = (torch.randn(n, d, device=DEV, generator=g) * 3).to(dt)

@@ -538,19 +538,18 @@ def layout(n: int, v: int, d: int, need_dw: bool, chunk_bytes: int | None = None
     return v_pad, (n if whole else rows), whole and need_dw and not half_range
 
 
-def preferred(n: int, v: int, d: int, need_dw: bool, free_bytes: int | None = None, half_range: bool = False) -> bool:
+def preferred(n: int, v: int, d: int, need_dw: bool, free_bytes: int | None = None) -> bool:
     """Whether the fused path is the training path of choice where it can run (``supported``): up to hidden size
     ``config.TWO_PASS_MAX_D`` always; above it for a frozen head (LoRA: no dW, so R is read by dh's matmul alone, a
-    chunk at a time), and where dW is needed and written directly (``layout``; never in fp16: ``half_range``).
-    Measured on an H100 (b = 0.1; docs/how_it_works.md): written directly it is faster. With chunks and dW's fp32
-    accumulator (Gemma2-2B and Llama-3-8B heads, N = 32,768) it took 179.5 and 150.1 ms against the one-pass path's
-    196.0 and 155.2 with TMA, but 204.2 and 160.2 against 195.4 and 155.7 with pointer loads, and 1.1-1.3 GB more
-    memory; fp16 (dW through the accumulator, N = 8,192) 45.8 and 38.3 against 45.9 and 37.4. So where dW is needed
-    without the direct layout the one-pass path is kept."""
+    chunk at a time), and where dW is needed and written directly (``layout``). bf16 only: fp16 takes the fused path
+    wherever it runs (``paths.cuda_path``). Measured on an H100 (b = 0.1; docs/how_it_works.md): written directly it
+    is faster. With chunks and dW's fp32 accumulator (Gemma2-2B and Llama-3-8B heads, N = 32,768) it took 179.5 and
+    150.1 ms against the one-pass path's 196.0 and 155.2 with TMA, but 204.2 and 160.2 against 195.4 and 155.7 with
+    pointer loads, and 1.1-1.3 GB more memory. So where dW is needed without the direct layout the one-pass path is
+    kept."""
     from .config import TWO_PASS_MAX_D
 
-    return d <= TWO_PASS_MAX_D or not need_dw or layout(n, v, d, need_dw, free_bytes=free_bytes,
-                                                          half_range=half_range)[2]
+    return d <= TWO_PASS_MAX_D or not need_dw or layout(n, v, d, need_dw, free_bytes=free_bytes)[2]
 
 
 def extra_memory(n: int, v: int, d: int, need_dw: bool = True, free_bytes: int | None = None,

@@ -109,14 +109,16 @@ def _train_path(hidden, weight, softcap, z_loss, accum_dtype, free_bytes=None) -
 def cuda_path(n: int, d: int, v: int, dtype, need_dw: bool, fused_runs: bool, two_pass_runs: bool,
               free_bytes=None) -> str:
     """The training path on CUDA: the fused path where it can run (``fused_pass.supported``) and is preferred
-    (``fused_pass.preferred``); else, in half precision up to hidden size ``config.TWO_PASS_MAX_D``, the two-pass
-    path (dW written once per row there); otherwise the one-pass path, fp32 inputs at every D: their two-pass
-    logits are Triton's fp32 dots, 2.9-3.9 x the one-pass path's cuBLAS (H100, N = 8,192, Gemma-3-270m and
+    (``fused_pass.preferred``; fp16 always: the other paths write G = w (p - y) in fp16, whose weight 1 / N puts
+    most of it below fp16's normal range, dh 0.39-0.42 off fp64 where the fused path's is 4.7-5.4e-3, H100,
+    N = 8,192, Llama-3-8B and Gemma2-2B heads); else, in half precision up to hidden size ``config.TWO_PASS_MAX_D``,
+    the two-pass path (dW written once per row there); otherwise the one-pass path, fp32 inputs at every D: their
+    two-pass logits are Triton's fp32 dots, 2.9-3.9 x the one-pass path's cuBLAS (H100, N = 8,192, Gemma-3-270m and
     Llama-3-8B heads: 494 against 168 ms, 1,372 against 355; docs/how_it_works.md)."""
     from . import config
     from .fused_pass import preferred
 
-    if fused_runs and preferred(n, v, d, need_dw, free_bytes, half_range=dtype == torch.float16):
+    if fused_runs and (dtype == torch.float16 or preferred(n, v, d, need_dw, free_bytes)):
         return "fused"
     if d <= config.TWO_PASS_MAX_D and two_pass_runs and dtype != torch.float32:
         return "two-pass"
@@ -217,10 +219,34 @@ def statistics_and_gradients(hidden, weight, bias, targets, smoothing, token_wei
                                          need_dh, need_dw, need_db)
     from .train_pass import triton_train_pass
 
+    (token_weight,), gamma = _fp16_weights(hidden, token_weight)
     stats, dh, dw, db = triton_train_pass(
         hidden, weight, bias, targets, smoothing, token_weight, opts.softcap, need_dh=need_dh, need_dw=need_dw,
         need_db=need_db, z_loss=opts.z_loss, accum_dtype=opts.accum_dtype)
-    return stats, (dh, dw, db)
+    return stats, _times_gamma((dh, dw, db), gamma)
+
+
+def _fp16_weights(hidden, *weights):
+    """fp16 inputs: (the token weights / gamma, gamma), gamma a power of two at least their largest magnitude (a
+    one-element device tensor; no synchronisation). The one-pass, two-pass and recomputing paths write G = w (p - y)
+    in the input dtype, and a weight of 1 / N put most of fp16's G below its normal range: dh 0.39-0.42 off fp64 on
+    an H100 (N = 8,192, Llama-3-8B and Gemma2-2B heads), as torch's fp16 logits without a loss scale. With weights
+    near 1 G keeps fp16's digits, and the gradients are scaled back by gamma (``_times_gamma``: exact, a power of
+    two). Other dtypes: unchanged, gamma None."""
+    if hidden.dtype != torch.float16:
+        return weights, None
+    top = torch.stack([w.detach().abs().amax().float() for w in weights if w is not None and w.numel()]).amax()
+    gamma = torch.exp2(torch.ceil(torch.log2(top.clamp_min(2.0 ** -100)))).reshape(1)
+    return tuple(w / gamma if w is not None else None for w in weights), gamma
+
+
+def _times_gamma(grads, gamma):
+    """(dh, dw, db) times ``gamma`` in place (``_fp16_weights``; None: as they are)."""
+    if gamma is None:
+        return tuple(grads)
+    from .train_pass import scale_by
+
+    return tuple(scale_by(list(grads), gamma))
 
 
 def recompute_kept(hidden, weight, bias, targets, smoothing, token_weight, lse, opts, need_dh, need_dw, need_db):
@@ -252,9 +278,10 @@ def loss_gradients(hidden, weight, bias, targets, lse, smoothing, grad, grad_lse
         if grad_lse is not None:
             extra = extra + grad_lse.float()
         extra = extra.contiguous()
-    return dense_backward(hidden, weight, bias, targets, lse, grad.float().contiguous(),
-                          smoothing.float().contiguous(), opts.softcap, opts.backend, need_dh=need_dh,
-                          need_dw=need_dw, extra=extra)
+    (grad, extra), gamma = _fp16_weights(hidden, grad.float(), extra)
+    return _times_gamma(dense_backward(hidden, weight, bias, targets, lse, grad.contiguous(),
+                                       smoothing.float().contiguous(), opts.softcap, opts.backend, need_dh=need_dh,
+                                       need_dw=need_dw, extra=extra), gamma)
 
 
 def _fused_gradients(hidden, weight, bias, targets, smoothing, token_weight, opts, need_dh, need_dw, need_db,
@@ -304,9 +331,10 @@ def two_pass_gradients(hidden, weight, bias, targets, smoothing, token_weight, l
     from .backward import triton_gradients_by_columns
     from .config import grad_logits_config, low_memory_chunk_bytes
 
+    (token_weight,), gamma = _fp16_weights(hidden, token_weight)
     extra = token_weight * (2.0 * opts.z_loss) * lse if opts.z_loss else None
-    return triton_gradients_by_columns(hidden, weight, bias, targets, lse, token_weight, smoothing, opts.softcap,
+    return _times_gamma(triton_gradients_by_columns(hidden, weight, bias, targets, lse, token_weight, smoothing, opts.softcap,
                                        grad_logits_config(hidden.dtype, hidden.device), need_dh=need_dh,
                                        need_dw=need_dw, need_db=need_db, extra=extra,
                                        chunk_bytes=low_memory_chunk_bytes(*hidden.shape, opts.free_bytes)
-                                       if opts.memory == "low" else None)
+                                       if opts.memory == "low" else None), gamma)
