@@ -36,8 +36,8 @@ dW is accumulated across chunks in fp32 (``4 V D`` bytes, one rounding at the en
 the rank-one term, by the same two rows). A frozen head (no dW, no db: LoRA) goes by chunks of vocabulary
 *columns* instead, every row at once (``triton_fused_columns``; ``memory="low"`` too). The z-loss ``lam lse^2``
 multiplies p by ``k_n = 1 + 2 lam lse_n``, one more factor per row (``a_n = w_n k_n / S_n``, the target entry
-``R_ny - (1 - b_n) S_n / k_n``). bf16 only: fp16's range cannot hold R, and W in bf16 for dh's matmul would lose
-fp16's digits.
+``R_ny - (1 - b_n) S_n / k_n``). fp16's range cannot hold R with an offset fixed before the kernel: its mode
+(``online``) stores R relative to each row's running max and normalises it afterwards.
 
 Soft-capped logits (a cap up to ``SOFTCAP_MAX``): the cap's derivative ``1 - tanh^2`` is a factor per *logit*, so
 the uniform term ``u 1^T`` times it is no longer rank one and the factors above do not carry it. But a capped logit
@@ -200,8 +200,8 @@ def _exp_tiles_kernel(
 def supported(hidden, weight, softcap, z_loss, config) -> bool:
     """Whether the fused path can run these inputs: bf16 (a bias has hidden's dtype: the op's validation) on a GPU with
     bf16 tensor cores (``config.bf16_dot``: compute capability 8.0 or newer) or the interpreter, and no soft-cap or one
-    of at most ``SOFTCAP_MAX`` (any z-loss); fp16 without a soft-cap (``online``). The kernel takes TMA loads where ``forward.tma_ready`` allows them, pointer
-    loads elsewhere."""
+    of at most ``SOFTCAP_MAX`` (any z-loss); fp16 without a soft-cap (``online``). The kernel takes TMA loads where
+    ``forward.tma_ready`` allows them, pointer loads elsewhere."""
     if hidden.dtype == torch.float16 and weight.dtype == torch.float16:  # (R by running maxima: ``online``)
         return softcap is None
     return (hidden.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and config.bf16_dot

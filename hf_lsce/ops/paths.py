@@ -4,13 +4,18 @@ Shared by the eager op (``linear_cross_entropy._LinearCrossEntropy``) and the co
 that neither imports the other for them. Every path is exact:
 
 * fused (``fused_pass.py``): one logits pass whose kernel stores ``exp(z - c)`` in bf16, the gradients from it by
-  cuBLAS; bf16 on a GPU with TMA, soft-caps up to ``fused_pass.SOFTCAP_MAX`` and z-loss included; a frozen head by
-  chunks of vocabulary columns (``fused_pass.triton_fused_columns``), ``memory="low"`` included, unless soft-capped;
+  cuBLAS; bf16 on a GPU with bf16 tensor cores, soft-caps up to ``fused_pass.SOFTCAP_MAX`` and z-loss included; fp16
+  without a soft-cap (``fused_pass.online``); a bf16 frozen head by chunks of vocabulary columns
+  (``fused_pass.triton_fused_columns``), ``memory="low"`` included, unless soft-capped;
 * two-pass (``backward.triton_gradients_by_columns``): the forward kernel's lse, then the logits recomputed on chip
   and G written a chunk of vocabulary columns at a time; also ``memory="low"`` wherever dW or db is needed, the
   logits are soft-capped or the fused pass cannot run, with small chunks, on every device;
-* one-pass (``train_pass.py``): fp32 logits from cuBLAS a chunk of rows at a time, read twice; every other case
-  (fp16 above D = 1,024, a trainable head there whose every-row R does not fit, the interpreter's CPU runs).
+* one-pass (``train_pass.py``): fp32 logits from cuBLAS a chunk of rows at a time, read twice; fp32 inputs and every
+  other case (above D = 1,024: a bf16 trainable head whose every-row R does not fit, soft-caps the fused path does not
+  take; the interpreter's CPU runs).
+
+fp16 inputs on the one-pass, two-pass and recomputing paths take their token weights divided by a power of two and
+scale the gradients back (``_fp16_weights``), so that G keeps fp16's digits.
 """
 from __future__ import annotations
 
