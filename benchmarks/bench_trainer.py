@@ -1,5 +1,5 @@
-"""Fine-tuning through the Hugging Face Trainer with bf16=True (the set-up users run), one process: tokens/s, peak
-memory, the largest batch that fits, and evidence that the patch engaged.
+"""Fine-tuning through the Hugging Face Trainer with bf16=True (the set-up users run; ``--fp16``: fp16=True), one
+process: tokens/s, peak memory, the largest batch that fits, and evidence that the patch engaged.
 
 For each model, the same data (real instruction text packed into sequences) and the same Trainer arguments
 (bf16 mixed precision, AdamW fused, gradient checkpointing with ``--checkpointing`` or where a run ran out of memory):
@@ -36,6 +36,8 @@ import time
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # the package from this checkout where it is not installed (a GPU machine's copy)
+HALF = [torch.bfloat16]  # the Trainer's mixed precision: bf16, or fp16 with --fp16
 # Real models' configurations with random weights (no checkpoint to stage). distributed_matrix.py uses "llama3-8b".
 CONFIGS = {
     "llama3.2-1b": dict(model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
@@ -128,7 +130,7 @@ def first_batch_losses(model, batch, b, device):
     lm = unwrap_model(model)
     lm.train()
     ids, labels = batch["input_ids"].to(device), batch["labels"].to(device)
-    with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+    with torch.autocast(device, dtype=HALF[0], enabled=device == "cuda"):
         out = original_forward(lm)(input_ids=ids, return_dict=True)
         own = LabelSmoother(b)(out, labels, shift_labels=True) if b else torch.nn.functional.cross_entropy(
             out.logits[:, :-1].float().flatten(0, 1), labels[:, 1:].flatten())
@@ -204,7 +206,7 @@ def run_one(name, method, b, batch, seq, steps, out_dir, device, warmup=2, check
     compiled = compile_kind in ("compile", "compile-cg")
     if compile_kind and not compiled:
         raise ValueError(f"unknown method suffix +{compile_kind} (use +compile or +compile-cg)")
-    model, tok = load(name, device, torch.bfloat16 if lora else torch.float32)
+    model, tok = load(name, device, HALF[0] if lora else torch.float32)
     v = model.config.get_text_config().vocab_size
     ids = _text_ids(tok, batch * seq * (steps + warmup) + 1) if tok is not None else \
         torch.randint(0, v, (batch * seq * (steps + warmup) + 1,), generator=torch.Generator().manual_seed(0))
@@ -225,7 +227,8 @@ def run_one(name, method, b, batch, seq, steps, out_dir, device, warmup=2, check
     cuda = device == "cuda"
     args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=batch, max_steps=steps + warmup,
                              learning_rate=1e-5, lr_scheduler_type="constant", label_smoothing_factor=b,
-                             bf16=cuda, use_cpu=not cuda, report_to=[], save_strategy="no", logging_steps=10 ** 6,
+                             bf16=cuda and HALF[0] == torch.bfloat16, fp16=cuda and HALF[0] == torch.float16,
+                             use_cpu=not cuda, report_to=[], save_strategy="no", logging_steps=10 ** 6,
                              optim=OPTIMIZER if cuda else "adamw_torch", seed=0, disable_tqdm=True,
                              dataloader_drop_last=True, gradient_checkpointing=checkpointing,
                              use_liger_kernel=method_base == "liger", torch_compile=compiled,
@@ -233,18 +236,26 @@ def run_one(name, method, b, batch, seq, steps, out_dir, device, warmup=2, check
     timer = _Timer(warmup)
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[timer.cb, *callbacks])
     before = ENGAGEMENT.fused_calls
+    import hf_lsce.ops.fused_pass as fp
+
+    real_pass, pass_dtypes = fp.triton_fused_pass, set()  # which dtype the fused path ran in (not under compile)
+    fp.triton_fused_pass = lambda h, *a, **k: pass_dtypes.add(str(h.dtype)[6:]) or real_pass(h, *a, **k)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     if compiled:
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        fp.triton_fused_pass = real_pass
     dt = (timer.t1 - timer.t0) / steps
     row = dict(model=name, method=method, label_smoothing=b, batch=batch, seq=seq, tokens_per_s=batch * seq / dt,
                step_s=dt, peak_gib=torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None,
                lm_head_calls=None if compiled else len(calls), fused_calls=ENGAGEMENT.fused_calls - before,
                checkpointing=checkpointing, lora=lora,
-               loss=trainer.state.log_history[-1].get("train_loss"), host_syncs_per_step=timer.syncs)
+               loss=trainer.state.log_history[-1].get("train_loss"), host_syncs_per_step=timer.syncs,
+               fused_pass_dtypes=sorted(pass_dtypes), precision=str(HALF[0])[6:])
     if losses is not None:
         row["first_batch_own_loss"], row["first_batch_patched_loss"] = losses
     if compiled:  # what Dynamo did: graphs compiled and graph breaks (a break or a recompile costs each step)
@@ -314,13 +325,18 @@ def merge_repeats(runs):
     return rows
 
 
+def _loss(x):
+    return "-" if x is None else f"{x:.4f}"
+
+
 def table(rows):
     lines = ["| model | method | b | batch x seq | tokens/s | vs HF (same b) | peak GiB | lm_head calls | fused calls | "
-             "host syncs / step | first batch: own / patched loss | largest batch |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "host syncs / step | first batch: own / patched loss | train loss | largest batch |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['model']} | {r['method']} | {r['label_smoothing']} | {r.get('batch')} | {r['error']} |||||||")
+            lines.append(f"| {r['model']} | {r['method']} | {r['label_smoothing']} | {r.get('batch')} | {r['error']} "
+                         "||||||||")
             continue
         ref = next((x for x in rows if x["model"] == r["model"] and "error" not in x
                     and x["method"] == "+".join(["hf", *r["method"].split("+")[1:]])
@@ -335,8 +351,9 @@ def table(rows):
         method = r["method"] + (f" ({r['compiled_graphs']} graphs, {r['graph_breaks']} breaks)"
                                 if "compiled_graphs" in r else "")
         lines.append(f"| {r['model']} | {method} | {r['label_smoothing']} | {r['batch']} x {r['seq']} | "
-                     f"{tps} | {sp} | {pk} | {'-' if r['lm_head_calls'] is None else r['lm_head_calls']} | {r['fused_calls']} | "
-                     f"{r.get('host_syncs_per_step', '-')} | {fb} | {mb} |")
+                     f"{tps} | {sp} | {pk} | {'-' if r['lm_head_calls'] is None else r['lm_head_calls']} | {r['fused_calls']}"
+                     f"{' (fused path: ' + ', '.join(r['fused_pass_dtypes']) + ')' if r.get('fused_pass_dtypes') else ''} | "
+                     f"{r.get('host_syncs_per_step', '-')} | {fb} | {_loss(r.get('loss'))} | {mb} |")
     return "\n".join(lines)
 
 
@@ -387,7 +404,10 @@ def main():
     ap.add_argument("--lora", action="store_true", help="PEFT LoRA r=16 on q/k/v/o over bf16 base weights, head frozen")
     ap.add_argument("--checkpointing", action="store_true", help="gradient checkpointing from the start")
     ap.add_argument("--smoke", action="store_true", help="CPU, a tiny model, two steps")
+    ap.add_argument("--fp16", action="store_true", help="the Trainer's fp16=True (and an fp16 LoRA base) for bf16")
     args = ap.parse_args()
+    if args.fp16:
+        HALF[0] = torch.float16
     if args.repeats < 1:
         raise SystemExit("--repeats must be at least 1")
     start = time.time()
@@ -439,8 +459,8 @@ def main():
                 json.dump(dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu", torch=torch.__version__,
                                optimizer=OPTIMIZER if device == "cuda" else "adamw_torch", rows=rows), f, indent=1)
     md = (f"{torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}; torch {torch.__version__}; the Trainer, "
-          f"bf16={device == 'cuda'}, optim={OPTIMIZER if device == 'cuda' else 'adamw_torch'}"
-          f"{', LoRA r=16 (q, k, v, o), bf16 base' if args.lora else ''}; {args.steps} timed steps after 2 warm-up"
+          f"{'fp16' if HALF[0] == torch.float16 else 'bf16'}={device == 'cuda'}, optim={OPTIMIZER if device == 'cuda' else 'adamw_torch'}"
+          f"{', LoRA r=16 (q, k, v, o), half-precision base' if args.lora else ''}; {args.steps} timed steps after 2 warm-up"
           f"\n\n{table(rows)}")
     print(md)
     with open(os.path.join(args.out_dir, "bench_trainer.md"), "w") as f:
