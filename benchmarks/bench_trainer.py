@@ -325,10 +325,6 @@ def merge_repeats(runs):
     return rows
 
 
-def _loss(x):
-    return "-" if x is None else f"{x:.4f}"
-
-
 def table(rows):
     lines = ["| model | method | b | batch x seq | tokens/s | vs HF (same b) | peak GiB | lm_head calls | fused calls | "
              "host syncs / step | first batch: own / patched loss | train loss | largest batch |",
@@ -353,7 +349,7 @@ def table(rows):
         lines.append(f"| {r['model']} | {method} | {r['label_smoothing']} | {r['batch']} x {r['seq']} | "
                      f"{tps} | {sp} | {pk} | {'-' if r['lm_head_calls'] is None else r['lm_head_calls']} | {r['fused_calls']}"
                      f"{' (fused path: ' + ', '.join(r['fused_pass_dtypes']) + ')' if r.get('fused_pass_dtypes') else ''} | "
-                     f"{r.get('host_syncs_per_step', '-')} | {fb} | {_loss(r.get('loss'))} | {mb} |")
+                     f"{r.get('host_syncs_per_step', '-')} | {fb} | {'-' if r.get('loss') is None else format(r['loss'], '.4f')} | {mb} |")
     return "\n".join(lines)
 
 
