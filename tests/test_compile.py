@@ -129,3 +129,27 @@ def test_a_frozen_head_compiles(backend, path, monkeypatch):
     ref, dh, _, _ = reference(h, w, y, smoothing=B)
     assert abs(loss.item() - ref.item()) < 1e-5 * abs(ref.item())
     assert rel(hc.grad, dh) < 1e-5
+
+
+@pytest.mark.parametrize("path", ["fused", "one-pass"])
+def test_fp16_op_compiles_fullgraph_as_eagerly(path, monkeypatch):
+    """fp16 inputs under torch.compile: the fused path's fp16 mode and the one-pass path's rescaled token weights
+    (``paths._fp16_weights``) run inside the compiled operators and give the eager op's loss and gradients, within
+    fp16's rounding of fp64's."""
+    monkeypatch.setattr(config, "TRAIN_PATH", path)
+    h, w, y, b = make_inputs(bias=True, peaked=True)
+
+    def loss_fn(h, w, b, y):
+        return linear_cross_entropy(h, w, y, bias=b, label_smoothing=B, num_items_in_batch=41, backend="triton")
+
+    grads = []
+    for fn in (loss_fn, _compiled(loss_fn)):
+        hc, wc, bc = (t.half().requires_grad_() for t in (h, w, b))
+        loss = fn(hc, wc, bc, y)
+        loss.backward()
+        grads.append((loss.detach(), hc.grad, wc.grad, bc.grad))
+    ref = reference(h.half().double(), w.half().double(), y, b.half().double(), smoothing=B, num_items=41)
+    assert abs(grads[1][0].item() - ref[0].item()) < 1e-5 * abs(ref[0].item())
+    for eager, compiled, want in zip(grads[0][1:], grads[1][1:], ref[1:]):
+        assert torch.equal(eager, compiled)
+        assert rel(compiled, want) < 5e-3
