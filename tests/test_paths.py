@@ -324,3 +324,28 @@ def test_fp16_gradients_keep_their_digits_under_a_small_token_weight(path, monke
     ref.backward()
     for got, want in ((hh.grad, h64.grad), (ww.grad, w64.grad), (bb.grad, b64.grad)):
         assert rel(got, want) < 5e-3, (path, rel(got, want))  # (G in fp16 as it was: 1.0-1.8e-2)
+
+
+@pytest.mark.parametrize("path", ["one-pass", "two-pass", "fused"])
+def test_fp16_gradients_take_a_loss_scale_before_their_rounding(path, monkeypatch):
+    """fp16 with a loss scaler's factor (2^16, as torch.amp.GradScaler's first) on the loss of a large batch (w = 5e-6):
+    dh and dW at scale 1 would sit in fp16's subnormal range, which the factor applied afterwards cannot undo. The
+    training paths keep them in fp32 until backward multiplies them by the upstream gradient (``matmul.kept_dtype``), so
+    they keep fp16's digits: within 1e-3 of fp64 (2.5-3.0e-4; rounded at scale 1 first: 9.8e-3 and 2.2e-2 here)."""
+    import hf_lsce.ops.config as config
+
+    g = torch.Generator().manual_seed(1)
+    n, d, v = 48, 32, 2000
+    h = torch.randn(n, d, generator=g).half()
+    w = (torch.randn(v, d, generator=g) / d ** 0.5 * 2).half()
+    y = torch.randint(0, v, (n,), generator=g)
+    monkeypatch.setattr(config, "TRAIN_PATH", path)
+    hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+    loss = linear_cross_entropy(hh, ww, y, label_smoothing=0.1, reduction="sum", num_items_in_batch=200000,
+                                backend="triton")
+    (loss * 65536.0).backward()
+    assert hh.grad.dtype == ww.grad.dtype == torch.float16
+    h64, w64 = (t.double().requires_grad_() for t in (h, w))
+    (F.cross_entropy(h64 @ w64.T, y, label_smoothing=0.1, reduction="sum") / 200000 * 65536.0).backward()
+    assert rel(hh.grad, h64.grad) < 1e-3, rel(hh.grad, h64.grad)
+    assert rel(ww.grad, w64.grad) < 1e-3, rel(ww.grad, w64.grad)

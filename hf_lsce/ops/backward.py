@@ -17,7 +17,7 @@ import triton.language as tl
 
 from .config import launch, tuning_configs
 from .forward import _dot, _finish_logits, _logit_tile, _split_bounds, _tile_offsets, tma_ready, vocab_splits
-from .matmul import addmm_f32, mm_f32
+from .matmul import addmm_f32, kept_dtype, mm_f32
 
 
 @triton.jit
@@ -142,7 +142,9 @@ def add_column_chunk_gradients(g, hidden, weight_cols, dh_acc, dw_rows, db_rows,
     N, one rounding), ``G W_cols`` added into the fp32 dh accumulator (written on the ``first`` chunk), those
     entries of db; any of them may be None."""
     if dw_rows is not None:
-        if hidden.is_cuda:
+        if dw_rows.dtype != g.dtype:  # (fp16's fp32 dW: matmul.kept_dtype)
+            mm_f32(g.T, hidden, dw_rows)
+        elif hidden.is_cuda:
             torch.mm(g.T, hidden, out=dw_rows)
         else:
             dw_rows.copy_((g.float().T @ hidden.float()).to(dw_rows.dtype))
@@ -158,7 +160,8 @@ def add_column_chunk_gradients(g, hidden, weight_cols, dh_acc, dw_rows, db_rows,
 def triton_gradients_by_columns(hidden, weight, bias, targets, lse, grad, smoothing, softcap, config,
                                 need_dh: bool = True, need_dw: bool = True, need_db: bool = True,
                                 chunk_bytes: int | None = None, extra: torch.Tensor | None = None):
-    """(dh, dW, db) of ``sum_n grad_n loss_n (+ extra_n p_n)`` (dh in hidden's dtype, dW in weight's, db fp32),
+    """(dh, dW, db) of ``sum_n grad_n loss_n (+ extra_n p_n)`` (dh in hidden's dtype, dW in weight's, both fp32 for
+    fp16: ``kept_dtype``; db fp32),
     through chunks of vocabulary *columns* of G: the lse is known, so each chunk of columns is complete for every
     row. Its rows of dW come from one matmul over all N (written once, one rounding, as torch's own bf16 path), its
     part of dh is added into an fp32 accumulator (``4 N D`` bytes; one rounding at the end). The logits are
@@ -177,7 +180,7 @@ def triton_gradients_by_columns(hidden, weight, bias, targets, lse, grad, smooth
             cols.bit_length() - 1)
     buf = torch.empty(n * cols, dtype=hidden.dtype, device=dev)
     dh_acc = torch.empty(n, d, dtype=torch.float32, device=dev) if need_dh else None
-    dw = torch.empty(v, d, dtype=weight.dtype, device=dev) if need_dw else None
+    dw = torch.empty(v, d, dtype=kept_dtype(weight.dtype), device=dev) if need_dw else None
     db = torch.empty(v, dtype=torch.float32, device=dev) if (need_db and bias is not None) else None
     for c0 in range(0, v, cols):
         c1 = min(v, c0 + cols)
@@ -187,4 +190,4 @@ def triton_gradients_by_columns(hidden, weight, bias, targets, lse, grad, smooth
                           lse, grad, smoothing, extra, g, v, softcap)
         add_column_chunk_gradients(g, hidden, weight[c0:c1], dh_acc, dw[c0:c1] if need_dw else None,
                                    db[c0:c1] if db is not None else None, first=c0 == 0)
-    return (dh_acc.to(hidden.dtype) if need_dh else None), dw, db
+    return (dh_acc.to(kept_dtype(hidden.dtype)) if need_dh else None), dw, db

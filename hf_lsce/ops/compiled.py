@@ -32,6 +32,7 @@ from torch import Tensor
 
 from .checks import check_device_values
 from .dispatch import forward_stats
+from .matmul import kept_dtype
 from .paths import (loss_gradients, loss_terms, notify_training_call, statistics_and_gradients, token_loss_terms,
                     training_options)
 
@@ -155,7 +156,8 @@ def reduced_training_loss(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]
     need_db = need_db and bias is not None
     if n == 0:
         e = torch.zeros(0, dtype=dt, device=hidden.device)
-        kept = (torch.zeros_like(hidden) if need_dh else _none(hidden), torch.zeros_like(weight) if need_dw
+        kept = (torch.zeros_like(hidden, dtype=kept_dtype(hidden.dtype)) if need_dh else _none(hidden),
+                torch.zeros_like(weight, dtype=kept_dtype(weight.dtype)) if need_dw
                 else _none(hidden), torch.zeros_like(bias) if need_db else _none(hidden))
         return (torch.zeros((), dtype=dt, device=hidden.device), e, torch.zeros(0, dtype=torch.long,
                 device=hidden.device), e.clone(), e.clone(), *kept)
@@ -168,7 +170,8 @@ def reduced_training_loss(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]
     loss = per.sum() if denom is None else per.sum() / denom
     notify_training_call(observed_smoothing)
     return (loss, lse.clone(), argmax.clone(), nll.clone(), entropy.clone(),
-            dh.to(hidden.dtype) if need_dh else _none(hidden), dw.to(weight.dtype) if need_dw else _none(hidden),
+            dh.to(kept_dtype(hidden.dtype)) if need_dh else _none(hidden),
+            dw.to(kept_dtype(weight.dtype)) if need_dw else _none(hidden),
             db.to(bias.dtype) if need_db and db is not None else _none(hidden))
 
 
@@ -178,13 +181,15 @@ def _(hidden, weight, bias, targets, smoothing, token_weight, denom, softcap, ba
     n, dt = hidden.shape[0], _stats_dtype(hidden)
     return (hidden.new_empty((), dtype=dt), hidden.new_empty(n, dtype=dt), hidden.new_empty(n, dtype=torch.long),
             hidden.new_empty(n, dtype=dt), hidden.new_empty(n, dtype=dt),
-            torch.empty_like(hidden) if need_dh else _none(hidden), torch.empty_like(weight) if need_dw
-            else _none(hidden), torch.empty_like(bias) if need_db and bias is not None else _none(hidden))
+            torch.empty_like(hidden, dtype=kept_dtype(hidden.dtype)) if need_dh else _none(hidden),
+            torch.empty_like(weight, dtype=kept_dtype(weight.dtype)) if need_dw else _none(hidden),
+            torch.empty_like(bias) if need_db and bias is not None else _none(hidden))
 
 
 def _setup_reduced(ctx, inputs, output):
     ctx.save_for_backward(*output[5:])
     ctx.has_bias = inputs[2] is not None
+    ctx.dtypes = inputs[0].dtype, inputs[1].dtype  # (the kept gradients' are fp32 for fp16: kept_dtype)
     ctx.mark_non_differentiable(*output[1:])
 
 
@@ -195,10 +200,10 @@ def _backward_reduced(ctx, grad_loss, *unused):
         return (None,) * 17
     g = grad_loss.reshape(()).float()
 
-    def scaled(t):
-        return (t.float() * g).to(t.dtype)
+    def scaled(t, dtype=None):
+        return (t.float() * g).to(dtype or t.dtype)
 
-    return (scaled(dh) if need_dh else None, scaled(dw) if need_dw else None,
+    return (scaled(dh, ctx.dtypes[0]) if need_dh else None, scaled(dw, ctx.dtypes[1]) if need_dw else None,
             scaled(db) if need_db and ctx.has_bias else None) + (None,) * 14
 
 

@@ -54,7 +54,7 @@ import triton.language as tl
 
 from .config import interpreting
 from .forward import _dot, _finish_logits, _init_state, _logit_acc, _split_bounds, _tanh, tma_ready
-from .matmul import addmm_f32, mm_f32
+from .matmul import addmm_f32, kept_dtype, mm_f32
 
 # c_n = mean logit + C_SHIFT; a row whose max exceeds c_n by more than R_EXP_MAX is redone with c_n = its max.
 C_SHIFT = 24.0
@@ -673,7 +673,7 @@ def triton_fused_pass(hidden, weight, bias, targets, smoothing, scale, config, n
     """Statistics and gradients of ``sum_n scale_n loss_n`` for 2-D bf16 ``hidden`` (N, D) by the fused path (see the
     module docstring; ``supported`` says when it applies). ``targets``: ids, -1 for ignored tokens; ``smoothing`` and
     ``scale``: fp32 per token. Returns ``(lse, zy, sz, argmax, entropy, loss, nll), dh, dw, db`` (the token losses
-    as ``paths.token_loss_terms`` gives them; dh, dw in the inputs' dtype, db fp32; None where not needed; argmax and
+    as ``paths.token_loss_terms`` gives them; dh, dw in the inputs' dtype (fp32 for fp16: ``kept_dtype``), db fp32; None where not needed; argmax and
     entropy zeros unless ``need_stats``). ``free_bytes``: the free memory
     ``memory="auto"`` measured (the direct layout only if it fits: ``layout``). ``softcap``: R's chunk becomes G
     itself (``_softcap_grad_kernel``), whose products give dh, dW and db. ``smoothed=False``: ``smoothing`` is 0 for
@@ -699,7 +699,7 @@ def triton_fused_pass(hidden, weight, bias, targets, smoothing, scale, config, n
     lse, zy, sz, ent, a_all, u_all, loss, nll = rowbuf
     am = torch.empty(n, dtype=torch.long, device=dev)
     grad = need_dh or need_dw or (need_db and bias is not None)
-    dh = torch.empty(n, d, dtype=hidden.dtype, device=dev) if need_dh else None
+    dh = torch.empty(n, d, dtype=kept_dtype(hidden.dtype), device=dev) if need_dh else None
     dw32 = torch.empty(v, d, **f32) if need_dw and not direct else None
     db = torch.zeros(v, **f32) if need_db and bias is not None else None
     dh32 = torch.empty(rows, d, **f32) if need_dh and not soft else None
@@ -763,8 +763,8 @@ def triton_fused_pass(hidden, weight, bias, targets, smoothing, scale, config, n
     dw = None
     if direct:
         dw = _direct_dw(r_buf, hs, u_all, hidden, n, v, weight, rank_one=smoothed)
-    elif need_dw and on:
-        dw = torch.mul(dw32, gamma, out=torch.empty(v, d, dtype=weight.dtype, device=dev))
+    elif need_dw and on:  # (kept in fp32 until backward: matmul.kept_dtype)
+        dw = dw32.mul_(gamma)
     elif need_dw:
         dw = dw32.to(weight.dtype)
     if db is not None and not soft and smoothed:

@@ -271,7 +271,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
             c = grad_loss.detach().float().reshape(1)
             dh, dw, db = scale_by(kept, c)
-            return dh, dw, db.to(bias.dtype) if db is not None else None, *rest
+            return _cast(dh, hidden), _cast(dw, weight), db.to(bias.dtype) if db is not None else None, *rest
         if bad is not None and grad_loss is not None:  # the NaN loss of a failed check passes no gradient
             grad_loss = torch.where(bad, 0.0, grad_loss)
         valid = targets >= 0
@@ -289,12 +289,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 dh, dw, db = kept
                 if not math.isclose(c, 1.0, rel_tol=1e-6, abs_tol=0.0):
                     dh, dw, db = (t.mul_(c) if t is not None else None for t in kept)
-                return dh, dw, db.to(bias.dtype) if db is not None else None, *rest
+                return _cast(dh, hidden), _cast(dw, weight), db.to(bias.dtype) if db is not None else None, *rest
         del kept  # an upstream gradient the kept one cannot be scaled to: recompute below
         dh, dw, db = loss_gradients(hidden, weight, bias, targets, lse, smoothing, grad, grad_lse, opts, False,
                                     need_dh, need_dw, need_db and bias is not None)
         return (dh.to(hidden.dtype) if need_dh else None, dw.to(weight.dtype) if need_dw else None,
                 db.to(bias.dtype) if need_db and db is not None else None) + rest
+
+
+def _cast(t, like):
+    """``t`` in ``like``'s dtype (None passes): a kept gradient, fp32 for fp16 inputs (``matmul.kept_dtype``), rounded
+    once after the upstream gradient multiplied it."""
+    return t.to(like.dtype) if t is not None else None
 
 
 def _uniform_ratio(grad: torch.Tensor, token_weight: torch.Tensor) -> float | None:

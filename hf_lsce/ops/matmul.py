@@ -15,6 +15,15 @@ def mm_f32(a, b, out):
         torch.mm(a, b, out_dtype=torch.float32, out=out)
 
 
+def kept_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the gradients (dh, dW) a training path keeps until backward multiplies them by the upstream
+    gradient: fp32 for fp16 inputs, whose gradients at scale 1 (a token weight of 1 / N) fall into fp16's subnormal
+    range, where a loss scaler's factor applied afterwards could not give back the digits (dh 9.8e-3 and dW 2.2e-2 off
+    fp64 rounded first, 2.5-3.0e-4 kept: tests/test_paths.py); the input dtype otherwise. Cast once, in backward;
+    fp16 holds 2 (N + V) D bytes more until then."""
+    return torch.float32 if dtype == torch.float16 else dtype
+
+
 def addmm_f32(acc, a, b):
     """acc (fp32) += a @ b for half operands, without a temporary where cuBLAS can accumulate into fp32."""
     if a.device.type == "cuda" and a.dtype != torch.float32 and "dtype_out" in torch.ops.aten.addmm.overloads():

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from .config import TRAIN_CHUNK_BYTES, interpreting
 from .forward import _tanh
-from .matmul import addmm_f32, mm_f32
+from .matmul import addmm_f32, kept_dtype, mm_f32
 
 
 @triton.jit
@@ -129,7 +129,9 @@ def _lce_rows_kernel(
 def add_chunk_gradients(g, hidden_chunk, weight, dh_chunk, dw, db, first: bool) -> None:
     """From G = dL/dz of one chunk of rows (rows x V): ``dh_chunk = G W``, ``dW += G^T h`` (written,
     not added, on the first chunk) and ``db += sum of G's rows``, by cuBLAS; any of them may be None."""
-    if dh_chunk is not None:
+    if dh_chunk is not None and dh_chunk.dtype != g.dtype:  # (fp16's fp32 dh: kept_dtype)
+        mm_f32(g, weight, dh_chunk)
+    elif dh_chunk is not None:
         torch.mm(g, weight, out=dh_chunk)
     if dw is not None:
         if first:
@@ -166,7 +168,8 @@ def triton_train_pass(hidden, weight, bias, targets, smoothing, scale, softcap,
                       z_loss: float = 0.0, accum_dtype: torch.dtype | None = None):
     """Statistics and gradients of ``sum_n scale_n loss_n`` for 2-D ``hidden`` (N, D).
 
-    Returns ``(lse, zy, sz, argmax, entropy), dh, dw, db``; dh in hidden's dtype, dw in weight's,
+    Returns ``(lse, zy, sz, argmax, entropy), dh, dw, db``; dh in hidden's dtype, dw in weight's (both fp32 for fp16:
+    ``kept_dtype``),
     db fp32 (None where not needed). ``targets``: ids with -1 for ignored tokens; ``smoothing`` and
     ``scale``: fp32 per token. ``z_loss``: the coefficient of ``lse^2`` in each token's loss.
     ``accum_dtype``: the dtype dW is accumulated in across chunks (default: the weight's).
@@ -188,8 +191,8 @@ def triton_train_pass(hidden, weight, bias, targets, smoothing, scale, softcap,
     # (non-finite as bf16 pairs), and a row of dh came back NaN.
     g_all = torch.empty(rows, v, dtype=hidden.dtype, device=dev) if on_cpu else buf.view(hidden.dtype)[:, :v]
     w_cpu = weight.float() if on_cpu and weight.dtype != torch.float32 else weight
-    dh = torch.empty(n, d, dtype=hidden.dtype, device=dev) if need_dh else None
-    acc_dt = accum_dtype or weight.dtype
+    dh = torch.empty(n, d, dtype=kept_dtype(hidden.dtype), device=dev) if need_dh else None
+    acc_dt = accum_dtype or kept_dtype(weight.dtype)
     dw = torch.empty(v, d, dtype=acc_dt, device=dev) if need_dw else None
     db = torch.zeros(v, **f32) if need_db else None
     block, warps = _rows_launch_config(v)
@@ -218,7 +221,7 @@ def triton_train_pass(hidden, weight, bias, targets, smoothing, scale, softcap,
             add_chunk_gradients(g, h, weight, dh[s:e] if need_dh else None, None, db, first=s == 0)
         else:
             add_chunk_gradients(g, h, weight, dh[s:e] if need_dh else None, dw, db, first=s == 0)
-    if dw is not None and dw.dtype != weight.dtype:
+    if dw is not None and dw.dtype != kept_dtype(weight.dtype):
         dw = dw.to(weight.dtype)
     return (lse, zy, sz, am.long(), ent), dh, dw, db
 
