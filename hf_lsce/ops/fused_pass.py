@@ -54,7 +54,7 @@ import triton.language as tl
 
 from .config import interpreting
 from .forward import _dot, _finish_logits, _init_state, _logit_acc, _split_bounds, _tanh, tma_ready
-from .matmul import addmm_f32, kept_dtype, mm_f32
+from .matmul import addmm_f32, kept_dtype, mm_f32, power_of_two_scale
 
 # c_n = mean logit + C_SHIFT; a row whose max exceeds c_n by more than R_EXP_MAX is redone with c_n = its max.
 C_SHIFT = 24.0
@@ -708,7 +708,7 @@ def triton_fused_pass(hidden, weight, bias, targets, smoothing, scale, config, n
     mt = torch.empty(rows, triton.cdiv(v, config.block_v), **f32) if on else None
     gamma = a_all  # (fp16: dW and db from (a / gamma) o h, scaled back by gamma, a power of two: ``online``)
     if on:
-        gamma = torch.exp2(torch.ceil(torch.log2(scale.abs().amax().clamp_min(2.0 ** -100)))).reshape(1)
+        gamma = power_of_two_scale(scale)
     per_row = (zy, sz, smoothing, scale, lse, ent, am, a_all, u_all, loss, nll, dh)
     for s0 in range(0, n, rows):
         e0 = min(n, s0 + rows)

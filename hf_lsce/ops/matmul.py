@@ -24,6 +24,14 @@ def kept_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype == torch.float16 else dtype
 
 
+def power_of_two_scale(*tensors) -> torch.Tensor:
+    """The smallest power of two at least the largest magnitude in ``tensors`` (None and empty ones skipped), as a
+    one-element fp32 tensor on their device, with no host synchronisation: fp16's gradients are computed from weights
+    divided by it and multiplied back by it, exactly (``paths._fp16_weights``, ``fused_pass.online``)."""
+    top = torch.stack([t.detach().abs().amax().float() for t in tensors if t is not None and t.numel()]).amax()
+    return torch.exp2(torch.ceil(torch.log2(top.clamp_min(2.0 ** -100)))).reshape(1)
+
+
 def addmm_f32(acc, a, b):
     """acc (fp32) += a @ b for half operands, without a temporary where cuBLAS can accumulate into fp32."""
     if a.device.type == "cuda" and a.dtype != torch.float32 and "dtype_out" in torch.ops.aten.addmm.overloads():

@@ -240,8 +240,9 @@ def _fp16_weights(hidden, *weights):
     two). Other dtypes: unchanged, gamma None."""
     if hidden.dtype != torch.float16:
         return weights, None
-    top = torch.stack([w.detach().abs().amax().float() for w in weights if w is not None and w.numel()]).amax()
-    gamma = torch.exp2(torch.ceil(torch.log2(top.clamp_min(2.0 ** -100)))).reshape(1)
+    from .matmul import power_of_two_scale
+
+    gamma = power_of_two_scale(*weights)
     return tuple(w / gamma if w is not None else None for w in weights), gamma
 
 
