@@ -97,7 +97,7 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
                 c = c * (1.0 - t * t)
             cols = local_t[rows]
             # The mend in fp32 and cast once to each buffer's dtype (the backends return dh / dW in the inputs'
-            # dtype and db in fp32: with a half-precision bias they differ).
+            # dtype, fp32 for fp16 inputs (matmul.kept_dtype), and db in fp32: with a half-precision bias they differ).
             dh.index_add_(0, rows, (c[:, None] * weight[cols].float()).to(dh.dtype))
             dw.index_add_(0, cols, (c[:, None] * hidden[rows].float()).to(dw.dtype))
             if db is not None:
