@@ -531,13 +531,14 @@ def test_tma_switch_values():
             assert "HF_LSCE_TMA must be 0" in r.stderr and repr(value) in r.stderr
 
 
-def test_no_fused_path_without_bf16_tensor_cores(monkeypatch):
-    """A GPU without bf16 tensor cores (Turing, Volta: config.bf16_dot False) never takes the fused path, forced or
-    not."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_no_fused_path_without_tensor_core_dots(monkeypatch, dtype):
+    """A GPU whose Triton dots are not tensor-core MMA (Turing, Volta: config.mma_dot False) never takes the fused path,
+    forced or not, in bf16 or fp16."""
     real = config.fused_config
-    monkeypatch.setattr(config, "fused_config", lambda dt, dev: dataclasses.replace(real(dt, dev), bf16_dot=False))
-    h = torch.zeros(4, D, dtype=torch.bfloat16, requires_grad=True)
-    w = torch.zeros(V, D, dtype=torch.bfloat16)
+    monkeypatch.setattr(config, "fused_config", lambda dt, dev: dataclasses.replace(real(dt, dev), mma_dot=False))
+    h = torch.zeros(4, D, dtype=dtype, requires_grad=True)
+    w = torch.zeros(V, D, dtype=dtype)
     monkeypatch.setattr(config, "TRAIN_PATH", "fused")
     assert _train_path(h, w, None, 0.0, None) != "fused"
     monkeypatch.setattr(config, "fused_config", real)

@@ -285,6 +285,7 @@ def test_one_pass_g_handed_to_cpu_blas_has_no_stale_columns(monkeypatch):
     (("fp16", 4096, True, True), "fused"),  # 2 % slower than the one-pass path there, whose fp16 G underflows
     (("fp16", 640, True, False), "two-pass"),  # fp16 with a soft-cap
     (("fp32", 640, True, False), "one-pass"), (("fp32", 4096, True, False), "one-pass"),  # cuBLAS, not fp32 dots
+    (("fp16", 640, True, "no mma"), "one-pass"),  # Turing, Volta: Triton's dots are FMA there, cuBLAS's are not
 ])
 def test_cuda_path_choice_follows_the_measured_rules(case, expected):
     """``paths.cuda_path``: which training path a CUDA call takes by dtype, hidden size, head and whether the fused
@@ -293,7 +294,8 @@ def test_cuda_path_choice_follows_the_measured_rules(case, expected):
 
     dt, d, need_dw, fused = case
     dtype = dict(bf16=torch.bfloat16, fp16=torch.float16, fp32=torch.float32)[dt]
-    assert cuda_path(8192, d, 128256, dtype, need_dw, fused, True) == expected
+    mma = fused != "no mma"  # (without MMA dots neither the fused nor the two-pass path runs: paths._train_path)
+    assert cuda_path(8192, d, 128256, dtype, need_dw, fused is True, mma) == expected
 
 
 @pytest.mark.parametrize("path", ["one-pass", "two-pass", "fused", "recomputing"])

@@ -28,8 +28,11 @@ class KernelConfig:
     min_splits: int = 1
     # Forward: the TMA kernel (Hopper and newer, half precision), see forward.py.
     tma: bool = False
-    # bf16 tensor-core dots (compute capability 8.0 and newer, and the interpreter): the fused path's condition.
-    bf16_dot: bool = True
+    # Triton's tl.dot lowers to tensor-core MMA (compute capability 8.0 and newer, and the interpreter): the fused
+    # path's condition, and on CUDA the two-pass path's (its G kernel's dots). Below it Triton 3.9 lowers fp16 dots to
+    # FMA: the fp16 kernel compiled for sm75 and sm70 has no mma instruction, for sm80 m16n8k16 (tl.dot's PTX, compiled
+    # on the CPU); Turing and Volta take cuBLAS's tensor cores through the one-pass path instead.
+    mma_dot: bool = True
 
 
 # HF_LSCE_TMA=0: the kernels take pointer loads where they would take TMA ones (a Hopper GPU then runs what an A100,
@@ -58,9 +61,9 @@ def _forward_config(dtype: torch.dtype, device: torch.device, interp: bool) -> K
         return KernelConfig(16, 32, 16, 1, 1, prec, 6, upcast_dot=dtype == torch.bfloat16)
     props = torch.cuda.get_device_properties(device)
     sms = props.multi_processor_count
-    bf16_dot = props.major >= 8
+    mma_dot = props.major >= 8  # (see KernelConfig.mma_dot)
     if dtype == torch.float32:
-        return KernelConfig(64, 64, 32, 4, 3, prec, 2 * sms, bf16_dot=bf16_dot)
+        return KernelConfig(64, 64, 32, 4, 3, prec, 2 * sms, mma_dot=mma_dot)
     if torch.version.cuda is not None and tma_capable(props) and _has_tensor_descriptors() and TMA_SWITCH != "0":
         # The TMA kernel, one block shape: 128 x 256 x 64 tiles, 8 warps, 3 stages was the fastest candidate at
         # every shape and split count measured on an H100 (256 x 128, 128 x 128 and 4 stages were slower;
@@ -69,7 +72,7 @@ def _forward_config(dtype: torch.dtype, device: torch.device, interp: bool) -> K
         # N = 8192 took 14.5 / 15.7 / 20.1 ms (Gemma2-2B shape). At least 2, or the rows of h the resident
         # programs read no longer fit in L2: at N = 32768, 1 / 2 / 4 splits took 77.2 / 60.8 / 58.8 ms.
         return KernelConfig(128, 256, 64, 8, 3, prec, 2 * sms, min_splits=2, tma=True)
-    return KernelConfig(128, 128, 64, 8, 3, prec, 2 * sms, autotune=True, min_splits=16, bf16_dot=bf16_dot)
+    return KernelConfig(128, 128, 64, 8, 3, prec, 2 * sms, autotune=True, min_splits=16, mma_dot=mma_dot)
 
 
 def fused_config(dtype: torch.dtype, device: torch.device) -> KernelConfig:

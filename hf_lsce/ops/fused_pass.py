@@ -198,13 +198,13 @@ def _exp_tiles_kernel(
 
 
 def supported(hidden, weight, softcap, z_loss, config) -> bool:
-    """Whether the fused path can run these inputs: bf16 (a bias has hidden's dtype: the op's validation) on a GPU with
-    bf16 tensor cores (``config.bf16_dot``: compute capability 8.0 or newer) or the interpreter, and no soft-cap or one
-    of at most ``SOFTCAP_MAX`` (any z-loss); fp16 without a soft-cap (``online``). The kernel takes TMA loads where
+    """Whether the fused path can run these inputs: on a GPU whose Triton dots are tensor-core MMA (``config.mma_dot``:
+    compute capability 8.0 or newer) or the interpreter, bf16 (a bias has hidden's dtype: the op's validation) with no
+    soft-cap or one of at most ``SOFTCAP_MAX`` (any z-loss), or fp16 without a soft-cap (``online``). The kernel takes TMA loads where
     ``forward.tma_ready`` allows them, pointer loads elsewhere."""
     if hidden.dtype == torch.float16 and weight.dtype == torch.float16:  # (R by running maxima: ``online``)
-        return softcap is None
-    return (hidden.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and config.bf16_dot
+        return softcap is None and config.mma_dot
+    return (hidden.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and config.mma_dot
             and (softcap is None or softcap <= SOFTCAP_MAX))
 
 

@@ -107,8 +107,9 @@ def _train_path(hidden, weight, softcap, z_loss, accum_dtype, free_bytes=None) -
         return config.TRAIN_PATH
     if not hidden.is_cuda:
         return "one-pass"
+    mma = config.fused_config(hidden.dtype, hidden.device).mma_dot
     return cuda_path(*hidden.shape, weight.shape[0], hidden.dtype, weight.requires_grad, can["fused"],
-                     can["two-pass"], free_bytes)
+                     can["two-pass"] and mma, free_bytes)
 
 
 def cuda_path(n: int, d: int, v: int, dtype, need_dw: bool, fused_runs: bool, two_pass_runs: bool,
@@ -117,7 +118,8 @@ def cuda_path(n: int, d: int, v: int, dtype, need_dw: bool, fused_runs: bool, tw
     (``fused_pass.preferred``; fp16 always: the other paths write G = w (p - y) in fp16, whose weight 1 / N puts
     most of it below fp16's normal range, dh 0.39-0.42 off fp64 where the fused path's is 4.7-5.4e-3, H100,
     N = 8,192, Llama-3-8B and Gemma2-2B heads); else, in half precision up to hidden size ``config.TWO_PASS_MAX_D``,
-    the two-pass path (dW written once per row there); otherwise the one-pass path, fp32 inputs at every D: their
+    the two-pass path (dW written once per row there; not on GPUs whose Triton dots are FMA, ``KernelConfig.mma_dot``:
+    Turing and Volta take the one-pass path's cuBLAS); otherwise the one-pass path, fp32 inputs at every D: their
     two-pass logits are Triton's fp32 dots, 2.9-3.9 x the one-pass path's cuBLAS (H100, N = 8,192, Gemma-3-270m and
     Llama-3-8B heads: 494 against 168 ms, 1,372 against 355; docs/how_it_works.md)."""
     from . import config

@@ -50,3 +50,23 @@ for arch, tma, stats, fixup, store, softcap, bias, online in itertools.product(
         print(json.dumps(dict(variant, result="ok")), flush=True)
     except Exception as e:  # noqa: BLE001 - reported per variant
         print(json.dumps(dict(variant, result=str(e).strip().splitlines()[-1][:300])), flush=True)
+
+# The premise of the path choice on Turing and Volta (config.KernelConfig.mma_dot): Triton lowers the fp16 kernel's
+# tl.dot to tensor-core MMA from sm80 only. Compiled to PTX (no GPU needed); one line per target.
+import re  # noqa: E402
+
+import triton  # noqa: E402
+
+for arch in (75, 80):
+    types = dict(R="*fp16", B="*fp16", C="*fp32", MT="*fp32", S_OUT="*fp32", T_OUT="*fp32", M_OUT="*fp32",
+                 AM_OUT="*i32", SZ_OUT="*fp32", H="*fp16", W="*fp16")
+    consts = dict(HAS_BIAS=False, DOT_PRECISION="tf32", UPCAST=False, STATS=False, FIXUP=False, STORE=True,
+                  SOFTCAP=False, ONLINE=True, TMA=False, BLOCK_N=128, BLOCK_V=128, BLOCK_D=64)
+    signature = {p.name: "constexpr" if p.is_constexpr else types.get(p.name, "fp32" if p.name in FLOATS else "i32")
+                 for p in fn.params}
+    src = ASTSource(fn, signature, {(fn.arg_names.index(k),): v for k, v in consts.items()})
+    try:
+        ptx = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=8, num_stages=2)).asm["ptx"]
+        print(json.dumps(dict(ptx_arch=arch, mma=sorted(set(re.findall(r"\bmma\.[a-z0-9.]+", ptx))))), flush=True)
+    except Exception as e:  # noqa: BLE001 - no PTX back end here: the test skips that part
+        print(json.dumps(dict(ptx_arch=arch, unavailable=str(e).strip().splitlines()[-1][:300])), flush=True)
