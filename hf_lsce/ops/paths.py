@@ -4,8 +4,9 @@ Shared by the eager op (``linear_cross_entropy._LinearCrossEntropy``) and the co
 that neither imports the other for them. Every path is exact:
 
 * fused (``fused_pass.py``): one logits pass whose kernel stores ``exp(z - c)`` in bf16, the gradients from it by
-  cuBLAS; bf16 on a GPU with bf16 tensor cores, soft-caps up to ``fused_pass.SOFTCAP_MAX`` and z-loss included; fp16
-  without a soft-cap (``fused_pass.online``); a bf16 frozen head by chunks of vocabulary columns
+  cuBLAS, on a GPU whose Triton dots are tensor-core MMA (compute capability 8.0 and newer: ``KernelConfig.mma_dot``);
+  bf16 with soft-caps up to ``fused_pass.SOFTCAP_MAX`` and z-loss included, fp16 without a soft-cap
+  (``fused_pass.online``); a bf16 frozen head by chunks of vocabulary columns
   (``fused_pass.triton_fused_columns``), ``memory="low"`` included, unless soft-capped;
 * two-pass (``backward.triton_gradients_by_columns``): the forward kernel's lse, then the logits recomputed on chip
   and G written a chunk of vocabulary columns at a time; also ``memory="low"`` wherever dW or db is needed, the
