@@ -134,7 +134,7 @@ def test_a_frozen_head_compiles(backend, path, monkeypatch):
 @pytest.mark.parametrize("path", ["fused", "one-pass"])
 def test_fp16_op_compiles_fullgraph_as_eagerly(path, monkeypatch):
     """fp16 inputs under torch.compile: the fused path's fp16 mode and the one-pass path's rescaled token weights
-    (``paths._fp16_weights``) run inside the compiled operators and give the eager op's loss and gradients, within
+    (``matmul.fp16_weights``) run inside the compiled operators and give the eager op's loss and gradients, within
     fp16's rounding of fp64's."""
     monkeypatch.setattr(config, "TRAIN_PATH", path)
     h, w, y, b = make_inputs(bias=True, peaked=True)

@@ -302,7 +302,7 @@ def test_cuda_path_choice_follows_the_measured_rules(case, expected):
 def test_fp16_gradients_keep_their_digits_under_a_small_token_weight(path, monkeypatch):
     """fp16 with the token weight of a large batch (num_items_in_batch = 20,000: w = 5e-5): G = w (p - y) in fp16
     would sit almost all below fp16's normal range (dh 0.4 off fp64 on an H100 at N = 8,192). Every path keeps G's
-    digits (``paths._fp16_weights``, or the fused path's fp32 row factor): dh, dW, db within 5e-3 of fp64 (the
+    digits (``matmul.fp16_weights``, or the fused path's fp32 row factor): dh, dW, db within 5e-3 of fp64 (the
     recomputing backward: through a returned lse's gradient)."""
     import hf_lsce.ops.config as config
 

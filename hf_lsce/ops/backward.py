@@ -17,7 +17,7 @@ import triton.language as tl
 
 from .config import launch, tuning_configs
 from .forward import _dot, _finish_logits, _logit_tile, _split_bounds, _tile_offsets, tma_ready, vocab_splits
-from .matmul import addmm_f32, kept_dtype, mm_f32
+from .matmul import addmm_f32, fp16_weights, kept_dtype, mm_f32, times_gamma
 
 
 @triton.jit
@@ -169,6 +169,7 @@ def triton_gradients_by_columns(hidden, weight, bias, targets, lse, grad, smooth
     at a time."""
     from .config import GRAD_CHUNK_BYTES
 
+    (grad, extra), gamma = fp16_weights(hidden.dtype, grad, extra)  # (fp16: G keeps its digits; scaled back below)
     n, d = hidden.shape
     v = weight.shape[0]
     dev = hidden.device
@@ -190,4 +191,5 @@ def triton_gradients_by_columns(hidden, weight, bias, targets, lse, grad, smooth
                           lse, grad, smoothing, extra, g, v, softcap)
         add_column_chunk_gradients(g, hidden, weight[c0:c1], dh_acc, dw[c0:c1] if need_dw else None,
                                    db[c0:c1] if db is not None else None, first=c0 == 0)
+    times_gamma((dh_acc, dw, db), gamma)
     return (dh_acc.to(kept_dtype(hidden.dtype)) if need_dh else None), dw, db

@@ -148,9 +148,9 @@ def _exp_tiles_kernel(
     capped logits into SZ_OUT (no dot product gives it); the offset is then ``cap`` itself (``_offsets_kernel``).
     ONLINE (fp16, whose range cannot hold R with an offset fixed before the logits): R and the state relative to
     each row's running max, recorded per tile in MT (``_normalize_kernel`` turns R into p afterwards); no C, no
-    fix-up. TMA: H and W are tensor descriptors (Hopper and data-centre Blackwell; loads past N, V and D zero-filled) in one
-    flattened loop over (vocabulary tile, D step) pairs; else pointers with masked loads (every GPU with bf16 tensor
-    cores, and the interpreter) in a D loop per vocabulary tile."""
+    fix-up. TMA: H and W are tensor descriptors (Hopper and data-centre Blackwell; loads past N, V and D zero-filled)
+    in one flattened loop over (vocabulary tile, D step) pairs; else pointers with masked loads (every GPU with
+    tensor-core dots, and the interpreter) in a D loop per vocabulary tile."""
     n0 = tl.program_id(1) * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -200,8 +200,8 @@ def _exp_tiles_kernel(
 def supported(hidden, weight, softcap, z_loss, config) -> bool:
     """Whether the fused path can run these inputs: on a GPU whose Triton dots are tensor-core MMA (``config.mma_dot``:
     compute capability 8.0 or newer) or the interpreter, bf16 (a bias has hidden's dtype: the op's validation) with no
-    soft-cap or one of at most ``SOFTCAP_MAX`` (any z-loss), or fp16 without a soft-cap (``online``). The kernel takes TMA loads where
-    ``forward.tma_ready`` allows them, pointer loads elsewhere."""
+    soft-cap or one of at most ``SOFTCAP_MAX`` (any z-loss), or fp16 without a soft-cap (``online``). The kernel takes
+    TMA loads where ``forward.tma_ready`` allows them, pointer loads elsewhere."""
     if hidden.dtype == torch.float16 and weight.dtype == torch.float16:  # (R by running maxima: ``online``)
         return softcap is None and config.mma_dot
     return (hidden.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and config.mma_dot
@@ -377,6 +377,14 @@ def _merge_columns_kernel(S, T, M, AM, C, S_RUN, T_RUN, M_RUN, AM_RUN, ACC, n, s
 
 
 @triton.jit
+def _zloss_factor(lse, z_loss):
+    """The z-loss ``lam lse^2`` scales p by ``k = 1 + 2 lam lse``, a factor per row, kept off 0 (where ``a = w k / S``
+    would lose the target term; 2^-20 of p is far below half precision's rounding)."""
+    k = 1.0 + 2.0 * z_loss * lse
+    return tl.where(tl.abs(k) < 9.5367431640625e-07, 9.5367431640625e-07, k)
+
+
+@triton.jit
 def _finish_rows_kernel(
     S, T, M, AM, SZS, C, ZY, SZ, Y, SMOOTH, SCALE, H, R, HS, GAMMA,
     LSE_OUT, ENT_OUT, AM_OUT, A_OUT, U_OUT, LOSS_OUT, NLL_OUT,
@@ -422,10 +430,7 @@ def _finish_rows_kernel(
         tl.store(AM_OUT + rows, tl.zeros((BLOCK_R,), dtype=tl.int64), mask=mask_r)
     if GRAD:
         w = tl.load(SCALE + rows, mask=mask_r, other=0.0)
-        # the z-loss lam lse^2 scales p by k = 1 + 2 lam lse: a factor per row (kept off 0, where a = w k / S would
-        # lose the target term; 2^-20 of p is far below bf16's rounding)
-        k = 1.0 + 2.0 * z_loss * lse
-        k = tl.where(tl.abs(k) < 9.5367431640625e-07, 9.5367431640625e-07, k)
+        k = _zloss_factor(lse, z_loss)
         a = w * k if ONLINE else w * k / s
         tl.store(A_OUT + rows, a, mask=mask_r)
         if ONLINE:
@@ -507,8 +512,7 @@ def _normalize_kernel(R, MT, LSE, ZY, SMOOTH, Y, n, V, stride_r, stride_mt, z_lo
     at = R + rows[:, None].to(tl.int64) * stride_r + cols[None, :]
     p = tl.load(at, mask=m2, other=0.0).to(tl.float32) * f[:, None]
     y = tl.load(Y + rows, mask=mask_r, other=-1)
-    k = 1.0 + 2.0 * z_loss * lse
-    k = tl.where(tl.abs(k) < 9.5367431640625e-07, 9.5367431640625e-07, k)
+    k = _zloss_factor(lse, z_loss)
     tgt = tl.exp(tl.load(ZY + rows, mask=mask_r, other=0.0) - lse) - (
         1.0 - tl.load(SMOOTH + rows, mask=mask_r, other=0.0)) / k
     p = tl.where(cols[None, :] == y[:, None], tgt[:, None], p)
@@ -673,8 +677,8 @@ def triton_fused_pass(hidden, weight, bias, targets, smoothing, scale, config, n
     """Statistics and gradients of ``sum_n scale_n loss_n`` for 2-D bf16 ``hidden`` (N, D) by the fused path (see the
     module docstring; ``supported`` says when it applies). ``targets``: ids, -1 for ignored tokens; ``smoothing`` and
     ``scale``: fp32 per token. Returns ``(lse, zy, sz, argmax, entropy, loss, nll), dh, dw, db`` (the token losses
-    as ``paths.token_loss_terms`` gives them; dh, dw in the inputs' dtype (fp32 for fp16: ``kept_dtype``), db fp32; None where not needed; argmax and
-    entropy zeros unless ``need_stats``). ``free_bytes``: the free memory
+    as ``paths.token_loss_terms`` gives them; dh, dw in the inputs' dtype (fp32 for fp16: ``kept_dtype``), db fp32;
+    None where not needed; argmax and entropy zeros unless ``need_stats``). ``free_bytes``: the free memory
     ``memory="auto"`` measured (the direct layout only if it fits: ``layout``). ``softcap``: R's chunk becomes G
     itself (``_softcap_grad_kernel``), whose products give dh, dW and db. ``smoothed=False``: ``smoothing`` is 0 for
     every token, so u is 0 and dW's and db's rank-one terms are skipped."""

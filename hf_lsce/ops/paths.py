@@ -15,8 +15,8 @@ that neither imports the other for them. Every path is exact:
   other case (above D = 1,024: a bf16 trainable head whose every-row R does not fit, soft-caps the fused path does not
   take; the interpreter's CPU runs).
 
-fp16 inputs on the one-pass, two-pass and recomputing paths take their token weights divided by a power of two and
-scale the gradients back (``_fp16_weights``), so that G keeps fp16's digits.
+fp16 inputs on the one-pass, two-pass and recomputing paths: their G writers take the token weights divided by a power
+of two and scale the gradients back (``matmul.fp16_weights``), so that G keeps fp16's digits.
 """
 from __future__ import annotations
 
@@ -169,7 +169,9 @@ def training_options(hidden, weight, softcap, backend, z_loss, memory, accum_dty
         path = _train_path(hidden, weight, softcap, z_loss, accum_dtype, free)
     mem = _resolve_memory(memory, one_pass, hidden, weight, accum_dtype, path, free)
     if mem == "low":  # the fused pass's statistics and a frozen head's columns where it runs (see _fused_gradients)
-        path = "fused" if (one_pass and softcap is None and hidden.dtype == torch.bfloat16
+        from .fused_pass import online
+
+        path = "fused" if (one_pass and softcap is None and not online(hidden)
                            and _fused_runs(hidden, weight, softcap, z_loss)) else "two-pass"
     return Options(softcap=softcap, backend=backend, z_loss=float(z_loss), memory=mem, accum_dtype=accum_dtype,
                    need_stats=need_stats, path=path, reduce=reduce, free_bytes=free, smoothed=smoothed)
@@ -184,11 +186,11 @@ def _buffer_bytes(hidden, weight, accum_dtype, path, free=None) -> int:
     """Bytes of the fast path's buffers: R for the fused path (every row if it fits, else a chunk and dW's fp32
     accumulator), one chunk of fp32 logits otherwise, and an fp32 dW accumulator where asked for."""
     from .config import TRAIN_CHUNK_BYTES
-    from .fused_pass import extra_memory
+    from .fused_pass import extra_memory, online
 
     n, (v, d) = hidden.shape[0], weight.shape
     if path == "fused":
-        need = extra_memory(n, v, d, weight.requires_grad, free, half_range=hidden.dtype == torch.float16)
+        need = extra_memory(n, v, d, weight.requires_grad, free, half_range=online(hidden))
     else:
         need = min(n, max(1, TRAIN_CHUNK_BYTES // (v * 4))) * v * 4
     if accum_dtype == torch.float32 and weight.dtype != torch.float32 and path != "fused":
@@ -227,35 +229,10 @@ def statistics_and_gradients(hidden, weight, bias, targets, smoothing, token_wei
                                          need_dh, need_dw, need_db)
     from .train_pass import triton_train_pass
 
-    (token_weight,), gamma = _fp16_weights(hidden, token_weight)
     stats, dh, dw, db = triton_train_pass(
         hidden, weight, bias, targets, smoothing, token_weight, opts.softcap, need_dh=need_dh, need_dw=need_dw,
         need_db=need_db, z_loss=opts.z_loss, accum_dtype=opts.accum_dtype)
-    return stats, _times_gamma((dh, dw, db), gamma)
-
-
-def _fp16_weights(hidden, *weights):
-    """fp16 inputs: (the token weights / gamma, gamma), gamma a power of two at least their largest magnitude (a
-    one-element device tensor; no synchronisation). The one-pass, two-pass and recomputing paths write G = w (p - y)
-    in the input dtype, and a weight of 1 / N put most of fp16's G below its normal range: dh 0.39-0.42 off fp64 on
-    an H100 (N = 8,192, Llama-3-8B and Gemma2-2B heads), as torch's fp16 logits without a loss scale. With weights
-    near 1 G keeps fp16's digits, and the gradients are scaled back by gamma (``_times_gamma``: exact, a power of
-    two). Other dtypes: unchanged, gamma None."""
-    if hidden.dtype != torch.float16:
-        return weights, None
-    from .matmul import power_of_two_scale
-
-    gamma = power_of_two_scale(*weights)
-    return tuple(w / gamma if w is not None else None for w in weights), gamma
-
-
-def _times_gamma(grads, gamma):
-    """(dh, dw, db) times ``gamma`` in place (``_fp16_weights``; None: as they are)."""
-    if gamma is None:
-        return tuple(grads)
-    from .train_pass import scale_by
-
-    return tuple(scale_by(list(grads), gamma))
+    return stats, (dh, dw, db)
 
 
 def recompute_kept(hidden, weight, bias, targets, smoothing, token_weight, lse, opts, need_dh, need_dw, need_db):
@@ -287,10 +264,9 @@ def loss_gradients(hidden, weight, bias, targets, lse, smoothing, grad, grad_lse
         if grad_lse is not None:
             extra = extra + grad_lse.float()
         extra = extra.contiguous()
-    (grad, extra), gamma = _fp16_weights(hidden, grad.float(), extra)
-    return _times_gamma(dense_backward(hidden, weight, bias, targets, lse, grad.contiguous(),
-                                       smoothing.float().contiguous(), opts.softcap, opts.backend, need_dh=need_dh,
-                                       need_dw=need_dw, extra=extra), gamma)
+    return dense_backward(hidden, weight, bias, targets, lse, grad.float().contiguous(),
+                          smoothing.float().contiguous(), opts.softcap, opts.backend, need_dh=need_dh,
+                          need_dw=need_dw, extra=extra)
 
 
 def _fused_gradients(hidden, weight, bias, targets, smoothing, token_weight, opts, need_dh, need_dw, need_db,
@@ -340,10 +316,9 @@ def two_pass_gradients(hidden, weight, bias, targets, smoothing, token_weight, l
     from .backward import triton_gradients_by_columns
     from .config import grad_logits_config, low_memory_chunk_bytes
 
-    (token_weight,), gamma = _fp16_weights(hidden, token_weight)
     extra = token_weight * (2.0 * opts.z_loss) * lse if opts.z_loss else None
-    return _times_gamma(triton_gradients_by_columns(hidden, weight, bias, targets, lse, token_weight, smoothing, opts.softcap,
+    return triton_gradients_by_columns(hidden, weight, bias, targets, lse, token_weight, smoothing, opts.softcap,
                                        grad_logits_config(hidden.dtype, hidden.device), need_dh=need_dh,
                                        need_dw=need_dw, need_db=need_db, extra=extra,
                                        chunk_bytes=low_memory_chunk_bytes(*hidden.shape, opts.free_bytes)
-                                       if opts.memory == "low" else None), gamma)
+                                       if opts.memory == "low" else None)

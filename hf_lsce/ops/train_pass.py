@@ -29,7 +29,7 @@ import triton.language as tl
 
 from .config import TRAIN_CHUNK_BYTES, interpreting
 from .forward import _tanh
-from .matmul import addmm_f32, kept_dtype, mm_f32
+from .matmul import addmm_f32, fp16_weights, kept_dtype, mm_f32, times_gamma
 
 
 @triton.jit
@@ -178,6 +178,7 @@ def triton_train_pass(hidden, weight, bias, targets, smoothing, scale, softcap,
     v = weight.shape[0]
     dev = hidden.device
     bias = bias.contiguous() if bias is not None else None  # the row kernel reads it with unit stride
+    (scale,), gamma = fp16_weights(hidden.dtype, scale)  # (fp16: G keeps its digits; scaled back below)
     f32 = dict(dtype=torch.float32, device=dev)
     lse, zy, sz, ent = (torch.empty(n, **f32) for _ in range(4))
     am = torch.empty(n, dtype=torch.int32, device=dev)
@@ -221,6 +222,7 @@ def triton_train_pass(hidden, weight, bias, targets, smoothing, scale, softcap,
             add_chunk_gradients(g, h, weight, dh[s:e] if need_dh else None, None, db, first=s == 0)
         else:
             add_chunk_gradients(g, h, weight, dh[s:e] if need_dh else None, dw, db, first=s == 0)
+    times_gamma((dh, dw, db), gamma)
     if dw is not None and dw.dtype != kept_dtype(weight.dtype):
         dw = dw.to(weight.dtype)
     return (lse, zy, sz, am.long(), ent), dh, dw, db
