@@ -346,10 +346,12 @@ def table(rows):
         pk = f"{r['peak_gib']:.1f}" if r.get("peak_gib") is not None else "-"
         method = r["method"] + (f" ({r['compiled_graphs']} graphs, {r['graph_breaks']} breaks)"
                                 if "compiled_graphs" in r else "")
+        fc = f"{r['fused_calls']}" + (f" (fused path: {', '.join(r['fused_pass_dtypes'])})"
+                                      if r.get("fused_pass_dtypes") else "")
+        loss = "-" if r.get("loss") is None else f"{r['loss']:.4f}"
         lines.append(f"| {r['model']} | {method} | {r['label_smoothing']} | {r['batch']} x {r['seq']} | "
-                     f"{tps} | {sp} | {pk} | {'-' if r['lm_head_calls'] is None else r['lm_head_calls']} | {r['fused_calls']}"
-                     f"{' (fused path: ' + ', '.join(r['fused_pass_dtypes']) + ')' if r.get('fused_pass_dtypes') else ''} | "
-                     f"{r.get('host_syncs_per_step', '-')} | {fb} | {'-' if r.get('loss') is None else format(r['loss'], '.4f')} | {mb} |")
+                     f"{tps} | {sp} | {pk} | {'-' if r['lm_head_calls'] is None else r['lm_head_calls']} | {fc} | "
+                     f"{r.get('host_syncs_per_step', '-')} | {fb} | {loss} | {mb} |")
     return "\n".join(lines)
 
 
