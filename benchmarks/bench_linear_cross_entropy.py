@@ -13,7 +13,8 @@ Methods (each on the same inputs):
   floor                  the bare bf16 cuBLAS matmuls of the same work, no softmax: logits, dh (and dW for a trainable
                          head): three matmuls, or two for a frozen one
 
-Heads: ``trainable`` (dh and dW) and ``frozen`` (``W.requires_grad = False``: LoRA's case, dh only).
+Heads: ``trainable`` (dh and dW), ``frozen`` (``W.requires_grad = False``: LoRA's case, dh only) and ``eval``
+(the forward alone, under no_grad; "hf_lsce (two-pass)" forces the forward kernel, "hf_lsce (one-pass)" cuBLAS).
 Inputs: bf16 (``--dtype fp16``), N = 8,192 tokens (``--tokens``), the generator of benchmarks/real_inputs.py fitted to the real softmax of Gemma-3-270m on
 real text. Time: the median of ``triton.testing.do_bench``; memory: the peak allocated during the call minus what was
 allocated before it and the inputs' gradients. Errors: relative to an fp64 computation on materialised logits.
@@ -34,6 +35,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+import triton.testing
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -126,13 +128,17 @@ def _cpu_bench(fn, warmup=1, rep=3, return_mode="median"):
     return sorted(ts)[len(ts) // 2]
 
 
-def measure(fn, h, w, y, b, cap, frozen, do_bench, cuda):
-    """fwd+bwd median ms and extra MB of one method; dh (and dW) are what backward computes."""
-    hh = h.detach().clone().requires_grad_()
-    ww = w.detach().clone().requires_grad_(not frozen)
+def measure(fn, h, w, y, b, cap, head, do_bench, cuda):
+    """fwd+bwd median ms and extra MB of one method; dh (and dW) are what backward computes (the forward alone, under
+    no_grad, for the ``eval`` head)."""
+    hh = h.detach().clone().requires_grad_(head != "eval")
+    ww = w.detach().clone().requires_grad_(head == "trainable")
 
     def step():
         hh.grad = ww.grad = None
+        if head == "eval":
+            with torch.no_grad():
+                return fn(hh, ww, y, b, cap)
         fn(hh, ww, y, b, cap).backward()
     step()  # compile, autotune, warm
     out = dict(fwdbwd_ms=do_bench(step, warmup=50 if cuda else 1, rep=400 if cuda else 3, return_mode="median"))
@@ -150,14 +156,15 @@ def measure(fn, h, w, y, b, cap, frozen, do_bench, cuda):
     return out
 
 
-def floor_ms(h, w, frozen, do_bench):
-    """The bf16 matmuls of the same work without a softmax: logits, dh = G W (and dW = G^T h)."""
+def floor_ms(h, w, head, do_bench):
+    """The matmuls of the same work without a softmax: logits, dh = G W (not for eval) and dW = G^T h (trainable)."""
     g = torch.randn(h.shape[0], w.shape[0], device=h.device, dtype=h.dtype)
 
     def run():
         _ = h @ w.T
-        _ = g @ w
-        if not frozen:
+        if head != "eval":
+            _ = g @ w
+        if head == "trainable":
             _ = g.T @ h
     ms = do_bench(run, warmup=50, rep=400, return_mode="median")
     del g
@@ -192,9 +199,7 @@ def fp64_reference(h, w, y, b, cap, chunk=512):
 def errors(fn, h, w, y, b, cap, frozen, ref):
     hh, ww = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_(not frozen)
     fn(hh, ww, y, b, cap).backward()
-
-    def rel(a, r):
-        return float((a.double() - r).norm() / r.norm().clamp_min(1e-300))
+    rel = lambda a, r: float((a.double() - r).norm() / r.norm().clamp_min(1e-300))  # noqa: E731
     return dict(dh_err=rel(hh.grad, ref[0]), dw_err=None if frozen else rel(ww.grad, ref[1]))
 
 
@@ -204,7 +209,7 @@ def run_config(rows, fns, shape, head, b, cap, methods, with_errors, cuda, do_be
 
     n, d, v = SHAPES[shape]
     n = tokens or n
-    frozen = head == "frozen"
+    frozen, with_errors = head == "frozen", with_errors and head != "eval"
     dev = "cuda" if cuda else "cpu"
     h, w, y = realistic_batch(n, d, v, seed=0, device=dev, dtype=dtype, **(fitted_params() if cuda else {}))
     ref = fp64_reference(h, w, y, b, cap) if with_errors else None
@@ -218,11 +223,11 @@ def run_config(rows, fns, shape, head, b, cap, methods, with_errors, cuda, do_be
             if name == "floor":
                 if not cuda:
                     continue
-                row["fwdbwd_ms"] = floor_ms(h, w, frozen, do_bench)
+                row["fwdbwd_ms"] = floor_ms(h, w, head, do_bench)
             elif isinstance(fn, str):
                 row["error"] = fn
             else:
-                row.update(measure(fn, h, w, y, b, cap, frozen, do_bench, cuda))
+                row.update(measure(fn, h, w, y, b, cap, head, do_bench, cuda))
                 if ref is not None:
                     row.update(errors(fn, h, w, y, b, cap, frozen, ref))
         except NotImplementedError:
@@ -307,19 +312,17 @@ def main():
     if cuda and not torch.cuda.is_available():
         raise SystemExit("bench_linear_cross_entropy.py needs a CUDA GPU (or --smoke for the CPU code path)")
     shapes = ["smoke"] if args.smoke else args.shapes.split(",")
-    for s in shapes:
-        if s not in SHAPES:
-            raise SystemExit(f"--shapes: unknown shape {s!r}; known: {', '.join(SHAPES)}")
-    if cuda:
-        from triton.testing import do_bench
-    else:
-        do_bench = _cpu_bench
+    heads = args.heads.split(",")
+    for name, known in [(s, SHAPES) for s in shapes] + [(hd, ("trainable", "frozen", "eval")) for hd in heads]:
+        if name not in known:
+            raise SystemExit(f"--shapes / --heads: unknown {name!r}; known: {', '.join(known)}")
+    do_bench = triton.testing.do_bench if cuda else _cpu_bench
     fns = method_fns()
     methods = args.methods.split(",")
     rows = []
     for shape in shapes:
         caps = [None] + ([SOFTCAP[shape]] if shape in SOFTCAP and not args.no_softcap else [])
-        for head in args.heads.split(","):
+        for head in heads:
             for b in (float(x) for x in args.b.split(",")):
                 for cap in caps:
                     if cap is not None and b == 0:
@@ -328,8 +331,6 @@ def main():
                     run_config(rows, fns, shape, head, b, cap, ms, args.errors or args.smoke, cuda, do_bench,
                                dtype, args.tokens)
     os.makedirs(args.out_dir, exist_ok=True)
-    import triton
-
     meta = dict(device=torch.cuda.get_device_name() if cuda else "cpu (smoke)", torch=torch.__version__,
                 triton=triton.__version__, inputs="realistic (real_inputs.fitted_params)", timing="do_bench median")
     with open(os.path.join(args.out_dir, f"{args.stem}.json"), "w") as f:

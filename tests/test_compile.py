@@ -67,7 +67,9 @@ def test_per_token_losses_stats_and_lse_gradient_under_compile():
     ref = (tok * torch.linspace(0.5, 1.5, tok.shape[0], dtype=torch.float64)).sum() + 0.01 * lse.sum()
     ref.backward()
     assert abs(loss.item() - ref.item()) < 1e-5 * abs(ref.item())
-    assert rel(hc.grad, hr.grad) < 1e-5 and rel(wc.grad, wr.grad) < 1e-5
+    # (fp32: the lse from BLAS's logits, the recomputing backward's from the kernel's dots, two summation orders; a
+    # peaked softmax's target gradient p - (1 - b) amplifies their 1e-7 difference)
+    assert rel(hc.grad, hr.grad) < 3e-5 and rel(wc.grad, wr.grad) < 3e-5
     assert torch.equal(valid, y != -100) and torch.equal(argmax, z.argmax(-1))
 
 

@@ -312,7 +312,8 @@ def test_train_pass_in_several_chunks(dtype, softcap):
 def test_training_takes_the_one_pass_path_and_scales_by_the_upstream_gradient(monkeypatch):
     """With gradients on, the Triton backend computes them in the forward (train_pass); the backward
     multiplies them by the upstream gradient when that is uniform over the valid tokens (a mean, a
-    sum, TRL's -log_probs.sum() / n) and recomputes otherwise. Evaluation keeps the fused forward."""
+    sum, TRL's -log_probs.sum() / n) and recomputes otherwise. fp32 evaluation takes the same cuBLAS logits without
+    gradients (dispatch.cublas_logits)."""
     import hf_lsce.ops.train_pass as tp
     from hf_lsce.ops import backward as bw
 
@@ -330,7 +331,7 @@ def test_training_takes_the_one_pass_path_and_scales_by_the_upstream_gradient(mo
     assert rel(hh.grad, 2.5 * ref[1]) < 1e-5 and rel(ww.grad, 2.5 * ref[2]) < 1e-5
     with torch.no_grad():
         linear_cross_entropy(hh, ww, y, label_smoothing=0.1, backend="triton")
-    assert calls == [1]
+    assert calls == [1, 1]
 
     # reduction="none", summed and divided by a count (TRL's SFT loss): kept gradients, scaled
     tok_ref = reference(h, w, y, smoothing=0.1, reduction="none")
@@ -348,19 +349,62 @@ def test_training_takes_the_one_pass_path_and_scales_by_the_upstream_gradient(mo
         assert rel(hh.grad, hr.grad) < 1e-5 and rel(ww.grad, wr.grad) < 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("softcap", [None, 3.0])
-def test_evaluation_loss_without_stats(softcap):
-    """Without gradients and without return_stats, the fused forward kernel skips argmax and entropy: the loss
-    (which needs neither) still equals the fp64 reference, and asking for stats gives the same loss."""
+def test_evaluation_loss_without_stats(softcap, dtype):
+    """Without gradients and without return_stats, the forward kernel (bf16) skips argmax and entropy: the loss
+    (which needs neither) still equals the fp64 reference, and asking for stats gives the same loss; fp32 takes
+    cuBLAS's logits and the row kernel (dispatch.cublas_logits), with the same result."""
     h, w, y, b = make_inputs(seed=23, bias=True, peaked=True)
-    ref = reference(h, w, y, b, smoothing=0.1, softcap=softcap)[0]
+    h, w, b = h.to(dtype), w.to(dtype), b.to(dtype)
+    ref = reference(h.double(), w.double(), y, b.double(), smoothing=0.1, softcap=softcap)[0]
     with torch.no_grad():
-        loss = linear_cross_entropy(h.float(), w.float(), y, bias=b.float(), label_smoothing=0.1, softcap=softcap,
-                                    backend="triton")
-        again, _ = linear_cross_entropy(h.float(), w.float(), y, bias=b.float(), label_smoothing=0.1,
-                                        softcap=softcap, backend="triton", return_stats=True)
+        loss = linear_cross_entropy(h, w, y, bias=b, label_smoothing=0.1, softcap=softcap, backend="triton")
+        again, _ = linear_cross_entropy(h, w, y, bias=b, label_smoothing=0.1, softcap=softcap, backend="triton",
+                                        return_stats=True)
     assert rel(loss, ref) < 1e-5
     assert torch.equal(loss, again)
+
+
+@pytest.mark.parametrize("softcap,bias", [(None, False), (3.0, True)])
+def test_statistics_take_cublas_logits_where_triton_dots_are_fma(monkeypatch, softcap, bias):
+    """On a GPU whose Triton dots lower to FMA (Turing, Volta: ``mma_dot`` False), the statistics of an evaluation
+    call and of the vocabulary-parallel forward come from the row kernel over cuBLAS's logits, not the forward
+    kernel: the same statistics as fp64 on the materialised logits (a target past V, as the vocabulary-parallel
+    forward passes for another rank's, gives a target logit of 0)."""
+    import dataclasses
+
+    import hf_lsce.ops.config as config
+    import hf_lsce.ops.forward as fw
+    import hf_lsce.ops.train_pass as tp
+    from hf_lsce.ops.dispatch import cublas_logits, forward_stats
+
+    h, w, y, b = make_inputs(n=37, d=40, v=203, seed=33, bias=bias, peaked=True)
+    hh, ww = h.to(torch.bfloat16), w.to(torch.bfloat16)
+    bb = b.to(torch.bfloat16) if bias else None
+    assert not cublas_logits(hh) and cublas_logits(hh.float())
+    real = config.forward_config
+    monkeypatch.setattr(config, "forward_config", lambda dt, dev: dataclasses.replace(real(dt, dev), mma_dot=False))
+    assert cublas_logits(hh)
+    calls = []
+    monkeypatch.setattr(fw, "triton_forward", lambda *a, **k: calls.append("forward kernel"))
+    real_pass = tp.triton_train_pass
+    monkeypatch.setattr(tp, "triton_train_pass", lambda *a, **k: calls.append("row kernel") or real_pass(*a, **k))
+    t = y.clamp(min=0).clone()
+    t[:3] = 203  # another rank's target
+    t[3:5] = -1  # ignored
+    lse, zy, sz, argmax, entropy = forward_stats(hh, ww, bb, t, softcap, "triton")
+    assert calls == ["row kernel"]
+    z = hh.double() @ ww.double().T + (bb.double() if bias else 0)
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    p = torch.softmax(z, -1)
+    here = (t >= 0) & (t < 203)
+    assert rel(lse, torch.logsumexp(z, -1)) < 1e-6
+    assert rel(zy, torch.where(here, z.gather(1, t.clamp(0, 202)[:, None])[:, 0], 0.0)) < 1e-6
+    assert rel(sz, z.sum(-1)) < 1e-6
+    assert torch.equal(argmax, z.argmax(-1))
+    assert rel(entropy, -(p * torch.log(p)).sum(-1)) < 1e-5
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

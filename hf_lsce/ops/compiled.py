@@ -72,7 +72,8 @@ def token_losses(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets
     if n == 0:
         e = torch.zeros(0, dtype=_stats_dtype(hidden), device=hidden.device)
         return e, e.clone(), torch.zeros(0, dtype=torch.long, device=hidden.device), e.clone(), e.clone()
-    lse, zy, sz, argmax, entropy = forward_stats(hidden, weight, bias, targets, softcap, backend, stats=need_stats)
+    lse, zy, sz, argmax, entropy = forward_stats(hidden, weight, bias, targets, softcap, backend, stats=need_stats,
+                                                 low_memory=memory == "low")
     loss, nll = token_loss_terms(lse, zy, sz, smoothing, targets >= 0, weight.shape[0], z_loss)
     if training:
         notify_training_call(observed_smoothing)

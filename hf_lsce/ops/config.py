@@ -179,6 +179,11 @@ GRAD_CHUNK_BYTES = 1 << 30
 # mean fewer passes over dW (read and written once per chunk): measured on an H100 at the Gemma2-2B
 # shape, fwd+bwd took 62.4 / 53.6 / 49.9 / 50.5 ms with 0.5 / 1 / 2 / 4 GiB chunks.
 TRAIN_CHUNK_BYTES = 2 << 30
+# Memory for one chunk of fp32 logits where the per-token statistics alone (evaluation) come from cuBLAS
+# (dispatch.cublas_logits). Measured on an H100 (N = 8,192, evaluation): fp32 Gemma-3-270m 68.1 / 60.6 / 57.3 ms with
+# 256 MiB / 1 GiB / 2 GiB chunks, Llama-3-8B 187.7 / 171.4 / 172.8; bf16 (forced) 10.9 / 9.0 / 9.1 and
+# 15.3 / 13.7 / 14.1 (docs/benchmarks.md, settled experiments: stats_chunk.py).
+STATS_CHUNK_BYTES = 1 << 30
 # The low-memory mode (memory="low"): its extra memory is the fp32 dh accumulator (4 N D bytes) and one chunk of G (the
 # input dtype) over vocabulary columns, which takes what LOW_MEMORY_BYTES leaves beside the accumulator, and at least
 # LOW_MEMORY_CHUNK_BYTES. Small chunks are many launches: at N = 8192 (H100, Gemma-3-270m head, trainable) 32 MiB chunks

@@ -3,12 +3,39 @@
 torch reference. A module of its own so that neither of those two imports the other for it."""
 from __future__ import annotations
 
+import torch
+
 from . import reference
 
 
-def forward_stats(hidden, weight, bias, targets, softcap, backend, stats=True):
+def cublas_logits(hidden) -> bool:
+    """Whether the per-token statistics (evaluation, the two-pass path's lse, the vocabulary-parallel forward) take
+    their logits from cuBLAS, a chunk of rows at a time, and the one-pass path's row kernel
+    (``train_pass.triton_train_pass`` without gradients) rather than the forward kernel's Triton dots: where those
+    dots are not tensor-core MMA. That is fp32 inputs on every GPU (Triton's fp32 dots are ``ieee``, FMA) and every
+    dtype on GPUs below compute capability 8.0 (``KernelConfig.mma_dot``: Turing, Volta), and wherever
+    ``HF_LSCE_TRAIN_PATH`` forces the one-pass path (``"fused"`` or ``"two-pass"`` force the forward kernel)."""
+    from . import config
+    from .train_pass import supported
+
+    if not supported(hidden):
+        return False
+    if config.TRAIN_PATH is not None:
+        return config.TRAIN_PATH == "one-pass"
+    return hidden.dtype == torch.float32 or not config.forward_config(hidden.dtype, hidden.device).mma_dot
+
+
+def forward_stats(hidden, weight, bias, targets, softcap, backend, stats=True, low_memory=False, free_bytes=None):
     """Per-token (lse, target logit, sum of logits, argmax, entropy) from the chosen backend
-    (``stats=False``: the Triton kernel skips argmax and entropy, returned as zeros)."""
+    (``stats=False``: the forward kernel skips argmax and entropy, returned as zeros; the cuBLAS route computes them
+    anyway, with chunks of ``config.STATS_CHUNK_BYTES``, or the low-memory mode's with ``low_memory``)."""
+    if backend == "triton" and cublas_logits(hidden):
+        from .config import low_memory_chunk_bytes
+        from .train_pass import triton_train_pass
+
+        chunk = low_memory_chunk_bytes(*hidden.shape, free_bytes) if low_memory else None
+        return triton_train_pass(hidden, weight, bias, targets, None, None, softcap, need_dh=False, need_dw=False,
+                                 need_db=False, chunk_bytes=chunk)[0]
     if backend == "triton":
         from .config import forward_config
         from .forward import triton_forward

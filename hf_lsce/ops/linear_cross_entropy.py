@@ -22,9 +22,8 @@ import torch.nn.functional as F
 
 from .checks import _check_num_items, check_device_values, check_summary
 from .compiled import check_values, compiling, reduced_loss, token_losses
-from .dispatch import forward_stats
-from .paths import (MEMORY_MODES, Options, loss_gradients, notify_training_call, recompute_kept,
-                    statistics_and_gradients, loss_terms, training_options, use_train_pass)
+from .paths import (MEMORY_MODES, Options, loss_gradients, loss_terms, notify_training_call, recompute_kept,
+                    statistics, statistics_and_gradients, training_options, use_train_pass)
 
 _REDUCTIONS = ("mean", "sum", "none")
 _BACKENDS = ("auto", "triton", "torch")
@@ -227,7 +226,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 hidden, weight, bias, targets, smoothing, token_weight, opts, ctx.needs_input_grad[0],
                 ctx.needs_input_grad[1], ctx.needs_input_grad[2] and bias is not None)
         else:
-            stats = forward_stats(hidden, weight, bias, targets, opts.softcap, opts.backend, stats=opts.need_stats)
+            stats = statistics(hidden, weight, bias, targets, opts)
         lse, argmax, entropy = stats[0], stats[3], stats[4]
         loss, nll = loss_terms(stats, smoothing, targets, v, opts.z_loss)
         ctx.save_for_backward(hidden, weight, bias, targets, lse, smoothing, token_weight, bad)

@@ -224,7 +224,7 @@ def statistics_and_gradients(hidden, weight, bias, targets, smoothing, token_wei
     if opts.path == "fused":
         return _fused_gradients(hidden, weight, bias, targets, smoothing, token_weight, opts, need_dh, need_dw, need_db)
     if opts.path == "two-pass":
-        stats = forward_stats(hidden, weight, bias, targets, opts.softcap, opts.backend, stats=opts.need_stats)
+        stats = statistics(hidden, weight, bias, targets, opts)
         return stats, two_pass_gradients(hidden, weight, bias, targets, smoothing, token_weight, stats[0], opts,
                                          need_dh, need_dw, need_db)
     from .train_pass import triton_train_pass
@@ -233,6 +233,12 @@ def statistics_and_gradients(hidden, weight, bias, targets, smoothing, token_wei
         hidden, weight, bias, targets, smoothing, token_weight, opts.softcap, need_dh=need_dh, need_dw=need_dw,
         need_db=need_db, z_loss=opts.z_loss, accum_dtype=opts.accum_dtype)
     return stats, (dh, dw, db)
+
+
+def statistics(hidden, weight, bias, targets, opts):
+    """The per-token statistics alone (``dispatch.forward_stats``), within the low-memory mode's budget there."""
+    return forward_stats(hidden, weight, bias, targets, opts.softcap, opts.backend, stats=opts.need_stats,
+                         low_memory=opts.memory == "low", free_bytes=opts.free_bytes)
 
 
 def recompute_kept(hidden, weight, bias, targets, smoothing, token_weight, lse, opts, need_dh, need_dw, need_db):

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .config import TRAIN_CHUNK_BYTES, interpreting
+from .config import STATS_CHUNK_BYTES, TRAIN_CHUNK_BYTES, interpreting
 from .forward import _tanh
 from .matmul import addmm_f32, fp16_weights, kept_dtype, mm_f32, times_gamma
 
@@ -91,14 +91,15 @@ def _lce_rows_kernel(
     t_acc = tl.sum(scale * (t_l + s_l * tl.where(m_l == float("-inf"), 0.0, m_l - m)), axis=0)
     am = tl.min(tl.where(m_l == m, am_l, V), axis=0)  # first index of the maximum, as torch.argmax
     lse = m + tl.log(s)
-    # The target logit: one load (0 for an ignored token, whose loss is masked anyway).
-    yc = tl.maximum(y, 0).to(tl.int32)
+    # The target logit: one load (0 for an ignored token, whose loss is masked anyway, and for a target past V: the
+    # vocabulary-parallel forward's id of a target on another rank).
+    yc = tl.minimum(tl.maximum(y, 0), V - 1).to(tl.int32)
     zy = tl.load(z_row + yc)
     if HAS_BIAS:
         zy += tl.load(BIAS + yc).to(tl.float32)
     if SOFTCAP:
         zy = softcap * _tanh(zy / softcap)
-    zy = tl.where(y >= 0, zy, 0.0)
+    zy = tl.where((y >= 0) & (y < V), zy, 0.0)
     tl.store(LSE_OUT + row, lse)
     tl.store(ZY_OUT + row, zy)
     tl.store(SZ_OUT + row, tl.sum(sz_l, axis=0))
@@ -171,26 +172,32 @@ def triton_train_pass(hidden, weight, bias, targets, smoothing, scale, softcap,
     Returns ``(lse, zy, sz, argmax, entropy), dh, dw, db``; dh in hidden's dtype, dw in weight's (both fp32 for fp16:
     ``kept_dtype``),
     db fp32 (None where not needed). ``targets``: ids with -1 for ignored tokens; ``smoothing`` and
-    ``scale``: fp32 per token. ``z_loss``: the coefficient of ``lse^2`` in each token's loss.
+    ``scale``: fp32 per token (unread, and may be None, where no gradient is needed: the statistics alone, by chunks
+    of ``STATS_CHUNK_BYTES``). ``z_loss``: the coefficient of ``lse^2`` in each token's loss.
     ``accum_dtype``: the dtype dW is accumulated in across chunks (default: the weight's).
     """
     n, d = hidden.shape
     v = weight.shape[0]
     dev = hidden.device
     bias = bias.contiguous() if bias is not None else None  # the row kernel reads it with unit stride
-    (scale,), gamma = fp16_weights(hidden.dtype, scale)  # (fp16: G keeps its digits; scaled back below)
+    write_g = need_dh or need_dw or need_db
+    gamma = None
+    if write_g:
+        (scale,), gamma = fp16_weights(hidden.dtype, scale)  # (fp16: G keeps its digits; scaled back below)
     f32 = dict(dtype=torch.float32, device=dev)
     lse, zy, sz, ent = (torch.empty(n, **f32) for _ in range(4))
     am = torch.empty(n, dtype=torch.int32, device=dev)
-    write_g = need_dh or need_dw or need_db
-    rows = max(1, min(n, (chunk_bytes or TRAIN_CHUNK_BYTES) // (v * 4)))
+    if not write_g:  # (the row kernel reads neither without G)
+        smoothing = scale = lse
+    rows = max(1, min(n, (chunk_bytes or (TRAIN_CHUNK_BYTES if write_g else STATS_CHUNK_BYTES)) // (v * 4)))
     buf = torch.empty(rows, v, **f32)
     on_cpu = dev.type != "cuda"
     # G in hidden's dtype, in place over the fp32 logits (row stride 4V bytes) on CUDA, where cuBLAS reads a strided
     # matrix's V columns alone (432 forced-path cases on an H100: no non-finite value). Off CUDA G has its own storage:
     # CPU BLAS (torch 2.13's oneDNN bf16 mm) read the strided view past its columns, where the logits' other half lies
     # (non-finite as bf16 pairs), and a row of dh came back NaN.
-    g_all = torch.empty(rows, v, dtype=hidden.dtype, device=dev) if on_cpu else buf.view(hidden.dtype)[:, :v]
+    g_all = (torch.empty(rows, v, dtype=hidden.dtype, device=dev) if on_cpu and write_g
+             else buf.view(hidden.dtype)[:, :v])
     w_cpu = weight.float() if on_cpu and weight.dtype != torch.float32 else weight
     dh = torch.empty(n, d, dtype=kept_dtype(hidden.dtype), device=dev) if need_dh else None
     acc_dt = accum_dtype or kept_dtype(weight.dtype)
