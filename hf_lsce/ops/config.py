@@ -81,9 +81,8 @@ def fused_config(dtype: torch.dtype, device: torch.device) -> KernelConfig:
     vocabulary splits as fill the GPU (at least 2). Measured with HF_LSCE_TMA=0 on an H200 (b = 0.1, N = 8,192;
     docs/benchmarks.md, settled experiments: pointer_blocks.py): 1.06-1.11 x the TMA kernel's op at the Gemma-3-270m,
     Gemma2-2B and Llama-3-8B heads, the fastest of five shapes at each; 128 x 128 and 256 x 128 tiles were 1-12 %
-    slower. The stages are as many as the shared memory a GPU gives a block holds at 48 KiB each plus 8 KiB of the
-    epilogue's scratch, at most 3 (an H100's 227 KiB); an A100's 164 KiB takes 2, and the 100 KiB of an L4, an
-    RTX 4090 or an RTX 5090 take 128 x 128 tiles in 2 stages: those cards were not measured here."""
+    slower. An A100's 164 KiB and the 99 KiB of an A10, an L4 or an RTX card hold the same tiles and stages
+    (``pointer_tiles``); those cards' own times were not measured here."""
     return _fused_config(dtype, torch.device(device), interpreting())
 
 
@@ -93,12 +92,27 @@ def _fused_config(dtype: torch.dtype, device: torch.device, interp: bool) -> Ker
     if base.tma or interp or dtype == torch.float32:
         return base
     smem = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 0) or 0
-    bn, bv, bd = 128, 256, 64
-    stages = min(3, smem // ((bn + bv) * bd * 2 + 8192)) if smem else 3
-    if stages < 2:
-        bv, stages = 128, 2
+    bn, bv, bd, stages = pointer_tiles(smem)
     return dataclasses.replace(base, block_n=bn, block_v=bv, block_d=bd, num_warps=8, num_stages=stages,
                                autotune=False, min_splits=2)
+
+
+def pointer_tiles(smem: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_V, BLOCK_D, stages) of the fused kernel's pointer loads for a GPU whose blocks may take
+    ``smem`` bytes of shared memory (0: unknown, taken as enough): 128 x 256 x 64 tiles in 3 stages (the measured
+    shape, ``fused_config``) where they fit, else fewer stages or 128-column tiles. Triton 3.9 pipelines the D loop's
+    loads into ``stages - 1`` buffers of ``(BLOCK_N + BLOCK_V) BLOCK_D`` 2-byte elements, the epilogue's scratch
+    within them: compiled for sm80, sm86, sm89 and sm120 the kernel takes 48 / 96 / 144 KiB at 2 / 3 / 4 stages of
+    128 x 256 x 64 (on sm90, whose pointer loads only an H100 or H200 under HF_LSCE_TMA=0 takes, 144 KiB at 3 of its
+    227). ``tests/test_kernel_lowering.py`` checks each GPU's choice against its limit. The rule before (48 KiB and
+    8 KiB of scratch per stage) gave an A100 2 stages and the 99 KiB cards (A10, L4, RTX) 128 x 128 tiles in 2: with
+    Triton's sm80 code on an H100 those took 1.01-1.15 and 1.21-1.47 x these tiles' time at the Gemma-3-270m,
+    Gemma2-2B and Llama-3-8B heads (docs/benchmarks.md, settled experiments: sm80_configs.py)."""
+    for bv in (256, 128):
+        stages = min(3, 1 + smem // ((128 + bv) * 64 * 2)) if smem else 3
+        if stages >= 2:
+            return 128, bv, 64, stages
+    return 128, 128, 64, 2
 
 
 def clear_caches() -> None:

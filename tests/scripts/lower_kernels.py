@@ -70,3 +70,32 @@ for arch in (75, 80):
         print(json.dumps(dict(ptx_arch=arch, mma=sorted(set(re.findall(r"\bmma\.[a-z0-9.]+", ptx))))), flush=True)
     except Exception as e:  # noqa: BLE001 - no PTX back end here: the test skips that part
         print(json.dumps(dict(ptx_arch=arch, unavailable=str(e).strip().splitlines()[-1][:300])), flush=True)
+
+# The pointer-load tiles each GPU generation takes (config.pointer_tiles, from its shared memory per block), compiled
+# for it as a launch specialises them (unit D strides, 16-byte aligned pointers and sizes): the shared memory the
+# kernel takes must fit the card's, or it would not launch there. One line per (card, variant).
+from hf_lsce.ops.config import pointer_tiles  # noqa: E402
+
+CARDS = {"A100": (80, 166912), "A10, RTX 30xx": (86, 101376), "L4, RTX 40xx": (89, 101376),
+         "RTX 50xx": (120, 101376), "H100 (HF_LSCE_TMA=0)": (90, 232448)}
+ALIGNED = ("H", "W", "R", "B", "C", "MT", "S_OUT", "T_OUT", "M_OUT", "AM_OUT", "SZ_OUT", "stride_rn", "stride_hn",
+           "stride_wv", "stride_mt", "N", "V", "D")
+for card, (arch, smem) in CARDS.items():
+    bn, bv, bd, stages = pointer_tiles(smem)
+    for online in (False, True):
+        dt = "fp16" if online else "bf16"
+        types = dict(R=f"*{dt}", B=f"*{dt}", C="*fp32", MT="*fp32", S_OUT="*fp32", T_OUT="*fp32", M_OUT="*fp32",
+                     AM_OUT="*i32", SZ_OUT="*fp32", H=f"*{dt}", W=f"*{dt}")
+        consts = dict(HAS_BIAS=True, DOT_PRECISION="tf32", UPCAST=False, STATS=True, FIXUP=not online, STORE=True,
+                      SOFTCAP=not online, ONLINE=online, TMA=False, BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd,
+                      stride_hd=1, stride_wd=1)
+        signature = {p.name: "constexpr" if p.is_constexpr or p.name in consts else types.get(
+            p.name, "fp32" if p.name in FLOATS else "i32") for p in fn.params}
+        src = ASTSource(fn, signature, {(fn.arg_names.index(k),): v for k, v in consts.items()},
+                        {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in ALIGNED})
+        row = dict(card=card, arch=arch, smem=smem, tiles=[bn, bv, bd, stages], dtype=dt)
+        try:
+            kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=8, num_stages=stages))
+            print(json.dumps(dict(row, shared=kernel.metadata.shared)), flush=True)
+        except Exception as e:  # noqa: BLE001 - no back end for this target here: the test says so
+            print(json.dumps(dict(row, unavailable=str(e).strip().splitlines()[-1][:300])), flush=True)
