@@ -515,6 +515,22 @@ def test_tma_kernel_only_where_its_shared_memory_fits(major, smem, expected):
     assert tma_capable(props) is expected
 
 
+@pytest.mark.parametrize("arch,capability,tma", [("", (9, 0), True), ("sm80", (8, 0), False), ("sm75", (7, 5), False),
+                                                 ("sm100", (10, 0), True)])
+def test_an_overridden_arch_takes_that_gpus_paths(monkeypatch, arch, capability, tma):
+    """TRITON_OVERRIDE_ARCH=sm80 (or sm75) makes Triton compile every kernel as for an A100 (a T4) and the op take
+    that GPU's paths on the GPU present: no TMA below sm90, FMA dots (the one-pass path, cuBLAS's logits) below
+    sm80; unset, the GPU's own capability."""
+    from types import SimpleNamespace
+
+    from hf_lsce.ops.config import compiled_capability, tma_capable
+
+    monkeypatch.setenv("TRITON_OVERRIDE_ARCH", arch)
+    h100 = SimpleNamespace(major=9, minor=0, shared_memory_per_block_optin=232448)
+    assert compiled_capability(h100) == capability
+    assert tma_capable(h100) is tma
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("softcap,bias", [(None, False), (3.0, True)])
 @pytest.mark.parametrize("splits", [1, 3])

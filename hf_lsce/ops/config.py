@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -61,7 +62,7 @@ def _forward_config(dtype: torch.dtype, device: torch.device, interp: bool) -> K
         return KernelConfig(16, 32, 16, 1, 1, prec, 6, upcast_dot=dtype == torch.bfloat16)
     props = torch.cuda.get_device_properties(device)
     sms = props.multi_processor_count
-    mma_dot = props.major >= 8  # (see KernelConfig.mma_dot)
+    mma_dot = compiled_capability(props)[0] >= 8  # (see KernelConfig.mma_dot)
     if dtype == torch.float32:
         return KernelConfig(64, 64, 32, 4, 3, prec, 2 * sms, mma_dot=mma_dot)
     if torch.version.cuda is not None and tma_capable(props) and _has_tensor_descriptors() and TMA_SWITCH != "0":
@@ -138,10 +139,21 @@ def tma_capable(props) -> bool:
     capability 9.0 or newer) and room for its shared memory. Consumer Blackwell (sm_120, about 100 KiB
     per block) has TMA but not the room, and gets the pointer kernel. Without the shared-memory property
     (older torch), the data-centre generations (9.x Hopper, 10.x Blackwell) are assumed to have it."""
-    if props.major < 9:
+    major = compiled_capability(props)[0]
+    if major < 9:
         return False
     smem = getattr(props, "shared_memory_per_block_optin", None)
-    return smem >= TMA_SMEM_BYTES if smem else props.major in (9, 10)
+    return smem >= TMA_SMEM_BYTES if smem else major in (9, 10)
+
+
+def compiled_capability(props) -> tuple[int, int]:
+    """The compute capability Triton compiles for: ``TRITON_OVERRIDE_ARCH``'s (``sm80``, ``sm75``: Triton lowers every
+    kernel as for that GPU, then assembles it for the one present, so a Hopper GPU runs an A100's or a T4's code, and
+    the op takes that GPU's paths), else the GPU's own (``props``: ``torch.cuda.get_device_properties``)."""
+    arch = re.fullmatch(r"sm(\d+)", os.environ.get("TRITON_OVERRIDE_ARCH", ""))
+    if arch:
+        return int(arch.group(1)) // 10, int(arch.group(1)) % 10
+    return props.major, getattr(props, "minor", 0)
 
 
 @functools.lru_cache(maxsize=None)
