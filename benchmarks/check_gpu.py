@@ -225,7 +225,7 @@ def edge_section(emit):
 
 
 def behaviour_section(emit):
-    from hf_lsce.ops.paths import free_cuda_memory
+    from hf_lsce.ops.config import free_cuda_memory
 
     g = torch.Generator(device=DEV).manual_seed(5)
     n, d, v = 1024, 640, 32768

@@ -366,6 +366,18 @@ def test_evaluation_loss_without_stats(softcap, dtype):
     assert torch.equal(loss, again)
 
 
+def test_cublas_statistics_chunk_fits_free_memory():
+    """The cuBLAS statistics route's chunk of fp32 logits: 1 GiB, or what CUDA's free memory holds with the headroom
+    (an evaluation on a nearly full GPU, where the forward kernel needed no buffer), never below the low mode's
+    minimum chunk."""
+    from hf_lsce.ops.config import LOW_MEMORY_CHUNK_BYTES, MEMORY_HEADROOM, STATS_CHUNK_BYTES, stats_chunk_bytes
+
+    assert stats_chunk_bytes(None) == STATS_CHUNK_BYTES == 1 << 30
+    assert stats_chunk_bytes(10 << 30) == STATS_CHUNK_BYTES
+    assert stats_chunk_bytes(int(MEMORY_HEADROOM * (300 << 20))) == 300 << 20
+    assert stats_chunk_bytes(1 << 20) == LOW_MEMORY_CHUNK_BYTES
+
+
 @pytest.mark.parametrize("softcap,bias", [(None, False), (3.0, True)])
 def test_statistics_take_cublas_logits_where_triton_dots_are_fma(monkeypatch, softcap, bias):
     """On a GPU whose Triton dots lower to FMA (Turing, Volta: ``mma_dot`` False), the statistics of an evaluation

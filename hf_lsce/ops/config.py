@@ -129,6 +129,19 @@ def device_memory(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).total_memory
 
 
+def free_cuda_memory(device) -> int:
+    """Bytes new buffers can take on a CUDA device: the driver's free memory plus what torch's caching allocator holds
+    and does not use (a training loop keeps most of its memory reserved between steps). The allocator's counters come
+    from one nested-dict read: ``torch.cuda.memory_reserved``/``memory_allocated`` each flatten every statistic in
+    Python (together 1.0 ms of a 6.5 ms fused call under cProfile on the H100 machine, against 0.13 ms for this read:
+    benchmarks/host_overhead.py --cprofile-only --tokens 8192)."""
+    free, _ = torch.cuda.mem_get_info(device)
+    stats = torch.cuda.memory_stats_as_nested_dict(device)
+    if not stats:  # the allocator has not been initialised: nothing reserved
+        return free
+    return free + stats["reserved_bytes"]["all"]["current"] - stats["allocated_bytes"]["all"]["current"]
+
+
 # Shared memory the TMA forward kernel needs per block: 3 stages of a 128 x 64 tile of h and a 256 x 64 tile
 # of W in 2-byte elements (144 KiB), plus the epilogue's reduction scratch.
 TMA_SMEM_BYTES = 200 * 1024
@@ -210,6 +223,17 @@ TRAIN_CHUNK_BYTES = 2 << 30
 # 256 MiB / 1 GiB / 2 GiB chunks, Llama-3-8B 187.7 / 171.4 / 172.8; bf16 (forced) 10.9 / 9.0 / 9.1 and
 # 15.3 / 13.7 / 14.1 (docs/benchmarks.md, settled experiments: stats_chunk.py).
 STATS_CHUNK_BYTES = 1 << 30
+
+
+def stats_chunk_bytes(free_bytes: int | None) -> int:
+    """Bytes of the cuBLAS statistics route's chunk of fp32 logits (``dispatch.forward_stats``): ``STATS_CHUNK_BYTES``,
+    or what CUDA's free memory ``free_bytes`` holds with ``MEMORY_HEADROOM``, at least ``LOW_MEMORY_CHUNK_BYTES`` (an
+    evaluation call on a nearly full GPU, where the forward kernel it replaces needed no buffer)."""
+    if free_bytes is None:
+        return STATS_CHUNK_BYTES
+    return max(LOW_MEMORY_CHUNK_BYTES, min(STATS_CHUNK_BYTES, int(free_bytes / MEMORY_HEADROOM)))
+
+
 # The low-memory mode (memory="low"): its extra memory is the fp32 dh accumulator (4 N D bytes) and one chunk of G (the
 # input dtype) over vocabulary columns, which takes what LOW_MEMORY_BYTES leaves beside the accumulator, and at least
 # LOW_MEMORY_CHUNK_BYTES. Small chunks are many launches: at N = 8192 (H100, Gemma-3-270m head, trainable) 32 MiB chunks

@@ -28,12 +28,16 @@ def cublas_logits(hidden) -> bool:
 def forward_stats(hidden, weight, bias, targets, softcap, backend, stats=True, low_memory=False, free_bytes=None):
     """Per-token (lse, target logit, sum of logits, argmax, entropy) from the chosen backend
     (``stats=False``: the forward kernel skips argmax and entropy, returned as zeros; the cuBLAS route computes them
-    anyway, with chunks of ``config.STATS_CHUNK_BYTES``, or the low-memory mode's with ``low_memory``)."""
+    anyway, in chunks of ``config.stats_chunk_bytes`` within CUDA's free memory, or the low-memory mode's with
+    ``low_memory``)."""
     if backend == "triton" and cublas_logits(hidden):
-        from .config import low_memory_chunk_bytes
+        from .config import free_cuda_memory, low_memory_chunk_bytes, stats_chunk_bytes
         from .train_pass import triton_train_pass
 
-        chunk = low_memory_chunk_bytes(*hidden.shape, free_bytes) if low_memory else None
+        if low_memory:
+            chunk = low_memory_chunk_bytes(*hidden.shape, free_bytes)
+        else:
+            chunk = stats_chunk_bytes(free_cuda_memory(hidden.device) if hidden.is_cuda else None)
         return triton_train_pass(hidden, weight, bias, targets, None, None, softcap, need_dh=False, need_dw=False,
                                  need_db=False, chunk_bytes=chunk)[0]
     if backend == "triton":

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .config import free_cuda_memory
 from .dispatch import dense_backward, forward_stats
 
 
@@ -140,19 +141,6 @@ def _fused_runs(hidden, weight, softcap, z_loss) -> bool:
 
     cfg = config.fused_config(hidden.dtype, hidden.device) if hidden.is_cuda or config.interpreting() else None
     return cfg is not None and supported(hidden, weight, softcap, z_loss, cfg)
-
-
-def free_cuda_memory(device) -> int:
-    """Bytes new buffers can take on a CUDA device: the driver's free memory plus what torch's caching allocator holds
-    and does not use (a training loop keeps most of its memory reserved between steps). The allocator's counters come
-    from one nested-dict read: ``torch.cuda.memory_reserved``/``memory_allocated`` each flatten every statistic in
-    Python (together 1.0 ms of a 6.5 ms fused call under cProfile on the H100 machine, against 0.13 ms for this read:
-    benchmarks/host_overhead.py --cprofile-only --tokens 8192)."""
-    free, _ = torch.cuda.mem_get_info(device)
-    stats = torch.cuda.memory_stats_as_nested_dict(device)
-    if not stats:  # the allocator has not been initialised: nothing reserved
-        return free
-    return free + stats["reserved_bytes"]["all"]["current"] - stats["allocated_bytes"]["all"]["current"]
 
 
 def training_options(hidden, weight, softcap, backend, z_loss, memory, accum_dtype, one_pass, need_stats=False,
