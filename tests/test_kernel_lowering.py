@@ -5,7 +5,8 @@ a TMA loop left where pointer inputs reach it passed every interpreter test and 
 ('tensor' object has no attribute 'load'). Here Triton's front end lowers each variant to its IR for sm80 (pointer
 loads: A100, L4, RTX) and sm90 (TMA and pointers), which is where that error is raised. The fp16 kernel is also
 compiled to PTX for sm75 and sm80: the first has no tensor-core MMA, which is why Turing and Volta train through the
-one-pass path's cuBLAS (``config.KernelConfig.mma_dot``).
+one-pass path's cuBLAS (``config.KernelConfig.mma_dot``). And each GPU generation's pointer tiles
+(``config.pointer_tiles``), compiled for it, must fit its shared memory.
 """
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """Lower the fused path's logits kernel to Triton IR for a GPU target, on the CPU (no GPU, no interpreter): both loads
 (TMA descriptors and pointers) x the flags that change its code (fp16's online mode included), for sm80 and sm90. Prints one JSON line per variant
-("ok" or the compiler's last line). Run by tests/test_kernel_lowering.py in a process without TRITON_INTERPRET, since
-the interpreter runs Python and never compiles a branch it does not take."""
+("ok" or the compiler's last line). Then the fp16 kernel's PTX for sm75 and sm80, and each GPU generation's pointer
+tiles compiled for it with the shared memory they take. Run by tests/test_kernel_lowering.py in a process without
+TRITON_INTERPRET, since the interpreter runs Python and never compiles a branch it does not take."""
 import itertools
 import json
 import os
