@@ -312,8 +312,8 @@ def test_train_pass_in_several_chunks(dtype, softcap):
 def test_training_takes_the_one_pass_path_and_scales_by_the_upstream_gradient(monkeypatch):
     """With gradients on, the Triton backend computes them in the forward (train_pass); the backward
     multiplies them by the upstream gradient when that is uniform over the valid tokens (a mean, a
-    sum, TRL's -log_probs.sum() / n) and recomputes otherwise. fp32 evaluation takes the same cuBLAS logits without
-    gradients (dispatch.cublas_logits)."""
+    sum, TRL's -log_probs.sum() / n) and recomputes otherwise. fp32 evaluation and recomputation take the same cuBLAS
+    logits (dispatch.cublas_logits)."""
     import hf_lsce.ops.train_pass as tp
     from hf_lsce.ops import backward as bw
 
@@ -341,7 +341,8 @@ def test_training_takes_the_one_pass_path_and_scales_by_the_upstream_gradient(mo
         hh.grad = ww.grad = None
         tok = linear_cross_entropy(hh, ww, y, label_smoothing=0.1, backend="triton", reduction="none")
         (tok * upstream).sum().backward()
-        assert calls == [1] and recomputed == ([1] if expect_recompute else [])
+        # (fp32: the recomputation is the row kernel over cuBLAS's logits again, not the G kernel's FMA dots)
+        assert calls == ([1, 1] if expect_recompute else [1]) and recomputed == []
         hr, wr = h.clone().requires_grad_(), w.clone().requires_grad_()
         z = hr @ wr.T
         (F.cross_entropy(z, y, label_smoothing=0.1, reduction="none") * upstream.double()).sum().backward()
@@ -364,6 +365,37 @@ def test_evaluation_loss_without_stats(softcap, dtype):
                                         return_stats=True)
     assert rel(loss, ref) < 1e-5
     assert torch.equal(loss, again)
+
+
+@pytest.mark.parametrize("softcap,z_loss", [(None, 0.0), (3.0, 1e-3)])
+def test_recomputing_backward_takes_cublas_logits_where_triton_dots_are_fma(monkeypatch, softcap, z_loss):
+    """Where Triton's dots are FMA (``mma_dot`` off: Turing, Volta; fp32 everywhere), the recomputing backward (a loss
+    on ``return_lse``'s output, per-token weights) runs the one-pass row kernel over cuBLAS's logits, never the G
+    kernel's dots, and equals fp64 autograd through materialised logits (bias, soft-cap, z-loss)."""
+    import dataclasses
+
+    import hf_lsce.ops.backward as bw
+    import hf_lsce.ops.config as config
+
+    real = config.forward_config
+    monkeypatch.setattr(config, "forward_config", lambda dt, dev: dataclasses.replace(real(dt, dev), mma_dot=False))
+    monkeypatch.setattr(config, "fused_config", lambda dt, dev: dataclasses.replace(real(dt, dev), mma_dot=False))
+    monkeypatch.setattr(bw, "triton_gradients_by_columns", lambda *a, **k: pytest.fail("the G kernel ran"))
+    h, w, y, b = make_inputs(n=37, d=40, v=203, seed=34, bias=True, peaked=True)
+    hb, wb, bb = (t.to(torch.bfloat16).requires_grad_() for t in (h, w, b))
+    up = torch.linspace(0.5, 1.5, 37)
+    tok, lse = linear_cross_entropy(hb, wb, y, bias=bb, label_smoothing=0.1, softcap=softcap, z_loss=z_loss,
+                                    reduction="none", return_lse=True, backend="triton")
+    ((tok * up).sum() + 0.01 * lse.sum()).backward()
+    hr, wr, br = (t.detach().to(torch.bfloat16).double().requires_grad_() for t in (h, w, b))
+    z = hr @ wr.T + br
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    lse_r = torch.logsumexp(z, -1)
+    tok_r = F.cross_entropy(z, y, label_smoothing=0.1, reduction="none") + z_loss * torch.where(y != -100, lse_r ** 2, 0)
+    ((tok_r * up.double()).sum() + 0.01 * lse_r.sum()).backward()
+    for got, want in ((hb.grad, hr.grad), (wb.grad, wr.grad), (bb.grad, br.grad)):
+        assert rel(got, want) < 1e-2  # G and the gradients in bf16
 
 
 def test_cublas_statistics_chunk_fits_free_memory():
@@ -603,7 +635,8 @@ def test_two_pass_training_path_matches_fp64(monkeypatch, softcap, bias, reducti
                                    z_loss=1e-3, backend="triton")
         weights = torch.rand(N, generator=torch.Generator().manual_seed(2)) if reduction == "none" else None
         (out * weights).sum().backward() if weights is not None else (upstream * out).backward()
-        assert one_pass_calls == ([] if path == "two-pass" else [1])
+        # (one-pass forced: per-token weights that are not uniform recompute through it too, dispatch.cublas_logits)
+        assert one_pass_calls == ([] if path == "two-pass" else [1, 1] if reduction == "none" else [1])
         results[path] = (out.detach(), hh.grad, ww.grad, bb.grad if bias else None)
         monkeypatch.setattr(tp, "triton_train_pass", real)
     # fp64 oracle: the definition on materialised logits, z-loss added

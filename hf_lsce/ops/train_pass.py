@@ -33,13 +33,13 @@ from .matmul import addmm_f32, fp16_weights, kept_dtype, mm_f32, times_gamma
 
 
 @triton.jit
-def _logit_grad(z, is_target, lse, p_mult, uniform, b, softcap, SOFTCAP: tl.constexpr):
-    """dL/dz of one block of a row before the token weight, from its logits ``z`` (bias added, before the
-    soft-cap): ``p * p_mult - uniform - (1 - b) [target]``, times the soft-cap's derivative."""
+def _logit_grad(z, is_target, lse, p_mult, uniform, on_target, softcap, SOFTCAP: tl.constexpr):
+    """The gradient on one block of a row's logits ``z`` (bias added, before the soft-cap):
+    ``p * p_mult - uniform - on_target [target]``, times the soft-cap's derivative."""
     if SOFTCAP:
         tc = _tanh(z / softcap)
         z = softcap * tc
-    g = tl.exp(z - lse) * p_mult - uniform - tl.where(is_target, 1.0 - b, 0.0)
+    g = tl.exp(z - lse) * p_mult - uniform - tl.where(is_target, on_target, 0.0)
     if SOFTCAP:
         g = g * (1.0 - tc * tc)
     return g
@@ -47,11 +47,11 @@ def _logit_grad(z, is_target, lse, p_mult, uniform, b, softcap, SOFTCAP: tl.cons
 
 @triton.jit
 def _lce_rows_kernel(
-    Z, BIAS, Y, SMOOTH, SCALE, G,
+    Z, BIAS, Y, SMOOTH, SCALE, EXTRA, G,
     LSE_OUT, ZY_OUT, SZ_OUT, AM_OUT, ENT_OUT,
     V, stride_z, stride_g, softcap, inv_v, z_loss,
     HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, WRITE_G: tl.constexpr, HAS_ZLOSS: tl.constexpr,
-    BLOCK: tl.constexpr,
+    HAS_EXTRA: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
     y = tl.load(Y + row)
@@ -109,10 +109,12 @@ def _lce_rows_kernel(
     if WRITE_G:
         b = tl.load(SMOOTH + row)
         scale = tl.load(SCALE + row)
-        p_mult = 1.0
+        p_mult = scale
         if HAS_ZLOSS:  # d(lam lse^2)/dz = 2 lam lse p
-            p_mult = 1.0 + 2.0 * z_loss * lse
-        uniform = b * inv_v
+            p_mult = scale * (1.0 + 2.0 * z_loss * lse)
+        if HAS_EXTRA:  # extra_n p on the row (the gradient reaching the lse output)
+            p_mult += tl.load(EXTRA + row)
+        uniform = scale * b * inv_v
         g_row = G + row.to(tl.int64) * stride_g
         for v0 in range(0, V, BLOCK):
             offs = v0 + tl.arange(0, BLOCK)
@@ -123,8 +125,8 @@ def _lce_rows_kernel(
             tl.debug_barrier()
             if HAS_BIAS:
                 z += tl.load(BIAS + offs, mask=mask, other=0.0).to(tl.float32)
-            g = _logit_grad(z, offs == y, lse, p_mult, uniform, b, softcap, SOFTCAP)
-            tl.store(g_row + offs, (g * scale).to(G.dtype.element_ty), mask=mask)
+            g = _logit_grad(z, offs == y, lse, p_mult, uniform, scale * (1.0 - b), softcap, SOFTCAP)
+            tl.store(g_row + offs, g.to(G.dtype.element_ty), mask=mask)
 
 
 def add_chunk_gradients(g, hidden_chunk, weight, dh_chunk, dw, db, first: bool) -> None:
@@ -166,7 +168,7 @@ def _rows_launch_config(v: int) -> tuple[int, int]:
 
 def triton_train_pass(hidden, weight, bias, targets, smoothing, scale, softcap,
                       need_dh=True, need_dw=True, need_db=True, chunk_bytes: int | None = None,
-                      z_loss: float = 0.0, accum_dtype: torch.dtype | None = None):
+                      z_loss: float = 0.0, accum_dtype: torch.dtype | None = None, extra=None):
     """Statistics and gradients of ``sum_n scale_n loss_n`` for 2-D ``hidden`` (N, D).
 
     Returns ``(lse, zy, sz, argmax, entropy), dh, dw, db``; dh in hidden's dtype, dw in weight's (both fp32 for fp16:
@@ -174,7 +176,9 @@ def triton_train_pass(hidden, weight, bias, targets, smoothing, scale, softcap,
     db fp32 (None where not needed). ``targets``: ids with -1 for ignored tokens; ``smoothing`` and
     ``scale``: fp32 per token (unread, and may be None, where no gradient is needed: the statistics alone, by chunks
     of ``STATS_CHUNK_BYTES``). ``z_loss``: the coefficient of ``lse^2`` in each token's loss.
-    ``accum_dtype``: the dtype dW is accumulated in across chunks (default: the weight's).
+    ``accum_dtype``: the dtype dW is accumulated in across chunks (default: the weight's). ``extra`` (fp32 per token,
+    or None): ``extra_n p_n`` added to the logits' gradient (the gradient of an lse output: the recomputing backward
+    where Triton's dots are FMA, ``paths.loss_gradients``).
     """
     n, d = hidden.shape
     v = weight.shape[0]
@@ -183,7 +187,7 @@ def triton_train_pass(hidden, weight, bias, targets, smoothing, scale, softcap,
     write_g = need_dh or need_dw or need_db
     gamma = None
     if write_g:
-        (scale,), gamma = fp16_weights(hidden.dtype, scale)  # (fp16: G keeps its digits; scaled back below)
+        (scale, extra), gamma = fp16_weights(hidden.dtype, scale, extra)  # (fp16: G keeps its digits; scaled back)
     f32 = dict(dtype=torch.float32, device=dev)
     lse, zy, sz, ent = (torch.empty(n, **f32) for _ in range(4))
     am = torch.empty(n, dtype=torch.int32, device=dev)
@@ -214,11 +218,11 @@ def triton_train_pass(hidden, weight, bias, targets, smoothing, scale, softcap,
         else:
             torch.mm(h, weight.T, out_dtype=torch.float32, out=z)
         _lce_rows_kernel[(e - s,)](
-            z, bias if bias is not None else z, targets[s:e], smoothing[s:e], scale[s:e], g,
-            lse[s:e], zy[s:e], sz[s:e], am[s:e], ent[s:e],
+            z, bias if bias is not None else z, targets[s:e], smoothing[s:e], scale[s:e],
+            (extra if extra is not None else scale)[s:e], g, lse[s:e], zy[s:e], sz[s:e], am[s:e], ent[s:e],
             v, z.stride(0), g.stride(0), float(softcap) if softcap is not None else 1.0, 1.0 / v,
             float(z_loss), HAS_BIAS=bias is not None, SOFTCAP=softcap is not None, WRITE_G=write_g,
-            HAS_ZLOSS=z_loss != 0, BLOCK=block, num_warps=warps)
+            HAS_ZLOSS=z_loss != 0, HAS_EXTRA=extra is not None, BLOCK=block, num_warps=warps)
         if not write_g:
             continue
         if acc_dt != weight.dtype and dw is not None:  # fp32 accumulation across chunks
