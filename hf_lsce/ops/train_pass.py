@@ -10,10 +10,11 @@ with N):
    softmax statistics (max, sum of exp, entropy term, sum of logits, target logit, argmax); a second
    read writes the gradient of the loss with respect to the logits,
 
-       G_nv = s_n * (p_nv (1 + 2 lam lse_n) - b_n / V - (1 - b_n) [v == y_n]) * (1 - tanh^2)
+       G_nv = (s_n (p_nv (1 + 2 lam lse_n) - b_n / V - (1 - b_n) [v == y_n]) + e_n p_nv) * (1 - tanh^2)
 
    (last factor: soft-cap; ``lam``: the z-loss ``lam * lse^2``), with s_n the reduction's weight of token n
-   (1/#valid for the mean, 0 where ignored). G is stored in the input dtype *in place over Z*: element v of row
+   (1/#valid for the mean, 0 where ignored) and e_n an optional extra term (the gradient reaching an lse output, in
+   the recomputing backward where Triton's dots are FMA). G is stored in the input dtype *in place over Z*: element v of row
    n goes to byte ``4 V n + size * v``, which only overwrites values of that row already read by every warp
    (a barrier per block makes sure). A 2-byte G is then a (rows, V) view of row stride 2V.
 3. cuBLAS: ``dh_chunk = G @ W`` and ``dW += G^T h_chunk`` (and ``db += sum_n G``).
