@@ -270,7 +270,7 @@ def _offsets_kernel(H, W, COLSUM, BIAS, BSUM, Y, C, SZ, ZY, n, V, D, stride_h, s
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     mask_r = rows < n
     y = tl.load(Y + rows, mask=mask_r, other=-1)
-    has_y = mask_r & (y >= 0)
+    has_y = mask_r & (y >= 0) & (y < V)  # (a target past V: another rank's, in the vocabulary-parallel forward)
     y_row = tl.maximum(y, 0).to(tl.int64) * stride_w
     acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
     acc_y = tl.zeros((BLOCK_R,), dtype=tl.float32)
@@ -777,7 +777,7 @@ def triton_fused_pass(hidden, weight, bias, targets, smoothing, scale, config, n
 
 
 def triton_fused_columns(hidden, weight, bias, targets, smoothing, scale, config, chunk_bytes: int | None = None,
-                         need_stats=False, z_loss: float = 0.0, need_dh: bool = True):
+                         need_stats=False, z_loss: float = 0.0, need_dh: bool = True, softcap: float | None = None):
     """A frozen head's statistics and dh (LoRA: no dW, no db) by the fused pass over chunks of vocabulary *columns*,
     every row at once, the logits computed once (``frozen_chunk_bytes``; ``memory="low"``: the low-memory budget).
     R of a chunk needs only the offsets, fixed before the pass, and a factor per row passes through ``R W``, so dh's
@@ -787,7 +787,9 @@ def triton_fused_columns(hidden, weight, bias, targets, smoothing, scale, config
     redoes that row with the max as its offset and scales what the row accumulated so far by exp(c_old - c_new).
     ``chunk_bytes``: R's chunk (N x columns, bf16); one chunk where it holds every column (or None). Returns what
     ``triton_fused_pass`` returns, without dW and db (None); ``need_dh=False``: the statistics alone, no R stored
-    (the low-memory mode's first pass where dW is needed: ``paths.statistics_and_gradients``)."""
+    (the low-memory mode's first pass where dW is needed: ``paths.statistics_and_gradients``), and then ``softcap``
+    may be given (the offset is the cap: no fix-up)."""
+    soft = softcap is not None
     n, d = hidden.shape
     v = weight.shape[0]
     dev = hidden.device
@@ -796,14 +798,14 @@ def triton_fused_columns(hidden, weight, bias, targets, smoothing, scale, config
     cols = v if one else min(v, max(config.block_v, chunk_bytes // (2 * n) // config.block_v * config.block_v))
     # 16-byte rows for cuBLAS; without dh no R is stored (hidden stands in for the pointer)
     r_buf = torch.empty(n, triton.cdiv(cols, 8) * 8, dtype=hidden.dtype, device=dev) if need_dh else hidden
-    sums = _column_sums(weight, bias)
-    colsum = sums[0]  # also dh's uniform term
+    sums = None if soft else _column_sums(weight, bias)
+    colsum = None if soft else sums[0]  # also dh's uniform term
     rowbuf = torch.empty(12, n, dtype=torch.float32, device=dev)
     lse, zy, sz, ent, a, u, loss, nll, c, s_run, t_run, m_run = rowbuf
     am = torch.empty(n, dtype=torch.long, device=dev)
     acc = torch.empty(n, d, dtype=torch.float32, device=dev) if need_dh else None
     grid, br, bd, warps = _rows_launch(n)
-    _row_offsets(hidden, weight, bias, sums, targets, c, sz, zy)
+    _row_offsets(hidden, weight, bias, sums, targets, c, sz, zy, softcap)
     if not one:
         rowbuf[9:11].zero_()
         m_run.fill_(float("-inf"))
@@ -812,8 +814,9 @@ def triton_fused_columns(hidden, weight, bias, targets, smoothing, scale, config
         c1 = min(v, c0 + cols)
         wc, r = weight[c0:c1], r_buf[:, :c1 - c0]
         bc = bias[c0:c1] if bias is not None else None
-        st, descs = _exp_tiles(config, hidden, wc, bc, c, r, need_stats, store=need_dh)
-        _exp_tiles(config, hidden, wc, bc, c, r, need_stats, bufs=st, descs=descs, store=need_dh)  # flagged rows
+        st, descs = _exp_tiles(config, hidden, wc, bc, c, r, need_stats, store=need_dh, softcap=softcap)
+        if not soft:
+            _exp_tiles(config, hidden, wc, bc, c, r, need_stats, bufs=st, descs=descs, store=need_dh)  # flagged rows
         if not one:
             _merge_columns_kernel[grid](*st[:4], c, s_run, t_run, m_run, am_run, acc, n, st[0].shape[0], d,
                                         acc.stride(0), c0, R_EXP_MAX, STATS=need_stats, HAS_ACC=c0 > 0, BLOCK_R=br,
@@ -829,7 +832,7 @@ def triton_fused_columns(hidden, weight, bias, targets, smoothing, scale, config
         *state, st[4], c, zy, sz, targets, smoothing, scale, hidden, r_buf, hidden, c,
         lse, ent, am, a, u, loss, nll, n, state[0].shape[0] if one else 1, d, hidden.stride(0), r_buf.stride(0), 0,
         1.0 / v, R_EXP_MAX, float(z_loss), STATS=need_stats, GRAD=need_dh, R_TARGET=False, SCALE_H=False,
-        SOFTCAP=False, ONLINE=False, BLOCK_R=br, BLOCK_D=bd, num_warps=warps)
+        SOFTCAP=soft, ONLINE=False, BLOCK_R=br, BLOCK_D=bd, num_warps=warps)
     dh = None
     if need_dh:
         dh = torch.empty(n, d, dtype=hidden.dtype, device=dev)
@@ -850,3 +853,10 @@ def frozen_chunk_bytes(n: int, v: int, d: int, free_bytes: int | None = None) ->
     if rows == n:
         return n * v_pad * 2
     return FUSED_CHUNK_BYTES if 4 * n * d <= FUSED_CHUNK_BYTES // 4 else None
+
+
+def fused_statistics(hidden, weight, bias, targets, softcap, config, need_stats: bool = True):
+    """Per-token (lse, target logit, sum of logits, argmax, entropy) by the fused logits kernel without storing R."""
+    zeros = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+    return triton_fused_columns(hidden, weight, bias, targets, zeros, zeros, config, need_stats=need_stats,
+                                need_dh=False, softcap=softcap)[0][:5]
