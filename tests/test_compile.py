@@ -43,8 +43,9 @@ def test_op_compiles_fullgraph_and_matches_fp64(backend, path, items, monkeypatc
     assert bool(recomputed) == (backend == "torch")
     ref, dh, dw, db = reference(h, w, y, b, smoothing=B, num_items=41)
     assert abs(loss.item() - ref.item()) < 1e-5 * abs(ref.item())
+    # (fp32 on the two-pass path: the lse from BLAS's logits, G from the G kernel's own: two fp32 products)
     for got, want in ((hc.grad, dh), (wc.grad, dw), (bc.grad, db)):
-        assert rel(got, want) < 1e-5
+        assert rel(got, want) < (2e-5 if path == "two-pass" else 1e-5)
 
 
 def test_per_token_losses_stats_and_lse_gradient_under_compile():
@@ -130,7 +131,7 @@ def test_a_frozen_head_compiles(backend, path, monkeypatch):
     loss.backward()
     ref, dh, _, _ = reference(h, w, y, smoothing=B)
     assert abs(loss.item() - ref.item()) < 1e-5 * abs(ref.item())
-    assert rel(hc.grad, dh) < 1e-5
+    assert rel(hc.grad, dh) < (2e-5 if path == "two-pass" else 1e-5)  # (see above)
 
 
 @pytest.mark.parametrize("path", ["fused", "one-pass"])

@@ -377,8 +377,7 @@ def test_recomputing_backward_takes_cublas_logits_where_triton_dots_are_fma(monk
     import hf_lsce.ops.backward as bw
     import hf_lsce.ops.config as config
 
-    real = config.forward_config
-    monkeypatch.setattr(config, "forward_config", lambda dt, dev: dataclasses.replace(real(dt, dev), mma_dot=False))
+    real = config.fused_config
     monkeypatch.setattr(config, "fused_config", lambda dt, dev: dataclasses.replace(real(dt, dev), mma_dot=False))
     monkeypatch.setattr(bw, "triton_gradients_by_columns", lambda *a, **k: pytest.fail("the G kernel ran"))
     h, w, y, b = make_inputs(n=37, d=40, v=203, seed=34, bias=True, peaked=True)
@@ -413,13 +412,13 @@ def test_cublas_statistics_chunk_fits_free_memory():
 @pytest.mark.parametrize("softcap,bias", [(None, False), (3.0, True)])
 def test_statistics_take_cublas_logits_where_triton_dots_are_fma(monkeypatch, softcap, bias):
     """On a GPU whose Triton dots lower to FMA (Turing, Volta: ``mma_dot`` False), the statistics of an evaluation
-    call and of the vocabulary-parallel forward come from the row kernel over cuBLAS's logits, not the forward
+    call and of the vocabulary-parallel forward come from the row kernel over cuBLAS's logits, not the fused
     kernel: the same statistics as fp64 on the materialised logits (a target past V, as the vocabulary-parallel
     forward passes for another rank's, gives a target logit of 0)."""
     import dataclasses
 
     import hf_lsce.ops.config as config
-    import hf_lsce.ops.forward as fw
+    import hf_lsce.ops.fused_pass as fp
     import hf_lsce.ops.train_pass as tp
     from hf_lsce.ops.dispatch import cublas_logits, forward_stats
 
@@ -427,11 +426,11 @@ def test_statistics_take_cublas_logits_where_triton_dots_are_fma(monkeypatch, so
     hh, ww = h.to(torch.bfloat16), w.to(torch.bfloat16)
     bb = b.to(torch.bfloat16) if bias else None
     assert not cublas_logits(hh) and cublas_logits(hh.float())
-    real = config.forward_config
-    monkeypatch.setattr(config, "forward_config", lambda dt, dev: dataclasses.replace(real(dt, dev), mma_dot=False))
+    real = config.fused_config
+    monkeypatch.setattr(config, "fused_config", lambda dt, dev: dataclasses.replace(real(dt, dev), mma_dot=False))
     assert cublas_logits(hh)
     calls = []
-    monkeypatch.setattr(fw, "triton_forward", lambda *a, **k: calls.append("forward kernel"))
+    monkeypatch.setattr(fp, "fused_statistics", lambda *a, **k: calls.append("fused kernel"))
     real_pass = tp.triton_train_pass
     monkeypatch.setattr(tp, "triton_train_pass", lambda *a, **k: calls.append("row kernel") or real_pass(*a, **k))
     t = y.clamp(min=0).clone()
@@ -451,53 +450,63 @@ def test_statistics_take_cublas_logits_where_triton_dots_are_fma(monkeypatch, so
     assert rel(entropy, -(p * torch.log(p)).sum(-1)) < 1e-5
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("softcap,bias", [(None, False), (3.0, True)])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_tma_forward_kernel_matches_fp64(dtype, softcap, bias, splits):
-    """The flattened-loop TMA forward kernel (the one Hopper GPUs run) gives the fp64 statistics of the
-    materialised logits at ragged sizes: N, V and D not multiples of the blocks, splits ending mid-tile."""
+def test_fused_statistics_match_fp64(dtype, softcap, bias, splits):
+    """The statistics alone from the fused logits kernel (evaluation, the vocabulary-parallel forward, the two-pass
+    path's lse), with TMA loads (Hopper) and pointer loads (other GPUs), give the fp64 statistics of the materialised
+    logits at ragged sizes (N, V and D not multiples of the blocks, splits ending mid-tile), with an ignored row, a
+    target past V (another rank's: target logit 0) and a row whose max is far above its mean logit (the fix-up
+    launch)."""
     import dataclasses
 
-    from hf_lsce.ops.config import forward_config
-    from hf_lsce.ops.forward import tma_ready, triton_forward
+    from hf_lsce.ops.config import fused_config
+    from hf_lsce.ops.fused_pass import R_EXP_MAX, C_SHIFT, fused_statistics
+    from hf_lsce.ops.tiles import tma_ready
 
     h, w, y, b = make_inputs(n=37, d=40, v=203, seed=31, bias=bias, peaked=True)
+    h[0] = 100.0 * w[7] / w[7].norm() ** 2  # logit 7 = 100, far above the row's mean
     hh, ww = h.to(dtype), w.to(dtype)
     bb = b.to(dtype) if bias else None
-    cfg = dataclasses.replace(forward_config(dtype, hh.device), tma=True, min_splits=splits, min_programs=1)
-    assert tma_ready(cfg, hh, ww)
-    lse, zy, sz, argmax, entropy = triton_forward(hh, ww, bb, y.clamp(min=0), softcap, cfg, stats=True)
+    t = y.clamp(min=0).clone()
+    t[3], t[4] = -1, 203
     z = hh.double() @ ww.double().T + (bb.double() if bias else 0)
-    if softcap is not None:
+    if softcap is None:
+        assert (z.max(-1).values - z.mean(-1) > C_SHIFT + R_EXP_MAX).any()  # a row the fix-up redoes
+    else:
         z = softcap * torch.tanh(z / softcap)
     p = torch.softmax(z, -1)
-    assert rel(lse, torch.logsumexp(z, -1)) < 1e-6
-    assert rel(zy, z.gather(1, y.clamp(min=0)[:, None])[:, 0]) < 1e-6
-    assert rel(sz, z.sum(-1)) < 1e-6
-    assert torch.equal(argmax, z.argmax(-1))
-    assert rel(entropy, -(p * torch.log(p)).sum(-1)) < 1e-5
-    # The pointer kernel gives the same statistics (same epilogue, another schedule).
-    old = triton_forward(hh, ww, bb, y.clamp(min=0), softcap, dataclasses.replace(cfg, tma=False), stats=True)
-    for a, o in zip((lse, zy, sz, argmax, entropy), old):
-        assert torch.allclose(a.double(), o.double(), rtol=1e-5, atol=1e-5)
+    here = (t >= 0) & (t < 203)
+    cfg = dataclasses.replace(fused_config(dtype, hh.device), tma=True, min_splits=splits, min_programs=1)
+    assert tma_ready(cfg, hh, ww)
+    for c in (cfg, dataclasses.replace(cfg, tma=False)):
+        lse, zy, sz, argmax, entropy = fused_statistics(hh, ww, bb, t, softcap, c, need_stats=True)
+        assert rel(lse, torch.logsumexp(z, -1)) < 1e-6
+        assert rel(zy, torch.where(here, z.gather(1, t.clamp(0, 202)[:, None])[:, 0], 0.0)) < 1e-6
+        assert rel(sz, z.sum(-1)) < 1e-6
+        assert torch.equal(argmax, z.argmax(-1))
+        assert rel(entropy, -(p * torch.log(p)).sum(-1)) < 1e-5
+        lse2, _, _, argmax2, entropy2 = fused_statistics(hh, ww, bb, t, softcap, c, need_stats=False)
+        assert torch.equal(lse2, lse) and not argmax2.any() and not entropy2.any()
 
 
 def test_tma_kernel_only_for_aligned_rows():
-    """A row stride that is not a multiple of 16 bytes cannot be a tensor descriptor: the forward falls back to
-    the pointer kernel instead of faulting, and still matches fp64."""
+    """A row stride that is not a multiple of 16 bytes cannot be a tensor descriptor: the statistics fall back to
+    the pointer loads instead of faulting, and still match fp64."""
     import dataclasses
 
-    from hf_lsce.ops.config import forward_config
-    from hf_lsce.ops.forward import tma_ready, triton_forward
+    from hf_lsce.ops.config import fused_config
+    from hf_lsce.ops.fused_pass import fused_statistics
+    from hf_lsce.ops.tiles import tma_ready
 
     h, w, y, _ = make_inputs(n=21, d=20, v=77, seed=32)
     hh, ww = h.to(torch.bfloat16), w.to(torch.bfloat16)  # 20 bf16 = 40 bytes per row
-    cfg = dataclasses.replace(forward_config(torch.bfloat16, hh.device), tma=True)
+    cfg = dataclasses.replace(fused_config(torch.bfloat16, hh.device), tma=True)
     assert not tma_ready(cfg, hh, ww)
     assert tma_ready(cfg, hh.float(), ww.float())  # 80 bytes per row
     assert not tma_ready(cfg, hh.float()[:, 1:], ww.float())  # rows not contiguous
-    lse = triton_forward(hh, ww, None, y.clamp(min=0), None, cfg, stats=False)[0]
+    lse = fused_statistics(hh, ww, None, y.clamp(min=0), None, cfg, need_stats=False)[0]
     assert rel(lse, torch.logsumexp(hh.double() @ ww.double().T, -1)) < 1e-6
 
 
@@ -518,17 +527,17 @@ def test_tma_kernel_needs_triton_3_4(monkeypatch, version, expected):
 
 @pytest.mark.parametrize("shift", [False, True])
 def test_evaluation_loss_through_the_tma_kernel(monkeypatch, shift):
-    """The op as users call it for evaluation, with the forward config a Hopper GPU gets (the TMA kernel):
+    """The op as users call it for evaluation, with the config a Hopper GPU gets (the fused kernel's TMA loads):
     the loss equals fp64 cross-entropy of the materialised logits, also for a shifted (HF causal) batch
-    whose hidden rows are a strided view, and the TMA kernel is the one that ran."""
+    whose hidden rows are a strided view, and the TMA loads are the ones that ran."""
     import dataclasses
 
-    from hf_lsce.ops import config, forward
+    from hf_lsce.ops import config, fused_pass
 
-    real_cfg, real_ready = config.forward_config, forward.tma_ready
-    monkeypatch.setattr(config, "forward_config", lambda dt, dev: dataclasses.replace(real_cfg(dt, dev), tma=True))
+    real_cfg, real_ready = config.fused_config, fused_pass.tma_ready
+    monkeypatch.setattr(config, "fused_config", lambda dt, dev: dataclasses.replace(real_cfg(dt, dev), tma=True))
     used = []
-    monkeypatch.setattr(forward, "tma_ready", lambda *a: used.append(real_ready(*a)) or used[-1])
+    monkeypatch.setattr(fused_pass, "tma_ready", lambda *a: used.append(real_ready(*a)) or used[-1])
     h, w, y, _ = make_inputs(n=2 * 19, d=40, v=203, seed=33, peaked=True)
     hh = h.to(torch.bfloat16).reshape(2, 19, 40)
     ww = w.to(torch.bfloat16)
@@ -586,7 +595,7 @@ def test_tma_grad_logits_kernel_matches_fp64(dtype, softcap, bias, splits):
     import dataclasses
 
     from hf_lsce.ops.backward import triton_gradients_by_columns
-    from hf_lsce.ops.config import forward_config
+    from hf_lsce.ops.config import fused_config
     from hf_lsce.ops.reference import torch_backward
 
     h, w, y, b = make_inputs(n=37, d=40, v=203, seed=32, bias=bias, peaked=True)
@@ -596,7 +605,7 @@ def test_tma_grad_logits_kernel_matches_fp64(dtype, softcap, bias, splits):
     g = torch.Generator().manual_seed(7)
     sm, grad, extra = torch.rand(37, generator=g) * 0.3, torch.rand(37, generator=g), torch.rand(37, generator=g)
     lse = torch_forward(hh.double(), ww.double(), bb.double() if bias else None, t, softcap)[0].float()
-    cfg = dataclasses.replace(forward_config(dtype, hh.device), tma=True, min_splits=splits, min_programs=1)
+    cfg = dataclasses.replace(fused_config(dtype, hh.device), tma=True, min_splits=splits, min_programs=1)
     ref = torch_backward(hh.double(), ww.double(), bb.double() if bias else None, t, lse.double(), grad.double(),
                          sm.double(), softcap, extra=extra.double())
     tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: G and the products in bf16
@@ -615,7 +624,7 @@ def test_tma_grad_logits_kernel_matches_fp64(dtype, softcap, bias, splits):
 @pytest.mark.parametrize("softcap,bias", [(None, False), (4.0, True)])
 @pytest.mark.parametrize("reduction,upstream", [("mean", 1.0), ("sum", 0.5), ("none", None)])
 def test_two_pass_training_path_matches_fp64(monkeypatch, softcap, bias, reduction, upstream):
-    """The two-pass training path (forward kernel, then G from recomputed logits and cuBLAS products, in the
+    """The two-pass training path (the statistics, then G from recomputed logits and cuBLAS products, in the
     forward) gives the fp64 loss and gradients for every reduction, per-token b and z-loss; the one-pass path is not
     called, and the same call with the one-pass path gives the same numbers."""
     import hf_lsce.ops.config as config
@@ -628,7 +637,9 @@ def test_two_pass_training_path_matches_fp64(monkeypatch, softcap, bias, reducti
         monkeypatch.setattr(config, "TRAIN_PATH", path)
         one_pass_calls = []
         real = tp.triton_train_pass
-        monkeypatch.setattr(tp, "triton_train_pass", lambda *a, **k: one_pass_calls.append(1) or real(*a, **k))
+        # (the one-pass path's gradients; fp32's statistics come from its row kernel on every path)
+        monkeypatch.setattr(tp, "triton_train_pass", lambda *a, **k: (k["need_dh"] or k["need_dw"])
+                            and one_pass_calls.append(1) or real(*a, **k))
         hh, ww = h.float().requires_grad_(), w.float().requires_grad_()
         bb = b.float().requires_grad_() if bias else None
         out = linear_cross_entropy(hh, ww, y, bias=bb, label_smoothing=sm, softcap=softcap, reduction=reduction,

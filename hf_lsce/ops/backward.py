@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .config import launch, tuning_configs
-from .forward import _dot, _finish_logits, _logit_tile, _split_bounds, _tile_offsets, tma_ready, vocab_splits
+from .tiles import _dot, _finish_logits, _logit_tile, _split_bounds, _tile_offsets, tma_ready, vocab_splits
 from .matmul import addmm_f32, fp16_weights, kept_dtype, mm_f32, times_gamma
 
 
@@ -76,7 +76,7 @@ def _lce_grad_logits_tma_kernel(
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """The G of ``_lce_grad_logits_kernel`` from the forward's TMA loop: one program per (vocabulary split, row
+    """The G of ``_lce_grad_logits_kernel`` from the fused logits kernel's TMA loop: one program per (vocabulary split, row
     block) walks its split with one flattened loop over (tile, D step) pairs (the pipeline runs across tiles), and
     each finished logit tile becomes a tile of G in the epilogue. TMA zero-fills loads past N, V and D; stores are
     masked."""
@@ -112,7 +112,7 @@ def write_grad_logits(config, hidden, weight, bias, targets, lse, grad, smoothin
                       softcap) -> None:
     """G (rows of ``hidden`` x rows of ``weight``) = ``grad_n dL/dz + extra_n p``, for the columns ``weight`` holds
     of a vocabulary of ``v_total`` (``targets`` and ``bias`` relative to those columns): the TMA kernel with the
-    forward's grid where it can read the inputs, else the (autotuned) pointer kernel."""
+    fused logits kernel's grid where it can read the inputs, else the (autotuned) pointer kernel."""
     n, d = hidden.shape
     vc = weight.shape[0]
     b = bias if bias is not None else weight

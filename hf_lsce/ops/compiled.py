@@ -7,7 +7,7 @@ body (the same kernels, chosen by the same code) when the compiled graph runs:
 
 * ``hf_lsce::check_values``: the checks of device values (``checks.check_device_values``): synchronous on the CPU,
   a device flag plus a deferred error on CUDA; returns the flag (the loss is NaN where it is set);
-* ``hf_lsce::token_losses``: per-token smoothed losses and statistics from the forward kernels (no gradient work);
+* ``hf_lsce::token_losses``: per-token smoothed losses and statistics from ``dispatch.forward_stats`` (no gradient work);
   differentiable through ``torch.library.register_autograd``;
 * ``hf_lsce::token_loss_gradients``: its backward: dh, dW, db of ``sum_n g_n loss_n`` (``g`` the upstream gradient of
   the per-token losses) by the training path the eager op would take (fused, two-pass, one-pass or the
@@ -33,8 +33,7 @@ from torch import Tensor
 from .checks import check_device_values
 from .dispatch import forward_stats
 from .matmul import kept_dtype
-from .paths import (loss_gradients, loss_terms, notify_training_call, statistics_and_gradients, token_loss_terms,
-                    training_options)
+from .paths import loss_gradients, loss_terms, notify_training_call, statistics_and_gradients, training_options
 
 
 def compiling() -> bool:
@@ -72,9 +71,10 @@ def token_losses(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets
     if n == 0:
         e = torch.zeros(0, dtype=_stats_dtype(hidden), device=hidden.device)
         return e, e.clone(), torch.zeros(0, dtype=torch.long, device=hidden.device), e.clone(), e.clone()
-    lse, zy, sz, argmax, entropy = forward_stats(hidden, weight, bias, targets, softcap, backend, stats=need_stats,
-                                                 low_memory=memory == "low")
-    loss, nll = token_loss_terms(lse, zy, sz, smoothing, targets >= 0, weight.shape[0], z_loss)
+    stats = forward_stats(hidden, weight, bias, targets, softcap, backend, stats=need_stats, low_memory=memory == "low",
+                          smoothing=smoothing.float().contiguous(), z_loss=z_loss)
+    lse, argmax, entropy = stats[0], stats[3], stats[4]
+    loss, nll = loss_terms(stats, smoothing, targets, weight.shape[0], z_loss)
     if training:
         notify_training_call(observed_smoothing)
     return loss, lse.clone(), argmax.clone(), nll, entropy.clone()

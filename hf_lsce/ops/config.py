@@ -19,15 +19,15 @@ class KernelConfig:
     num_warps: int
     num_stages: int
     dot_precision: str
-    # Forward: split the vocabulary until the grid has at least this many programs, and into at
-    # least min_splits parts (L2 reuse of h and W, see forward.py).
+    # Split the vocabulary until the grid has about this many programs, and into at least min_splits parts (L2 reuse
+    # of h and W: tiles.vocab_splits, fused_pass.fused_splits).
     min_programs: int
     # fp32 operands for tl.dot: only under the interpreter, whose bf16 dot is wrong.
     upcast_dot: bool = False
     # Let triton.autotune pick the block sizes (CUDA; kernels without side effects only).
     autotune: bool = False
     min_splits: int = 1
-    # Forward: the TMA kernel (Hopper and newer, half precision), see forward.py.
+    # TMA loads (Hopper and data-centre Blackwell, half precision): tiles.tma_ready.
     tma: bool = False
     # Triton's tl.dot lowers to tensor-core MMA (compute capability 8.0 and newer, and the interpreter): the fused
     # path's condition, and on CUDA the two-pass path's (its G kernel's dots). Below it Triton 3.9 lowers fp16 dots to
@@ -49,53 +49,40 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def forward_config(dtype: torch.dtype, device: torch.device) -> KernelConfig:
-    """The forward (and fused, and G-writing) kernels' configuration for this dtype and device (cached: asked several
-    times by every call of the op)."""
-    return _forward_config(dtype, torch.device(device), interpreting())
+def fused_config(dtype: torch.dtype, device: torch.device) -> KernelConfig:
+    """The logits kernels' configuration for this dtype and device: the fused pass's (``fused_pass._exp_tiles_kernel``,
+    training and the statistics alone) and, with TMA, the G kernels' (``grad_logits_config``). Cached: asked several
+    times by every call of the op."""
+    return _fused_config(dtype, torch.device(device), interpreting())
 
 
 @functools.lru_cache(maxsize=None)
-def _forward_config(dtype: torch.dtype, device: torch.device, interp: bool) -> KernelConfig:
+def _fused_config(dtype: torch.dtype, device: torch.device, interp: bool) -> KernelConfig:
     prec = "ieee" if dtype == torch.float32 else "tf32"
     if interp:
         return KernelConfig(16, 32, 16, 1, 1, prec, 6, upcast_dot=dtype == torch.bfloat16)
     props = torch.cuda.get_device_properties(device)
     sms = props.multi_processor_count
     mma_dot = compiled_capability(props)[0] >= 8  # (see KernelConfig.mma_dot)
-    if dtype == torch.float32:
+    if dtype == torch.float32:  # (no fp32 mode: fp32 takes cuBLAS's logits; the config says where dots are MMA)
         return KernelConfig(64, 64, 32, 4, 3, prec, 2 * sms, mma_dot=mma_dot)
     if torch.version.cuda is not None and tma_capable(props) and _has_tensor_descriptors() and TMA_SWITCH != "0":
-        # The TMA kernel, one block shape: 128 x 256 x 64 tiles, 8 warps, 3 stages was the fastest candidate at
-        # every shape and split count measured on an H100 (256 x 128, 128 x 128 and 4 stages were slower;
-        # docs/benchmarks.md, settled experiments: forward_variants.py). About two waves of programs: as few vocabulary
-        # splits as fill the GPU, so the programs resident at once share each W tile through L2; 4 / 8 / 16 splits at
-        # N = 8192 took 14.5 / 15.7 / 20.1 ms (Gemma2-2B shape). At least 2, or the rows of h the resident
-        # programs read no longer fit in L2: at N = 32768, 1 / 2 / 4 splits took 77.2 / 60.8 / 58.8 ms.
+        # TMA loads: 128 x 256 x 64 tiles, 8 warps, 3 stages was the fastest candidate at every shape and split count
+        # measured on an H100 (256 x 128, 128 x 128 and 4 stages were slower; docs/benchmarks.md, settled experiments:
+        # forward_variants.py). About two waves of programs: as few vocabulary splits as fill the GPU, so the programs
+        # resident at once share each W tile through L2; 4 / 8 / 16 splits at N = 8192 took 14.5 / 15.7 / 20.1 ms
+        # (Gemma2-2B shape). At least 2, or the rows of h the resident programs read no longer fit in L2: at
+        # N = 32768, 1 / 2 / 4 splits took 77.2 / 60.8 / 58.8 ms.
         return KernelConfig(128, 256, 64, 8, 3, prec, 2 * sms, min_splits=2, tma=True)
-    return KernelConfig(128, 128, 64, 8, 3, prec, 2 * sms, autotune=True, min_splits=16, mma_dot=mma_dot)
-
-
-def fused_config(dtype: torch.dtype, device: torch.device) -> KernelConfig:
-    """The fused path's logits kernel (``fused_pass._exp_tiles_kernel``): the forward's TMA configuration where it has
-    one, else pointer loads with 128 x 256 x 64 tiles, 8 warps and 3 stages in a D loop per vocabulary tile, as few
-    vocabulary splits as fill the GPU (at least 2). Measured with HF_LSCE_TMA=0 on an H200 (b = 0.1, N = 8,192;
-    docs/benchmarks.md, settled experiments: pointer_blocks.py): 1.06-1.11 x the TMA kernel's op at the Gemma-3-270m,
-    Gemma2-2B and Llama-3-8B heads, the fastest of five shapes at each; 128 x 128 and 256 x 128 tiles were 1-12 %
-    slower. An A100's 164 KiB and the 99 KiB of an A10, an L4 or an RTX card hold the same tiles and stages
-    (``pointer_tiles``); those cards' own times were not measured here."""
-    return _fused_config(dtype, torch.device(device), interpreting())
-
-
-@functools.lru_cache(maxsize=None)
-def _fused_config(dtype: torch.dtype, device: torch.device, interp: bool) -> KernelConfig:
-    base = _forward_config(dtype, device, interp)
-    if base.tma or interp or dtype == torch.float32:
-        return base
-    smem = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 0) or 0
+    # Pointer loads: 128 x 256 x 64 tiles, 8 warps and 3 stages in a D loop per vocabulary tile, as few vocabulary
+    # splits as fill the GPU (at least 2). Measured with HF_LSCE_TMA=0 on an H200 (b = 0.1, N = 8,192;
+    # docs/benchmarks.md, settled experiments: pointer_blocks.py): 1.06-1.11 x the TMA kernel's op at the
+    # Gemma-3-270m, Gemma2-2B and Llama-3-8B heads, the fastest of five shapes at each; 128 x 128 and 256 x 128 tiles
+    # were 1-12 % slower. An A100's 164 KiB and the 99 KiB of an A10, an L4 or an RTX card hold the same tiles and
+    # stages (``pointer_tiles``); those cards' own times were not measured here.
+    smem = getattr(props, "shared_memory_per_block_optin", 0) or 0
     bn, bv, bd, stages = pointer_tiles(smem)
-    return dataclasses.replace(base, block_n=bn, block_v=bv, block_d=bd, num_warps=8, num_stages=stages,
-                               autotune=False, min_splits=2)
+    return KernelConfig(bn, bv, bd, 8, stages, prec, 2 * sms, min_splits=2, mma_dot=mma_dot)
 
 
 def pointer_tiles(smem: int) -> tuple[int, int, int, int]:
@@ -119,7 +106,6 @@ def pointer_tiles(smem: int) -> tuple[int, int, int, int]:
 def clear_caches() -> None:
     """Forget the cached kernel configurations (after ``TMA_SWITCH`` changed in this process: the benchmarks run
     both kernels side by side)."""
-    _forward_config.cache_clear()
     _fused_config.cache_clear()
 
 
@@ -142,13 +128,13 @@ def free_cuda_memory(device) -> int:
     return free + stats["reserved_bytes"]["all"]["current"] - stats["allocated_bytes"]["all"]["current"]
 
 
-# Shared memory the TMA forward kernel needs per block: 3 stages of a 128 x 64 tile of h and a 256 x 64 tile
+# Shared memory the TMA logits kernels need per block: 3 stages of a 128 x 64 tile of h and a 256 x 64 tile
 # of W in 2-byte elements (144 KiB), plus the epilogue's reduction scratch.
 TMA_SMEM_BYTES = 200 * 1024
 
 
 def tma_capable(props) -> bool:
-    """Whether a GPU (``torch.cuda.get_device_properties``) can run the TMA forward kernel: TMA (compute
+    """Whether a GPU (``torch.cuda.get_device_properties``) can run the TMA logits kernels: TMA (compute
     capability 9.0 or newer) and room for its shared memory. Consumer Blackwell (sm_120, about 100 KiB
     per block) has TMA but not the room, and gets the pointer kernel. Without the shared-memory property
     (older torch), the data-centre generations (9.x Hopper, 10.x Blackwell) are assumed to have it."""
@@ -173,7 +159,7 @@ def compiled_capability(props) -> tuple[int, int]:
 def _has_tensor_descriptors() -> bool:
     """Host-side tensor descriptors as the TMA kernel uses them (``TensorDescriptor`` passed to a kernel,
     ``desc.load``): Triton 3.4 and later (measured with 3.6 on an H100; the interpreter with 3.9).
-    Cached: ``forward_config`` asks on every call of the op."""
+    Cached: ``fused_config`` asks on every call of the op."""
     try:
         from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
     except ImportError:
@@ -183,9 +169,9 @@ def _has_tensor_descriptors() -> bool:
 
 
 def grad_logits_config(dtype: torch.dtype, device: torch.device) -> KernelConfig:
-    """The kernels writing G = dL/dz (``backward._lce_grad_logits*``): the forward's TMA loop and grid where the
-    forward has one (its logits, one more epilogue), else the pointer kernel (autotuned in half precision)."""
-    config = forward_config(dtype, device)
+    """The kernels writing G = dL/dz (``backward._lce_grad_logits*``): the fused logits kernel's TMA loop and grid
+    where it has one (its logits, another epilogue), else the pointer kernel (autotuned in half precision)."""
+    config = fused_config(dtype, device)
     if config.tma:
         return config
     prec = "ieee" if dtype == torch.float32 else "tf32"
@@ -197,7 +183,7 @@ def grad_logits_config(dtype: torch.dtype, device: torch.device) -> KernelConfig
 
 
 # The training path by hidden size: up to this D the fused path (bf16 with the TMA kernel; fused_pass.py) or else the
-# two-pass path (forward kernel for the lse, then the logits
+# two-pass path (the fused kernel's statistics for the lse, then the logits
 # recomputed on chip and G written in the input dtype, dh and dW from cuBLAS), above it the one-pass path (fp32
 # logits from cuBLAS, read twice). The one-pass path saves a logits matmul (2 N D V FLOPs) but moves about 14 N V
 # bytes more; the crossing sits near D = 12 * (tensor FLOP/s) / (2 * HBM bytes/s), about 1,400 on an H100.
@@ -228,7 +214,7 @@ STATS_CHUNK_BYTES = 1 << 30
 def stats_chunk_bytes(free_bytes: int | None) -> int:
     """Bytes of the cuBLAS statistics route's chunk of fp32 logits (``dispatch.forward_stats``): ``STATS_CHUNK_BYTES``,
     or what CUDA's free memory ``free_bytes`` holds with ``MEMORY_HEADROOM``, at least ``LOW_MEMORY_CHUNK_BYTES`` (an
-    evaluation call on a nearly full GPU, where the forward kernel it replaces needed no buffer)."""
+    evaluation call on a nearly full GPU, where the fused kernel's statistics would need no buffer)."""
     if free_bytes is None:
         return STATS_CHUNK_BYTES
     return max(LOW_MEMORY_CHUNK_BYTES, min(STATS_CHUNK_BYTES, int(free_bytes / MEMORY_HEADROOM)))

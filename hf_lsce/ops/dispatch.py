@@ -11,7 +11,7 @@ from . import reference
 def cublas_logits(hidden) -> bool:
     """Whether the per-token statistics (evaluation, the two-pass path's lse, the vocabulary-parallel forward) and the
     single-device recomputing backward (``paths.loss_gradients``) take their logits from cuBLAS, a chunk of rows at a
-    time, and the one-pass path's row kernel (``train_pass.triton_train_pass``) rather than the forward and G
+    time, and the one-pass path's row kernel (``train_pass.triton_train_pass``) rather than the fused and G
     kernels' Triton dots: where those dots are not tensor-core MMA. That is fp32 inputs on every GPU (Triton's fp32
     dots are ``ieee``, FMA) and every dtype on GPUs below compute capability 8.0 (``KernelConfig.mma_dot``: Turing,
     Volta), and wherever ``HF_LSCE_TRAIN_PATH`` forces the one-pass path (``"fused"`` or ``"two-pass"`` force the
@@ -23,17 +23,29 @@ def cublas_logits(hidden) -> bool:
         return False
     if config.TRAIN_PATH is not None:
         return config.TRAIN_PATH == "one-pass"
-    return hidden.dtype == torch.float32 or not config.forward_config(hidden.dtype, hidden.device).mma_dot
+    return hidden.dtype == torch.float32 or not config.fused_config(hidden.dtype, hidden.device).mma_dot
 
 
-def forward_stats(hidden, weight, bias, targets, softcap, backend, stats=True, low_memory=False, free_bytes=None):
-    """Per-token (lse, target logit, sum of logits, argmax, entropy) from the chosen backend
-    (``stats=False``: the forward kernel skips argmax and entropy, returned as zeros; the cuBLAS route computes them
-    anyway, in chunks of ``config.stats_chunk_bytes`` within CUDA's free memory, or the low-memory mode's with
-    ``low_memory``)."""
-    if backend == "triton" and cublas_logits(hidden):
+def forward_stats(hidden, weight, bias, targets, softcap, backend, stats=True, low_memory=False, free_bytes=None,
+                  smoothing=None, z_loss=0.0):
+    """Per-token (lse, target logit, sum of logits, argmax, entropy) from the chosen backend: the fused logits kernel
+    without its store (``fused_pass.fused_statistics``; ``stats=False``: argmax and entropy skipped, returned as
+    zeros), else (fp32, Turing and Volta, a soft-cap above ``fused_pass.SOFTCAP_MAX``) cuBLAS's logits and the
+    one-pass path's row kernel, in chunks of ``config.stats_chunk_bytes`` within CUDA's free memory, or the low-memory
+    mode's with ``low_memory``. With ``smoothing`` the fused kernel's statistics also carry each token's loss and nll
+    (``paths.loss_terms`` takes them; the other routes' it computes)."""
+    if backend == "triton" and not cublas_logits(hidden):
+        from .config import fused_config
+        from .fused_pass import fused_statistics, statistics_supported
+
+        cfg = fused_config(hidden.dtype, hidden.device)
+        if statistics_supported(hidden, softcap, cfg):
+            return fused_statistics(hidden, weight, bias, targets, softcap, cfg, need_stats=stats, smoothing=smoothing,
+                                    z_loss=z_loss)
+    from .train_pass import supported, triton_train_pass
+
+    if backend == "triton" and supported(hidden):
         from .config import free_cuda_memory, low_memory_chunk_bytes, stats_chunk_bytes
-        from .train_pass import triton_train_pass
 
         if low_memory:
             chunk = low_memory_chunk_bytes(*hidden.shape, free_bytes)
@@ -41,12 +53,6 @@ def forward_stats(hidden, weight, bias, targets, softcap, backend, stats=True, l
             chunk = stats_chunk_bytes(free_cuda_memory(hidden.device) if hidden.is_cuda else None)
         return triton_train_pass(hidden, weight, bias, targets, None, None, softcap, need_dh=False, need_dw=False,
                                  need_db=False, chunk_bytes=chunk)[0]
-    if backend == "triton":
-        from .config import forward_config
-        from .forward import triton_forward
-
-        return triton_forward(hidden, weight, bias, targets, softcap, forward_config(hidden.dtype, hidden.device),
-                              stats=stats)
     return reference.torch_forward(hidden, weight, bias, targets, softcap)
 
 

@@ -1,6 +1,8 @@
-"""The fused training path: one logits matmul for the loss and its gradients, no fp32 logits in memory.
+"""The fused pass: one logits matmul for the loss and its gradients, no fp32 logits in memory; without its store of
+R, the per-token statistics (evaluation, the vocabulary-parallel forward, the lse before the two-pass gradients:
+``fused_statistics``).
 
-The logits kernel (``_exp_tiles_kernel``: the forward's TMA loop, one flattened loop over (vocabulary tile, D step)
+The logits kernel (``_exp_tiles_kernel``: with TMA loads one flattened loop over (vocabulary tile, D step)
 pairs, on Hopper; pointer loads with a D loop per tile on every other GPU with bf16 tensor cores, and under
 ``HF_LSCE_TMA=0``) computes each logit tile once and, in the same epilogue, both folds it into the row statistics and
 stores it, as the shifted exponentials
@@ -53,7 +55,7 @@ import triton
 import triton.language as tl
 
 from .config import interpreting
-from .forward import _dot, _finish_logits, _init_state, _logit_acc, _split_bounds, _tanh, tma_ready
+from .tiles import _dot, _finish_logits, _init_state, _logit_acc, _split_bounds, _tanh, tma_ready
 from .matmul import addmm_f32, kept_dtype, mm_f32, power_of_two_scale
 
 # c_n = mean logit + C_SHIFT; a row whose max exceeds c_n by more than R_EXP_MAX is redone with c_n = its max.
@@ -106,15 +108,18 @@ def _exp_epilogue(acc, v0, v_end, B, R, stride_rn, offs_n, mask_n, c, c2, m, s, 
     if SOFTCAP:
         # cap tanh(z / cap) = cap (1 - 2 d) with d = 1 / (exp(2 z / cap) + 1); the offset is the cap, so
         # R = exp(-2 cap d), and the row's sum of capped logits is 2 cap times that of 1/2 - d. No max
-        # unless STATS: no row leaves the range.
+        # unless STATS: no row leaves the range. STATS in d alone (z - c = -2 cap d; the max of z is the min of d).
         d = 1.0 / (tl.math.exp2(z * (2.8853900817779268 / softcap)) + 1.0)
-        half = tl.where(mask_v[None, :], 0.5 - d, 0.0)
-        sz += tl.sum(half, axis=1)
+        sz += tl.sum(tl.where(mask_v[None, :], 0.5 - d, 0.0), axis=1)
         r = tl.where(mask_v[None, :], tl.math.exp2(d * (-2.8853900817779268 * softcap)), 0.0)
-        z = (2.0 * softcap) * half
+        if STATS:
+            d_m = tl.where(mask_v[None, :], d, 2.0)
+            tile_max = (2.0 * softcap) * (0.5 - tl.min(d_m, axis=1))
+            am = tl.where(tile_max > m, tl.argmin(d_m, axis=1).to(tl.int32) + v0, am)
+            t_acc -= (2.0 * softcap) * tl.sum(r * d, axis=1)
+            m = tl.maximum(m, tile_max)
     else:
         r = tl.math.exp2(tl.where(mask_v[None, :], z, float("-inf")) * 1.4426950408889634 - c2[:, None])
-    if STATS or not SOFTCAP:
         z_m = tl.where(mask_v[None, :], z, float("-inf"))
         tile_max = tl.max(z_m, axis=1)
         if STATS:
@@ -161,7 +166,7 @@ def _exp_tiles_kernel(
         run = tl.max(flagged.to(tl.int32), axis=0) > 0
     if run:
         c2 = c * 1.4426950408889634
-        m, s, t_acc, sz, _zy, am = _init_state(BLOCK_N)
+        m, s, t_acc, sz, am = _init_state(BLOCK_N)
         v_start, v_end = _split_bounds(V, NUM_SPLITS, BLOCK_V)
         # One of the two loops is compiled (TMA is a compile-time constant): a runtime-empty loop would still be
         # compiled, and descriptor loads do not compile on pointers.
@@ -201,7 +206,7 @@ def supported(hidden, weight, softcap, z_loss, config) -> bool:
     """Whether the fused path can run these inputs: on a GPU whose Triton dots are tensor-core MMA (``config.mma_dot``:
     compute capability 8.0 or newer) or the interpreter, bf16 (a bias has hidden's dtype: the op's validation) with no
     soft-cap or one of at most ``SOFTCAP_MAX`` (any z-loss), or fp16 without a soft-cap (``online``). The kernel takes
-    TMA loads where ``forward.tma_ready`` allows them, pointer loads elsewhere."""
+    TMA loads where ``tiles.tma_ready`` allows them, pointer loads elsewhere."""
     if hidden.dtype == torch.float16 and weight.dtype == torch.float16:  # (R by running maxima: ``online``)
         return softcap is None and config.mma_dot
     return (hidden.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and config.mma_dot
@@ -253,8 +258,8 @@ def _exp_tiles(config, h, weight, bias, c, r, stats: bool, bufs=None, descs=None
 
 def fused_splits(config, rows: int, v: int) -> int:
     """Vocabulary splits of the kernel's grid: as many as keep the programs within ``config.min_programs`` (about two
-    waves; rounding up, as ``forward.vocab_splits`` does, left a nearly empty third wave at 17 row blocks: measured
-    22.3 ms against 14.5 for the forward kernel at the Gemma2-2B shape), at least ``config.min_splits``."""
+    waves; rounding up, as ``tiles.vocab_splits`` does, left a nearly empty third wave at 17 row blocks: measured
+    22.3 ms against 14.5 for the statistics' own kernel then, at the Gemma2-2B shape), at least ``config.min_splits``."""
     blocks = triton.cdiv(rows, config.block_n)
     return max(1, min(triton.cdiv(v, config.block_v), max(config.min_splits, config.min_programs // blocks)))
 
@@ -425,7 +430,7 @@ def _finish_rows_kernel(
     if STATS:
         tl.store(ENT_OUT + rows, log_s - t_acc / s, mask=mask_r)
         tl.store(AM_OUT + rows, am.to(tl.int64), mask=mask_r)
-    else:  # (zeros, as the forward kernel's without statistics)
+    else:  # (zeros without statistics)
         tl.store(ENT_OUT + rows, tl.zeros((BLOCK_R,), dtype=tl.float32), mask=mask_r)
         tl.store(AM_OUT + rows, tl.zeros((BLOCK_R,), dtype=tl.int64), mask=mask_r)
     if GRAD:
@@ -787,9 +792,11 @@ def triton_fused_columns(hidden, weight, bias, targets, smoothing, scale, config
     redoes that row with the max as its offset and scales what the row accumulated so far by exp(c_old - c_new).
     ``chunk_bytes``: R's chunk (N x columns, bf16); one chunk where it holds every column (or None). Returns what
     ``triton_fused_pass`` returns, without dW and db (None); ``need_dh=False``: the statistics alone, no R stored
-    (the low-memory mode's first pass where dW is needed: ``paths.statistics_and_gradients``), and then ``softcap``
-    may be given (the offset is the cap: no fix-up)."""
+    (``fused_statistics``), and then ``softcap`` may be given (the offset is the cap: no fix-up) and ``smoothing``
+    and ``scale`` may be None (no loss wanted)."""
     soft = softcap is not None
+    if soft and need_dh:
+        raise ValueError("triton_fused_columns takes a softcap only for the statistics alone (need_dh=False).")
     n, d = hidden.shape
     v = weight.shape[0]
     dev = hidden.device
@@ -802,6 +809,8 @@ def triton_fused_columns(hidden, weight, bias, targets, smoothing, scale, config
     colsum = None if soft else sums[0]  # also dh's uniform term
     rowbuf = torch.empty(12, n, dtype=torch.float32, device=dev)
     lse, zy, sz, ent, a, u, loss, nll, c, s_run, t_run, m_run = rowbuf
+    if smoothing is None:  # (the statistics alone: the row kernel's loss, from the lse it has just written, unused)
+        smoothing = scale = lse
     am = torch.empty(n, dtype=torch.long, device=dev)
     acc = torch.empty(n, d, dtype=torch.float32, device=dev) if need_dh else None
     grid, br, bd, warps = _rows_launch(n)
@@ -815,7 +824,7 @@ def triton_fused_columns(hidden, weight, bias, targets, smoothing, scale, config
         wc, r = weight[c0:c1], r_buf[:, :c1 - c0]
         bc = bias[c0:c1] if bias is not None else None
         st, descs = _exp_tiles(config, hidden, wc, bc, c, r, need_stats, store=need_dh, softcap=softcap)
-        if not soft:
+        if not soft:  # (capped logits never leave the range)
             _exp_tiles(config, hidden, wc, bc, c, r, need_stats, bufs=st, descs=descs, store=need_dh)  # flagged rows
         if not one:
             _merge_columns_kernel[grid](*st[:4], c, s_run, t_run, m_run, am_run, acc, n, st[0].shape[0], d,
@@ -855,8 +864,22 @@ def frozen_chunk_bytes(n: int, v: int, d: int, free_bytes: int | None = None) ->
     return FUSED_CHUNK_BYTES if 4 * n * d <= FUSED_CHUNK_BYTES // 4 else None
 
 
-def fused_statistics(hidden, weight, bias, targets, softcap, config, need_stats: bool = True):
-    """Per-token (lse, target logit, sum of logits, argmax, entropy) by the fused logits kernel without storing R."""
-    zeros = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-    return triton_fused_columns(hidden, weight, bias, targets, zeros, zeros, config, need_stats=need_stats,
-                                need_dh=False, softcap=softcap)[0][:5]
+def statistics_supported(hidden, softcap, config) -> bool:
+    """Whether ``fused_statistics`` runs these inputs: half precision where Triton's dots are tensor-core MMA (or the
+    interpreter; fp32 takes cuBLAS's logits, ``dispatch.cublas_logits``), no soft-cap or one of at most
+    ``SOFTCAP_MAX`` (whose offset, the cap, keeps every ``exp(z - cap)`` at least e^-80, a normal fp32 number). No R
+    is stored, so fp16 needs no running maxima and takes a soft-cap."""
+    return (hidden.dtype in (torch.bfloat16, torch.float16) and config.mma_dot
+            and (softcap is None or softcap <= SOFTCAP_MAX))
+
+
+def fused_statistics(hidden, weight, bias, targets, softcap, config, need_stats: bool = True, smoothing=None,
+                     z_loss: float = 0.0):
+    """Per-token (lse, target logit, sum of logits, argmax, entropy) by the fused logits kernel without storing R
+    (``triton_fused_columns`` with ``need_dh=False``): evaluation, and the statistics before the two-pass
+    computation's gradients. A target past V (another rank's) has a target logit of 0. ``need_stats=False``:
+    argmax and entropy are zeros. ``smoothing`` (fp32 per token) given: also each token's loss and nll
+    (``paths.token_loss_terms``' formula, z-loss included), from the same row kernel."""
+    stats = triton_fused_columns(hidden, weight, bias, targets, smoothing, None, config, need_stats=need_stats,
+                                 need_dh=False, softcap=softcap, z_loss=z_loss)[0]
+    return stats if smoothing is not None else stats[:5]

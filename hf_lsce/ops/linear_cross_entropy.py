@@ -226,7 +226,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 hidden, weight, bias, targets, smoothing, token_weight, opts, ctx.needs_input_grad[0],
                 ctx.needs_input_grad[1], ctx.needs_input_grad[2] and bias is not None)
         else:
-            stats = statistics(hidden, weight, bias, targets, opts)
+            stats = statistics(hidden, weight, bias, targets, opts, smoothing)
         lse, argmax, entropy = stats[0], stats[3], stats[4]
         loss, nll = loss_terms(stats, smoothing, targets, v, opts.z_loss)
         ctx.save_for_backward(hidden, weight, bias, targets, lse, smoothing, token_weight, bad)

@@ -8,9 +8,9 @@ that neither imports the other for them. Every path is exact:
   bf16 with soft-caps up to ``fused_pass.SOFTCAP_MAX`` and z-loss included, fp16 without a soft-cap
   (``fused_pass.online``); a bf16 frozen head by chunks of vocabulary columns
   (``fused_pass.triton_fused_columns``), ``memory="low"`` included, unless soft-capped;
-* two-pass (``backward.triton_gradients_by_columns``): the forward kernel's lse, then the logits recomputed on chip
-  and G written a chunk of vocabulary columns at a time; also ``memory="low"`` wherever dW or db is needed, the
-  logits are soft-capped or the fused pass cannot run, with small chunks, on every device;
+* two-pass (``backward.triton_gradients_by_columns``): the fused kernel's statistics for the lse, then the logits
+  recomputed on chip and G written a chunk of vocabulary columns at a time; also ``memory="low"`` wherever dW or db
+  is needed, the logits are soft-capped or the fused pass cannot run, with small chunks, on every device;
 * one-pass (``train_pass.py``): fp32 logits from cuBLAS a chunk of rows at a time, read twice; fp32 inputs and every
   other case (above D = 1,024: a bf16 trainable head whose every-row R does not fit, soft-caps the fused path does not
   take; the interpreter's CPU runs).
@@ -77,8 +77,8 @@ def token_loss_terms(lse, zy, sz, smoothing, valid, vocab_size: int, z_loss: flo
 
 
 def loss_terms(stats, smoothing, targets, vocab_size: int, z_loss: float):
-    """(per-token smoothed loss, nll) of a call: the fused pass computes them in its row kernel (its statistics carry
-    them), every other path from its statistics here (``token_loss_terms``)."""
+    """(per-token smoothed loss, nll) of a call: the fused kernel computes them in its row kernel (its statistics carry
+    them), every other route from its statistics here (``token_loss_terms``)."""
     if len(stats) == 7:
         return stats[5], stats[6]
     lse, zy, sz = stats[:3]
@@ -135,7 +135,7 @@ def cuda_path(n: int, d: int, v: int, dtype, need_dw: bool, fused_runs: bool, tw
 
 
 def _fused_runs(hidden, weight, softcap, z_loss) -> bool:
-    """Whether the fused pass can run these inputs (``fused_pass.supported``, with the forward kernel's config)."""
+    """Whether the fused pass can run these inputs (``fused_pass.supported``, with ``config.fused_config``)."""
     from . import config
     from .fused_pass import supported
 
@@ -212,7 +212,7 @@ def statistics_and_gradients(hidden, weight, bias, targets, smoothing, token_wei
     if opts.path == "fused":
         return _fused_gradients(hidden, weight, bias, targets, smoothing, token_weight, opts, need_dh, need_dw, need_db)
     if opts.path == "two-pass":
-        stats = statistics(hidden, weight, bias, targets, opts)
+        stats = statistics(hidden, weight, bias, targets, opts, smoothing)
         return stats, two_pass_gradients(hidden, weight, bias, targets, smoothing, token_weight, stats[0], opts,
                                          need_dh, need_dw, need_db)
     from .train_pass import triton_train_pass
@@ -223,10 +223,12 @@ def statistics_and_gradients(hidden, weight, bias, targets, smoothing, token_wei
     return stats, (dh, dw, db)
 
 
-def statistics(hidden, weight, bias, targets, opts):
-    """The per-token statistics alone (``dispatch.forward_stats``), within the low-memory mode's budget there."""
+def statistics(hidden, weight, bias, targets, opts, smoothing=None):
+    """The per-token statistics alone (``dispatch.forward_stats``), within the low-memory mode's budget there; with
+    ``smoothing``, where the fused kernel gives them, the tokens' losses too (``loss_terms``)."""
     return forward_stats(hidden, weight, bias, targets, opts.softcap, opts.backend, stats=opts.need_stats,
-                         low_memory=opts.memory == "low", free_bytes=opts.free_bytes)
+                         low_memory=opts.memory == "low", free_bytes=opts.free_bytes, smoothing=smoothing,
+                         z_loss=opts.z_loss)
 
 
 def recompute_kept(hidden, weight, bias, targets, smoothing, token_weight, lse, opts, need_dh, need_dw, need_db):
@@ -310,7 +312,7 @@ def _fused_gradients(hidden, weight, bias, targets, smoothing, token_weight, opt
 
 
 def two_pass_gradients(hidden, weight, bias, targets, smoothing, token_weight, lse, opts, need_dh, need_dw, need_db):
-    """The two-pass training path's gradients of ``sum_n token_weight_n loss_n``, given the forward kernel's lse:
+    """The two-pass training path's gradients of ``sum_n token_weight_n loss_n``, given the statistics' lse:
     the logits recomputed tile by tile on chip, G = dL/dz written in the input dtype a chunk of vocabulary columns
     at a time (1 GiB; ``memory="low"``: ``config.low_memory_chunk_bytes``), dW (one rounding) and dh (fp32
     accumulator) from cuBLAS (``backward.triton_gradients_by_columns``). One more logits matmul than the one-pass

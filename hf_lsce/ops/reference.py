@@ -1,6 +1,6 @@
 """Chunked pure-torch implementation of the fused op: the CPU fallback.
 
-Same contract as the Triton kernels (``forward.py`` / ``backward.py``): the forward returns per-token
+Same contract as the Triton kernels (``dispatch.forward_stats`` / ``backward.py``): the forward returns per-token
 statistics, the backward returns gradients for a per-token upstream gradient. Rows are processed in
 chunks so that at most ``chunk_rows x V`` logits exist at a time, never the whole ``N x V`` matrix.
 

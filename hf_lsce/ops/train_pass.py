@@ -20,7 +20,7 @@ with N):
 3. cuBLAS: ``dh_chunk = G @ W`` and ``dW += G^T h_chunk`` (and ``db += sum_n G``).
 
 The autograd function keeps dh and dW until backward, which only scales them by the upstream
-gradient (a no-op for the usual 1). The statistics are those of the forward kernel.
+gradient (a no-op for the usual 1). The statistics are those of the fused pass (``fused_pass.fused_statistics``).
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from .config import STATS_CHUNK_BYTES, TRAIN_CHUNK_BYTES, interpreting
-from .forward import _tanh
+from .tiles import _tanh
 from .matmul import addmm_f32, fp16_weights, kept_dtype, mm_f32, times_gamma
 
 
@@ -80,7 +80,8 @@ def _lce_rows_kernel(
         alpha = tl.where(new_m == float("-inf"), 1.0, tl.exp(m_l - new_m))
         e = tl.where(mask, tl.exp(z_m - new_m), 0.0)
         z_valid = tl.where(mask, z, 0.0)
-        # t = sum exp(z - m) (z - m) relative to the lane's running maximum (see forward._fold_tile)
+        # t = sum exp(z - m) (z - m) relative to the lane's running maximum: the plain sum exp(z - m) z loses its
+        # digits to cancellation when the logits are large; a new maximum m' turns t into alpha (t + s (m - m'))
         shift = tl.where(m_l == float("-inf"), 0.0, m_l - new_m)
         t_l = alpha * (t_l + s_l * shift) + tl.where(mask, e * (z - new_m), 0.0)
         s_l = s_l * alpha + e
