@@ -312,15 +312,16 @@ def test_train_pass_in_several_chunks(dtype, softcap):
 def test_training_takes_the_one_pass_path_and_scales_by_the_upstream_gradient(monkeypatch):
     """With gradients on, the Triton backend computes them in the forward (train_pass); the backward
     multiplies them by the upstream gradient when that is uniform over the valid tokens (a mean, a
-    sum, TRL's -log_probs.sum() / n) and recomputes otherwise. fp32 evaluation and recomputation take the same cuBLAS
-    logits (dispatch.cublas_logits)."""
+    sum, TRL's -log_probs.sum() / n) and recomputes otherwise. fp32 evaluation and recomputation take cuBLAS's logits
+    (dispatch.cublas_logits), never the G kernel's dots."""
     import hf_lsce.ops.train_pass as tp
     from hf_lsce.ops import backward as bw
 
     calls, recomputed = [], []
-    real, real_dense = tp.triton_train_pass, bw.triton_gradients_by_columns
+    real, real_rows = tp.triton_train_pass, bw.logits_gradients
     monkeypatch.setattr(tp, "triton_train_pass", lambda *a, **k: calls.append(1) or real(*a, **k))
-    monkeypatch.setattr(bw, "triton_gradients_by_columns", lambda *a, **k: recomputed.append(1) or real_dense(*a, **k))
+    monkeypatch.setattr(bw, "logits_gradients", lambda *a, **k: recomputed.append(1) or real_rows(*a, **k))
+    monkeypatch.setattr(bw, "write_grad_logits", lambda *a, **k: pytest.fail("the G kernel ran"))
     h, w, y, _ = make_inputs(seed=22)
     ref = reference(h, w, y, smoothing=0.1)
     hh, ww = h.float().requires_grad_(), w.float().requires_grad_()
@@ -341,8 +342,8 @@ def test_training_takes_the_one_pass_path_and_scales_by_the_upstream_gradient(mo
         hh.grad = ww.grad = None
         tok = linear_cross_entropy(hh, ww, y, label_smoothing=0.1, backend="triton", reduction="none")
         (tok * upstream).sum().backward()
-        # (fp32: the recomputation is the row kernel over cuBLAS's logits again, not the G kernel's FMA dots)
-        assert calls == ([1, 1] if expect_recompute else [1]) and recomputed == []
+        # (fp32: the recomputation is the row kernel over cuBLAS's logits by columns, not the G kernel's FMA dots)
+        assert calls == [1] and bool(recomputed) == expect_recompute
         hr, wr = h.clone().requires_grad_(), w.clone().requires_grad_()
         z = hr @ wr.T
         (F.cross_entropy(z, y, label_smoothing=0.1, reduction="none") * upstream.double()).sum().backward()
@@ -370,8 +371,9 @@ def test_evaluation_loss_without_stats(softcap, dtype):
 @pytest.mark.parametrize("softcap,z_loss", [(None, 0.0), (3.0, 1e-3)])
 def test_recomputing_backward_takes_cublas_logits_where_triton_dots_are_fma(monkeypatch, softcap, z_loss):
     """Where Triton's dots are FMA (``mma_dot`` off: Turing, Volta; fp32 everywhere), the recomputing backward (a loss
-    on ``return_lse``'s output, per-token weights) runs the one-pass row kernel over cuBLAS's logits, never the G
-    kernel's dots, and equals fp64 autograd through materialised logits (bias, soft-cap, z-loss)."""
+    on ``return_lse``'s output, per-token weights) runs the one-pass row kernel over cuBLAS's logits by vocabulary
+    columns, never the G kernel's dots, and equals fp64 autograd through materialised logits (bias, soft-cap,
+    z-loss)."""
     import dataclasses
 
     import hf_lsce.ops.backward as bw
@@ -379,7 +381,7 @@ def test_recomputing_backward_takes_cublas_logits_where_triton_dots_are_fma(monk
 
     real = config.fused_config
     monkeypatch.setattr(config, "fused_config", lambda dt, dev: dataclasses.replace(real(dt, dev), mma_dot=False))
-    monkeypatch.setattr(bw, "triton_gradients_by_columns", lambda *a, **k: pytest.fail("the G kernel ran"))
+    monkeypatch.setattr(bw, "write_grad_logits", lambda *a, **k: pytest.fail("the G kernel ran"))
     h, w, y, b = make_inputs(n=37, d=40, v=203, seed=34, bias=True, peaked=True)
     hb, wb, bb = (t.to(torch.bfloat16).requires_grad_() for t in (h, w, b))
     up = torch.linspace(0.5, 1.5, 37)
@@ -395,6 +397,70 @@ def test_recomputing_backward_takes_cublas_logits_where_triton_dots_are_fma(monk
     ((tok_r * up.double()).sum() + 0.01 * lse_r.sum()).backward()
     for got, want in ((hb.grad, hr.grad), (wb.grad, wr.grad), (bb.grad, br.grad)):
         assert rel(got, want) < 1e-2  # G and the gradients in bf16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("softcap,bias", [(None, False), (3.0, True)])
+def test_gradients_by_columns_through_cublas_logits_match_fp64(dtype, softcap, bias):
+    """Where Triton's dots are FMA, the recomputing backward's G comes from cuBLAS's fp32 logits by vocabulary columns
+    and the row kernel's G pass with the lse given (``train_pass.logits_gradients``): the fp64 gradients in chunks
+    (three of 64 columns and one of 11), with per-token b, a per-token upstream gradient, an extra p
+    term and an ignored row; the G kernel's route agrees."""
+    import dataclasses
+
+    from hf_lsce.ops.backward import triton_gradients_by_columns
+    from hf_lsce.ops.config import fused_config
+    from hf_lsce.ops.reference import torch_backward
+
+    h, w, y, b = make_inputs(n=37, d=40, v=203, seed=35, bias=bias, peaked=True)
+    hh, ww = h.to(dtype), w.to(dtype)
+    bb = b.to(dtype) if bias else None
+    t = y.masked_fill(y < 0, -1)
+    g = torch.Generator().manual_seed(8)
+    sm, grad, extra = torch.rand(37, generator=g) * 0.3, torch.rand(37, generator=g), torch.rand(37, generator=g)
+    lse = torch_forward(hh.double(), ww.double(), bb.double() if bias else None, t, softcap)[0].float()
+    ref = torch_backward(hh.double(), ww.double(), bb.double() if bias else None, t, lse.double(), grad.double(),
+                         sm.double(), softcap, extra=extra.double())
+    cfg = dataclasses.replace(fused_config(dtype, hh.device), tma=False)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: G and the products in bf16
+    got = triton_gradients_by_columns(hh, ww, bb, t, lse, grad, sm, softcap, cfg, extra=extra,
+                                      chunk_bytes=37 * 70 * 4, cublas=True)
+    kernel = triton_gradients_by_columns(hh, ww, bb, t, lse, grad, sm, softcap, cfg, extra=extra)
+    for a, k, r in zip(got, kernel, ref):
+        if r is not None:
+            assert rel(a, r) < tol and rel(a, k) < tol
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_low_memory_takes_cublas_columns_where_triton_dots_are_fma(monkeypatch, frozen):
+    """``memory="low"`` on a GPU whose Triton dots are FMA (Turing, Volta: ``mma_dot`` False): the statistics and the
+    gradients come from cuBLAS's logits (the G kernel never runs), and equal fp64 autograd through materialised
+    logits in bf16 (bias, per-token b, z-loss)."""
+    import dataclasses
+
+    import hf_lsce.ops.backward as bw
+    import hf_lsce.ops.config as config
+
+    real = config.fused_config
+    monkeypatch.setattr(config, "fused_config", lambda dt, dev: dataclasses.replace(real(dt, dev), mma_dot=False))
+    monkeypatch.setattr(bw, "write_grad_logits", lambda *a, **k: pytest.fail("the G kernel ran"))
+    h, w, y, b = make_inputs(n=37, d=40, v=203, seed=36, bias=True, peaked=True)
+    sm = torch.rand(37, generator=torch.Generator().manual_seed(3)) * 0.2
+    hb = h.to(torch.bfloat16).requires_grad_()
+    wb, bb = (t.to(torch.bfloat16).requires_grad_(not frozen) for t in (w, b))
+    loss = linear_cross_entropy(hb, wb, y, bias=bb, label_smoothing=sm, z_loss=1e-3, memory="low", backend="triton")
+    loss.backward()
+    hr, wr, br = (t.detach().to(torch.bfloat16).double().requires_grad_() for t in (h, w, b))
+    z = hr @ wr.T + br
+    valid = y != -100
+    tok = -(1 - sm.double()) * torch.log_softmax(z, -1).gather(1, y.clamp(min=0)[:, None])[:, 0] - sm.double() * (
+        torch.log_softmax(z, -1).mean(-1))
+    ref = torch.where(valid, tok + 1e-3 * torch.logsumexp(z, -1) ** 2, 0.0).sum() / valid.sum()
+    ref.backward()
+    assert rel(loss, ref.detach()) < 1e-5
+    assert rel(hb.grad, hr.grad) < 1e-2
+    if not frozen:
+        assert rel(wb.grad, wr.grad) < 1e-2 and rel(bb.grad, br.grad) < 1e-2
 
 
 def test_cublas_statistics_chunk_fits_free_memory():
@@ -646,8 +712,9 @@ def test_two_pass_training_path_matches_fp64(monkeypatch, softcap, bias, reducti
                                    z_loss=1e-3, backend="triton")
         weights = torch.rand(N, generator=torch.Generator().manual_seed(2)) if reduction == "none" else None
         (out * weights).sum().backward() if weights is not None else (upstream * out).backward()
-        # (one-pass forced: per-token weights that are not uniform recompute through it too, dispatch.cublas_logits)
-        assert one_pass_calls == ([] if path == "two-pass" else [1, 1] if reduction == "none" else [1])
+        # (one-pass forced: per-token weights that are not uniform recompute through cuBLAS's logits by columns,
+        # dispatch.cublas_logits, not the one-pass pass again)
+        assert one_pass_calls == ([] if path == "two-pass" else [1])
         results[path] = (out.detach(), hh.grad, ww.grad, bb.grad if bias else None)
         monkeypatch.setattr(tp, "triton_train_pass", real)
     # fp64 oracle: the definition on materialised logits, z-loss added

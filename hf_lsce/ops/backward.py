@@ -16,8 +16,9 @@ import triton
 import triton.language as tl
 
 from .config import launch, tuning_configs
-from .tiles import _dot, _finish_logits, _logit_tile, _split_bounds, _tile_offsets, tma_ready, vocab_splits
 from .matmul import addmm_f32, fp16_weights, kept_dtype, mm_f32, times_gamma
+from .tiles import _dot, _finish_logits, _logit_tile, _split_bounds, _tile_offsets, tma_ready, vocab_splits
+from .train_pass import logits_gradients
 
 
 @triton.jit
@@ -159,36 +160,43 @@ def add_column_chunk_gradients(g, hidden, weight_cols, dh_acc, dw_rows, db_rows,
 
 def triton_gradients_by_columns(hidden, weight, bias, targets, lse, grad, smoothing, softcap, config,
                                 need_dh: bool = True, need_dw: bool = True, need_db: bool = True,
-                                chunk_bytes: int | None = None, extra: torch.Tensor | None = None):
+                                chunk_bytes: int | None = None, extra: torch.Tensor | None = None,
+                                cublas: bool = False):
     """(dh, dW, db) of ``sum_n grad_n loss_n (+ extra_n p_n)`` (dh in hidden's dtype, dW in weight's, both fp32 for
     fp16: ``kept_dtype``; db fp32),
     through chunks of vocabulary *columns* of G: the lse is known, so each chunk of columns is complete for every
     row. Its rows of dW come from one matmul over all N (written once, one rounding, as torch's own bf16 path), its
     part of dh is added into an fp32 accumulator (``4 N D`` bytes; one rounding at the end). The logits are
     recomputed on chip (the TMA kernel where the device has one); G is written in the input dtype, ``chunk_bytes``
-    at a time."""
+    at a time. ``cublas`` (where Triton's dots are FMA: ``dispatch.cublas_logits``): each chunk's logits from cuBLAS
+    in fp32 (``chunk_bytes`` of them) and G by the one-pass path's row kernel (``train_pass.logits_gradients``)."""
     from .config import GRAD_CHUNK_BYTES
 
     (grad, extra), gamma = fp16_weights(hidden.dtype, grad, extra)  # (fp16: G keeps its digits; scaled back below)
     n, d = hidden.shape
     v = weight.shape[0]
     dev = hidden.device
-    cols = max(1, min(v, (chunk_bytes or GRAD_CHUNK_BYTES) // (max(n, 1) * hidden.element_size())))
+    cols = max(1, min(v, (chunk_bytes or GRAD_CHUNK_BYTES) // (max(n, 1) * (4 if cublas else hidden.element_size()))))
     if cols < v:
         # whole tiles per chunk for the TMA kernel; a power of two for the pointer kernel, whose autotuning key holds
-        # the chunk's width: a width that followed N would tune again at every new token count
-        cols = max(config.block_v, cols // config.block_v * config.block_v) if config.tma else 1 << (
-            cols.bit_length() - 1)
-    buf = torch.empty(n * cols, dtype=hidden.dtype, device=dev)
+        # the chunk's width: a width that followed N would tune again at every new token count (cuBLAS: 16-byte rows)
+        cols = (max(8, cols // 8 * 8) if cublas else max(config.block_v, cols // config.block_v * config.block_v)
+                if config.tma else 1 << (cols.bit_length() - 1))
+    buf = torch.empty(n * cols, dtype=torch.float32 if cublas else hidden.dtype, device=dev)
     dh_acc = torch.empty(n, d, dtype=torch.float32, device=dev) if need_dh else None
     dw = torch.empty(v, d, dtype=kept_dtype(weight.dtype), device=dev) if need_dw else None
     db = torch.empty(v, dtype=torch.float32, device=dev) if (need_db and bias is not None) else None
     for c0 in range(0, v, cols):
         c1 = min(v, c0 + cols)
-        g = buf[: n * (c1 - c0)].view(n, c1 - c0)
         # the kernels compare targets with local column indices; ignored rows (-1) stay negative
-        write_grad_logits(config, hidden, weight[c0:c1], bias[c0:c1] if bias is not None else None, targets - c0,
-                          lse, grad, smoothing, extra, g, v, softcap)
+        b_cols = bias[c0:c1] if bias is not None else None
+        if cublas:
+            g = logits_gradients(hidden, weight[c0:c1], b_cols, targets - c0, lse, grad, smoothing, extra, buf, v,
+                                 softcap)
+        else:
+            g = buf[: n * (c1 - c0)].view(n, c1 - c0)
+            write_grad_logits(config, hidden, weight[c0:c1], b_cols, targets - c0, lse, grad, smoothing, extra, g, v,
+                              softcap)
         add_column_chunk_gradients(g, hidden, weight[c0:c1], dh_acc, dw[c0:c1] if need_dw else None,
                                    db[c0:c1] if db is not None else None, first=c0 == 0)
     times_gamma((dh_acc, dw, db), gamma)

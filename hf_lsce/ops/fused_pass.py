@@ -55,8 +55,8 @@ import triton
 import triton.language as tl
 
 from .config import interpreting
-from .tiles import _dot, _finish_logits, _init_state, _logit_acc, _split_bounds, _tanh, tma_ready
 from .matmul import addmm_f32, kept_dtype, mm_f32, power_of_two_scale
+from .tiles import _dot, _finish_logits, _init_state, _logit_acc, _split_bounds, _tanh, tma_ready
 
 # c_n = mean logit + C_SHIFT; a row whose max exceeds c_n by more than R_EXP_MAX is redone with c_n = its max.
 C_SHIFT = 24.0

@@ -248,19 +248,11 @@ def loss_gradients(hidden, weight, bias, targets, lse, smoothing, grad, grad_lse
                    need_dh, need_dw, need_db):
     """(dh, dw, db) of ``sum_n grad_n loss_n (+ grad_lse_n lse_n)``, exact: ``training_path`` (and no lse gradient)
     by the training path ``opts`` names, with ``grad`` as the token weights; otherwise the recomputing dense
-    backward, or where Triton's dots are FMA (``dispatch.cublas_logits``: fp32, Turing, Volta) the one-pass row
-    kernel over cuBLAS's logits."""
+    backward (``dispatch.dense_backward``: through cuBLAS's logits where Triton's dots are FMA, fp32, Turing,
+    Volta)."""
     if training_path and grad_lse is None:
         return recompute_kept(hidden, weight, bias, targets, smoothing, grad.float(), lse, opts, need_dh, need_dw,
                               need_db)
-    if opts.backend == "triton" and cublas_logits(hidden):  # Triton's dots are FMA here: the one-pass row kernel
-        # over cuBLAS's logits (its own lse: the same logits), the lse output's gradient on p as ``extra``
-        from .train_pass import triton_train_pass
-
-        extra = grad_lse.float().contiguous() if grad_lse is not None else None
-        return triton_train_pass(hidden, weight, bias, targets, smoothing.float().contiguous(),
-                                 grad.float().contiguous(), opts.softcap, need_dh=need_dh, need_dw=need_dw,
-                                 need_db=need_db, z_loss=opts.z_loss, extra=extra)[1:]
     extra = None
     if opts.z_loss or grad_lse is not None:  # extra_n p_n on the logits' gradient
         extra = torch.zeros_like(grad, dtype=torch.float32)
@@ -326,4 +318,4 @@ def two_pass_gradients(hidden, weight, bias, targets, smoothing, token_weight, l
                                        grad_logits_config(hidden.dtype, hidden.device), need_dh=need_dh,
                                        need_dw=need_dw, need_db=need_db, extra=extra,
                                        chunk_bytes=low_memory_chunk_bytes(*hidden.shape, opts.free_bytes)
-                                       if opts.memory == "low" else None)
+                                       if opts.memory == "low" else None, cublas=cublas_logits(hidden))

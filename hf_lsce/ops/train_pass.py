@@ -13,8 +13,8 @@ with N):
        G_nv = (s_n (p_nv (1 + 2 lam lse_n) - b_n / V - (1 - b_n) [v == y_n]) + e_n p_nv) * (1 - tanh^2)
 
    (last factor: soft-cap; ``lam``: the z-loss ``lam * lse^2``), with s_n the reduction's weight of token n
-   (1/#valid for the mean, 0 where ignored) and e_n an optional extra term (the gradient reaching an lse output, in
-   the recomputing backward where Triton's dots are FMA). G is stored in the input dtype *in place over Z*: element
+   (1/#valid for the mean, 0 where ignored) and e_n an optional extra term (z-loss or the gradient reaching an lse
+   output, in the recomputing backward where Triton's dots are FMA: ``logits_gradients``). G is stored in the input dtype *in place over Z*: element
    v of row n goes to byte ``4 V n + size * v``, which only overwrites values of that row already read by every warp
    (a barrier per block makes sure). A 2-byte G is then a (rows, V) view of row stride 2V.
 3. cuBLAS: ``dh_chunk = G @ W`` and ``dW += G^T h_chunk`` (and ``db += sum_n G``).
@@ -29,8 +29,8 @@ import triton
 import triton.language as tl
 
 from .config import STATS_CHUNK_BYTES, TRAIN_CHUNK_BYTES, interpreting
-from .tiles import _tanh
 from .matmul import addmm_f32, fp16_weights, kept_dtype, mm_f32, times_gamma
+from .tiles import _tanh
 
 
 @triton.jit
@@ -52,12 +52,46 @@ def _lce_rows_kernel(
     LSE_OUT, ZY_OUT, SZ_OUT, AM_OUT, ENT_OUT,
     V, stride_z, stride_g, softcap, inv_v, z_loss,
     HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, WRITE_G: tl.constexpr, HAS_ZLOSS: tl.constexpr,
-    HAS_EXTRA: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_EXTRA: tl.constexpr, HAS_LSE: tl.constexpr, BLOCK: tl.constexpr,
 ):
+    """One program per row of Z: the statistics (pass 1), then (WRITE_G) G in place. HAS_LSE: the row's lse is given
+    (LSE_OUT read, nothing else written) and Z holds a chunk of its columns (Y relative to them; ``inv_v`` 1 / the
+    whole vocabulary): G alone (``logits_gradients``)."""
     row = tl.program_id(0)
     y = tl.load(Y + row)
     z_row = Z + row.to(tl.int64) * stride_z
+    if HAS_LSE:
+        lse = tl.load(LSE_OUT + row)
+    else:
+        lse = _row_statistics(z_row, BIAS, y, LSE_OUT + row, ZY_OUT + row, SZ_OUT + row, AM_OUT + row, ENT_OUT + row,
+                              V, softcap, HAS_BIAS, SOFTCAP, BLOCK)
+    if WRITE_G:
+        b = tl.load(SMOOTH + row)
+        scale = tl.load(SCALE + row)
+        p_mult = scale
+        if HAS_ZLOSS:  # d(lam lse^2)/dz = 2 lam lse p
+            p_mult = scale * (1.0 + 2.0 * z_loss * lse)
+        if HAS_EXTRA:  # extra_n p on the row (the gradient reaching the lse output)
+            p_mult += tl.load(EXTRA + row)
+        uniform = scale * b * inv_v
+        g_row = G + row.to(tl.int64) * stride_g
+        for v0 in range(0, V, BLOCK):
+            offs = v0 + tl.arange(0, BLOCK)
+            mask = offs < V
+            z = tl.load(z_row + offs, mask=mask, other=0.0)
+            # Every warp has read this block before any warp overwrites it (the in-place store of
+            # block k covers fp32 elements [k B / 2, (k + 1) B / 2), read in blocks <= k).
+            tl.debug_barrier()
+            if HAS_BIAS:
+                z += tl.load(BIAS + offs, mask=mask, other=0.0).to(tl.float32)
+            g = _logit_grad(z, offs == y, lse, p_mult, uniform, scale * (1.0 - b), softcap, SOFTCAP)
+            tl.store(g_row + offs, g.to(G.dtype.element_ty), mask=mask)
 
+
+@triton.jit
+def _row_statistics(z_row, BIAS, y, LSE_OUT, ZY_OUT, SZ_OUT, AM_OUT, ENT_OUT, V, softcap, HAS_BIAS: tl.constexpr,
+                    SOFTCAP: tl.constexpr, BLOCK: tl.constexpr):
+    """Pass 1 of ``_lce_rows_kernel`` over one row: its statistics stored, its lse returned."""
     # Pass 1: an online softmax per lane (BLOCK lanes, each striding the row); lanes merge at the end,
     # so the loop has no cross-warp reductions.
     m_l = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
@@ -102,33 +136,46 @@ def _lce_rows_kernel(
     if SOFTCAP:
         zy = softcap * _tanh(zy / softcap)
     zy = tl.where((y >= 0) & (y < V), zy, 0.0)
-    tl.store(LSE_OUT + row, lse)
-    tl.store(ZY_OUT + row, zy)
-    tl.store(SZ_OUT + row, tl.sum(sz_l, axis=0))
-    tl.store(AM_OUT + row, am)
-    tl.store(ENT_OUT + row, tl.log(s) - t_acc / s)
+    tl.store(LSE_OUT, lse)
+    tl.store(ZY_OUT, zy)
+    tl.store(SZ_OUT, tl.sum(sz_l, axis=0))
+    tl.store(AM_OUT, am)
+    tl.store(ENT_OUT, tl.log(s) - t_acc / s)
+    return lse
 
-    if WRITE_G:
-        b = tl.load(SMOOTH + row)
-        scale = tl.load(SCALE + row)
-        p_mult = scale
-        if HAS_ZLOSS:  # d(lam lse^2)/dz = 2 lam lse p
-            p_mult = scale * (1.0 + 2.0 * z_loss * lse)
-        if HAS_EXTRA:  # extra_n p on the row (the gradient reaching the lse output)
-            p_mult += tl.load(EXTRA + row)
-        uniform = scale * b * inv_v
-        g_row = G + row.to(tl.int64) * stride_g
-        for v0 in range(0, V, BLOCK):
-            offs = v0 + tl.arange(0, BLOCK)
-            mask = offs < V
-            z = tl.load(z_row + offs, mask=mask, other=0.0)
-            # Every warp has read this block before any warp overwrites it (the in-place store of
-            # block k covers fp32 elements [k B / 2, (k + 1) B / 2), read in blocks <= k).
-            tl.debug_barrier()
-            if HAS_BIAS:
-                z += tl.load(BIAS + offs, mask=mask, other=0.0).to(tl.float32)
-            g = _logit_grad(z, offs == y, lse, p_mult, uniform, scale * (1.0 - b), softcap, SOFTCAP)
-            tl.store(g_row + offs, g.to(G.dtype.element_ty), mask=mask)
+
+def _logits_into(h, weight, w_cpu, z) -> None:
+    """z (fp32) = h W^T by cuBLAS (half inputs: fp32 accumulation and output); on the CPU through ``w_cpu``, the
+    weight in fp32."""
+    if h.device.type != "cuda":
+        torch.mm(h.to(w_cpu.dtype), w_cpu.T, out=z)
+    elif h.dtype == torch.float32:
+        torch.mm(h, weight.T, out=z)
+    else:
+        torch.mm(h, weight.T, out_dtype=torch.float32, out=z)
+
+
+def logits_gradients(hidden, weight_cols, bias_cols, targets, lse, grad, smoothing, extra, buf, v_total: int,
+                     softcap):
+    """G = ``grad_n dL/dz + extra_n p`` (the recomputing backward's) over the vocabulary columns ``weight_cols`` holds
+    (``targets`` and ``bias_cols`` relative to them) of a vocabulary of ``v_total``, the lse given: cuBLAS's fp32
+    logits into ``buf`` (at least rows x columns fp32 elements), then the row kernel's G pass alone, G in hidden's
+    dtype over the logits in place (its own storage off CUDA, as in ``triton_train_pass``). Where Triton's dots are
+    FMA (fp32, Turing, Volta: ``dispatch.cublas_logits``) this replaces the G kernel's
+    (``backward.triton_gradients_by_columns``)."""
+    n, cols = hidden.shape[0], weight_cols.shape[0]
+    z = buf[: n * cols].view(n, cols)
+    on_cpu = hidden.device.type != "cuda"
+    _logits_into(hidden, weight_cols, weight_cols.float() if on_cpu else weight_cols, z)
+    g = torch.empty(n, cols, dtype=hidden.dtype) if on_cpu else z.view(hidden.dtype)[:, :cols]
+    bias_cols = bias_cols.contiguous() if bias_cols is not None else None
+    block, warps = _rows_launch_config(cols)
+    _lce_rows_kernel[(n,)](
+        z, bias_cols if bias_cols is not None else z, targets, smoothing, grad, extra if extra is not None else grad, g,
+        lse, lse, lse, lse, lse, cols, z.stride(0), g.stride(0), float(softcap) if softcap is not None else 1.0,
+        1.0 / v_total, 0.0, HAS_BIAS=bias_cols is not None, SOFTCAP=softcap is not None, WRITE_G=True, HAS_ZLOSS=False,
+        HAS_EXTRA=extra is not None, HAS_LSE=True, BLOCK=block, num_warps=warps)
+    return g
 
 
 def add_chunk_gradients(g, hidden_chunk, weight, dh_chunk, dw, db, first: bool) -> None:
@@ -170,7 +217,7 @@ def _rows_launch_config(v: int) -> tuple[int, int]:
 
 def triton_train_pass(hidden, weight, bias, targets, smoothing, scale, softcap,
                       need_dh=True, need_dw=True, need_db=True, chunk_bytes: int | None = None,
-                      z_loss: float = 0.0, accum_dtype: torch.dtype | None = None, extra=None):
+                      z_loss: float = 0.0, accum_dtype: torch.dtype | None = None):
     """Statistics and gradients of ``sum_n scale_n loss_n`` for 2-D ``hidden`` (N, D).
 
     Returns ``(lse, zy, sz, argmax, entropy), dh, dw, db``; dh in hidden's dtype, dw in weight's (both fp32 for fp16:
@@ -178,9 +225,7 @@ def triton_train_pass(hidden, weight, bias, targets, smoothing, scale, softcap,
     db fp32 (None where not needed). ``targets``: ids with -1 for ignored tokens; ``smoothing`` and
     ``scale``: fp32 per token (unread, and may be None, where no gradient is needed: the statistics alone, by chunks
     of ``STATS_CHUNK_BYTES``). ``z_loss``: the coefficient of ``lse^2`` in each token's loss.
-    ``accum_dtype``: the dtype dW is accumulated in across chunks (default: the weight's). ``extra`` (fp32 per token,
-    or None): ``extra_n p_n`` added to the logits' gradient (the gradient of an lse output: the recomputing backward
-    where Triton's dots are FMA, ``paths.loss_gradients``).
+    ``accum_dtype``: the dtype dW is accumulated in across chunks (default: the weight's).
     """
     n, d = hidden.shape
     v = weight.shape[0]
@@ -189,7 +234,7 @@ def triton_train_pass(hidden, weight, bias, targets, smoothing, scale, softcap,
     write_g = need_dh or need_dw or need_db
     gamma = None
     if write_g:
-        (scale, extra), gamma = fp16_weights(hidden.dtype, scale, extra)  # (fp16: G keeps its digits; scaled back)
+        (scale,), gamma = fp16_weights(hidden.dtype, scale)  # (fp16: G keeps its digits; scaled back)
     f32 = dict(dtype=torch.float32, device=dev)
     lse, zy, sz, ent = (torch.empty(n, **f32) for _ in range(4))
     am = torch.empty(n, dtype=torch.int32, device=dev)
@@ -213,18 +258,13 @@ def triton_train_pass(hidden, weight, bias, targets, smoothing, scale, softcap,
     for s in range(0, n, rows):
         e = min(n, s + rows)
         z, g, h = buf[: e - s], g_all[: e - s], hidden[s:e]
-        if on_cpu:
-            torch.mm(h.to(w_cpu.dtype), w_cpu.T, out=z)
-        elif hidden.dtype == torch.float32:
-            torch.mm(h, weight.T, out=z)
-        else:
-            torch.mm(h, weight.T, out_dtype=torch.float32, out=z)
+        _logits_into(h, weight, w_cpu, z)
         _lce_rows_kernel[(e - s,)](
             z, bias if bias is not None else z, targets[s:e], smoothing[s:e], scale[s:e],
-            (extra if extra is not None else scale)[s:e], g, lse[s:e], zy[s:e], sz[s:e], am[s:e], ent[s:e],
+            scale[s:e], g, lse[s:e], zy[s:e], sz[s:e], am[s:e], ent[s:e],
             v, z.stride(0), g.stride(0), float(softcap) if softcap is not None else 1.0, 1.0 / v,
             float(z_loss), HAS_BIAS=bias is not None, SOFTCAP=softcap is not None, WRITE_G=write_g,
-            HAS_ZLOSS=z_loss != 0, HAS_EXTRA=extra is not None, BLOCK=block, num_warps=warps)
+            HAS_ZLOSS=z_loss != 0, HAS_EXTRA=False, HAS_LSE=False, BLOCK=block, num_warps=warps)
         if not write_g:
             continue
         if acc_dt != weight.dtype and dw is not None:  # fp32 accumulation across chunks
