@@ -280,9 +280,8 @@ def _fused_gradients(hidden, weight, bias, targets, smoothing, token_weight, opt
     (n, d), v = hidden.shape, weight.shape[0]
     if opts.memory == "low" and (need_dw or need_db):
         stats = None
-        if lse is None:
-            stats = triton_fused_columns(hidden, weight, bias, targets, smoothing, token_weight, cfg,
-                                         need_stats=opts.need_stats, z_loss=opts.z_loss, need_dh=False)[0]
+        if lse is None:  # (the fused kernel's statistics: dispatch.forward_stats)
+            stats = statistics(hidden, weight, bias, targets, opts, smoothing)
             lse = stats[0]
         return stats, two_pass_gradients(hidden, weight, bias, targets, smoothing, token_weight, lse, opts, need_dh,
                                          need_dw, need_db)
