@@ -354,8 +354,8 @@ def test_training_takes_the_one_pass_path_and_scales_by_the_upstream_gradient(mo
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("softcap", [None, 3.0])
 def test_evaluation_loss_without_stats(softcap, dtype):
-    """Without gradients and without return_stats, the forward kernel (bf16) skips argmax and entropy: the loss
-    (which needs neither) still equals the fp64 reference, and asking for stats gives the same loss; fp32 takes
+    """Without gradients and without return_stats, the fused kernel's statistics (bf16) skip argmax and entropy: the
+    loss (which needs neither) still equals the fp64 reference, and asking for stats gives the same loss; fp32 takes
     cuBLAS's logits and the row kernel (dispatch.cublas_logits), with the same result."""
     h, w, y, b = make_inputs(seed=23, bias=True, peaked=True)
     h, w, b = h.to(dtype), w.to(dtype), b.to(dtype)

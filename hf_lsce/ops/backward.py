@@ -77,10 +77,10 @@ def _lce_grad_logits_tma_kernel(
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """The G of ``_lce_grad_logits_kernel`` from the fused logits kernel's TMA loop: one program per (vocabulary split, row
-    block) walks its split with one flattened loop over (tile, D step) pairs (the pipeline runs across tiles), and
-    each finished logit tile becomes a tile of G in the epilogue. TMA zero-fills loads past N, V and D; stores are
-    masked."""
+    """The G of ``_lce_grad_logits_kernel`` from the fused logits kernel's TMA loop: one program per (vocabulary split,
+    row block) walks its split with one flattened loop over (tile, D step) pairs (the pipeline runs across tiles),
+    and each finished logit tile becomes a tile of G in the epilogue. TMA zero-fills loads past N, V and D; stores
+    are masked."""
     n0 = tl.program_id(1) * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N

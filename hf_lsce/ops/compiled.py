@@ -7,8 +7,8 @@ body (the same kernels, chosen by the same code) when the compiled graph runs:
 
 * ``hf_lsce::check_values``: the checks of device values (``checks.check_device_values``): synchronous on the CPU,
   a device flag plus a deferred error on CUDA; returns the flag (the loss is NaN where it is set);
-* ``hf_lsce::token_losses``: per-token smoothed losses and statistics from ``dispatch.forward_stats`` (no gradient work);
-  differentiable through ``torch.library.register_autograd``;
+* ``hf_lsce::token_losses``: per-token smoothed losses and statistics from ``dispatch.forward_stats`` (no gradient
+  work), differentiable through ``torch.library.register_autograd``;
 * ``hf_lsce::token_loss_gradients``: its backward: dh, dW, db of ``sum_n g_n loss_n`` (``g`` the upstream gradient of
   the per-token losses) by the training path the eager op would take (fused, two-pass, one-pass or the
   low-memory path), and the recomputing dense backward when the lse output has a gradient;

@@ -259,7 +259,8 @@ def _exp_tiles(config, h, weight, bias, c, r, stats: bool, bufs=None, descs=None
 def fused_splits(config, rows: int, v: int) -> int:
     """Vocabulary splits of the kernel's grid: as many as keep the programs within ``config.min_programs`` (about two
     waves; rounding up, as ``tiles.vocab_splits`` does, left a nearly empty third wave at 17 row blocks: measured
-    22.3 ms against 14.5 for the statistics' own kernel then, at the Gemma2-2B shape), at least ``config.min_splits``."""
+    22.3 ms against 14.5 for the statistics' own kernel then, at the Gemma2-2B shape), at least
+    ``config.min_splits``."""
     blocks = triton.cdiv(rows, config.block_n)
     return max(1, min(triton.cdiv(v, config.block_v), max(config.min_splits, config.min_programs // blocks)))
 

@@ -14,9 +14,10 @@ with N):
 
    (last factor: soft-cap; ``lam``: the z-loss ``lam * lse^2``), with s_n the reduction's weight of token n
    (1/#valid for the mean, 0 where ignored) and e_n an optional extra term (z-loss or the gradient reaching an lse
-   output, in the recomputing backward where Triton's dots are FMA: ``logits_gradients``). G is stored in the input dtype *in place over Z*: element
-   v of row n goes to byte ``4 V n + size * v``, which only overwrites values of that row already read by every warp
-   (a barrier per block makes sure). A 2-byte G is then a (rows, V) view of row stride 2V.
+   output, in the recomputing backward where Triton's dots are FMA: ``logits_gradients``). G is stored in the input
+   dtype *in place over Z*: element v of row n goes to byte ``4 V n + size * v``, which only overwrites values of
+   that row already read by every warp (a barrier per block makes sure). A 2-byte G is then a (rows, V) view of row
+   stride 2V.
 3. cuBLAS: ``dh_chunk = G @ W`` and ``dW += G^T h_chunk`` (and ``db += sum_n G``).
 
 The autograd function keeps dh and dW until backward, which only scales them by the upstream
