@@ -14,7 +14,7 @@ Methods (each on the same inputs):
                          head): three matmuls, or two for a frozen one
 
 Heads: ``trainable`` (dh and dW), ``frozen`` (``W.requires_grad = False``: LoRA's case, dh only) and ``eval``
-(the forward alone, under no_grad; "hf_lsce (two-pass)" forces the forward kernel, "hf_lsce (one-pass)" cuBLAS).
+(the forward alone, under no_grad; "hf_lsce (two-pass)" forces the fused kernel, "hf_lsce (one-pass)" cuBLAS).
 Inputs: bf16 (``--dtype fp16``), N = 8,192 tokens (``--tokens``), the generator of benchmarks/real_inputs.py fitted to the real softmax of Gemma-3-270m on
 real text. Time: the median of ``triton.testing.do_bench``; memory: the peak allocated during the call minus what was
 allocated before it and the inputs' gradients. Errors: relative to an fp64 computation on materialised logits.

@@ -465,7 +465,7 @@ def test_low_memory_takes_cublas_columns_where_triton_dots_are_fma(monkeypatch, 
 
 def test_cublas_statistics_chunk_fits_free_memory():
     """The cuBLAS statistics route's chunk of fp32 logits: 1 GiB, or what CUDA's free memory holds with the headroom
-    (an evaluation on a nearly full GPU, where the forward kernel needed no buffer), never below the low mode's
+    (an evaluation on a nearly full GPU, where the fused kernel's statistics need no buffer), never below the low mode's
     minimum chunk."""
     from hf_lsce.ops.config import LOW_MEMORY_CHUNK_BYTES, MEMORY_HEADROOM, STATS_CHUNK_BYTES, stats_chunk_bytes
 
