@@ -77,13 +77,6 @@ EVERY_ROW_EXTRA_BYTES = 4 << 30
 
 
 @triton.jit
-def _first_index(x, x_at, offs):
-    """Per row of ``x``, the first column (of ``offs``) holding the row's extreme ``x_at`` (its max, or for the
-    capped path's d its min): one integer min, where ``tl.argmax`` reduces (value, index) pairs."""
-    return tl.min(tl.where(x == x_at[:, None], offs[None, :], 2147483647), axis=1).to(tl.int32)
-
-
-@triton.jit
 def _exp_epilogue(acc, v0, v_end, B, R, stride_rn, offs_n, mask_n, c, c2, m, s, t_acc, sz, am, softcap, MT, stride_mt,
                   HAS_BIAS: tl.constexpr, STATS: tl.constexpr, STORE: tl.constexpr, SOFTCAP: tl.constexpr,
                   ONLINE: tl.constexpr, BLOCK_V: tl.constexpr):
@@ -103,7 +96,7 @@ def _exp_epilogue(acc, v0, v_end, B, R, stride_rn, offs_n, mask_n, c, c2, m, s, 
         f = tl.math.exp2(dm * 1.4426950408889634)
         r = tl.math.exp2((z_m - m_new[:, None]) * 1.4426950408889634)
         if STATS:
-            am = tl.where(tile_max > m, _first_index(z_m, tile_max, offs_v), am)
+            am = tl.where(tile_max > m, tl.argmax(z_m, axis=1).to(tl.int32) + v0, am)
             t_acc = f * (t_acc + s * dm) + tl.sum(r * tl.where(mask_v[None, :], z - m_new[:, None], 0.0), axis=1)
         s = f * s + tl.sum(r, axis=1)
         m = m_new
@@ -121,9 +114,8 @@ def _exp_epilogue(acc, v0, v_end, B, R, stride_rn, offs_n, mask_n, c, c2, m, s, 
         r = tl.where(mask_v[None, :], tl.math.exp2(d * (-2.8853900817779268 * softcap)), 0.0)
         if STATS:
             d_m = tl.where(mask_v[None, :], d, 2.0)
-            d_min = tl.min(d_m, axis=1)
-            tile_max = (2.0 * softcap) * (0.5 - d_min)
-            am = tl.where(tile_max > m, _first_index(d_m, d_min, offs_v), am)
+            tile_max = (2.0 * softcap) * (0.5 - tl.min(d_m, axis=1))
+            am = tl.where(tile_max > m, tl.argmin(d_m, axis=1).to(tl.int32) + v0, am)
             t_acc -= (2.0 * softcap) * tl.sum(r * d, axis=1)
             m = tl.maximum(m, tile_max)
     else:
@@ -131,7 +123,7 @@ def _exp_epilogue(acc, v0, v_end, B, R, stride_rn, offs_n, mask_n, c, c2, m, s, 
         z_m = tl.where(mask_v[None, :], z, float("-inf"))
         tile_max = tl.max(z_m, axis=1)
         if STATS:
-            am = tl.where(tile_max > m, _first_index(z_m, tile_max, offs_v), am)
+            am = tl.where(tile_max > m, tl.argmax(z_m, axis=1).to(tl.int32) + v0, am)
             t_acc += tl.sum(r * (tl.where(mask_v[None, :], z, 0.0) - c[:, None]), axis=1)
         m = tl.maximum(m, tile_max)
     s += tl.sum(r, axis=1)
