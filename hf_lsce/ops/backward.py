@@ -177,11 +177,13 @@ def triton_gradients_by_columns(hidden, weight, bias, targets, lse, grad, smooth
     v = weight.shape[0]
     dev = hidden.device
     cols = max(1, min(v, (chunk_bytes or GRAD_CHUNK_BYTES) // (max(n, 1) * (4 if cublas else hidden.element_size()))))
-    if cols < v:
-        # whole tiles per chunk for the TMA kernel; a power of two for the pointer kernel, whose autotuning key holds
-        # the chunk's width: a width that followed N would tune again at every new token count (cuBLAS: 16-byte rows)
-        cols = (max(8, cols // 8 * 8) if cublas else max(config.block_v, cols // config.block_v * config.block_v)
-                if config.tma else 1 << (cols.bit_length() - 1))
+    if cols < v and cublas:  # 16-byte rows of fp32 logits
+        cols = max(8, cols // 8 * 8)
+    elif cols < v and config.tma:  # whole tiles per chunk
+        cols = max(config.block_v, cols // config.block_v * config.block_v)
+    elif cols < v:  # a power of two for the pointer kernel, whose autotuning key holds the chunk's width: a width that
+        # followed N would tune again at every new token count
+        cols = 1 << (cols.bit_length() - 1)
     buf = torch.empty(n * cols, dtype=torch.float32 if cublas else hidden.dtype, device=dev)
     dh_acc = torch.empty(n, d, dtype=torch.float32, device=dev) if need_dh else None
     dw = torch.empty(v, d, dtype=kept_dtype(weight.dtype), device=dev) if need_dw else None
