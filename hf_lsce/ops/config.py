@@ -1,7 +1,6 @@
 """Block sizes of the Triton kernels, chosen per dtype and device."""
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import re
