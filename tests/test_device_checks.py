@@ -126,6 +126,16 @@ def test_scale_kernel_touches_nothing_at_one_and_scales_otherwise():
     keep_v = v.clone()
     scale_by([t, u, v], torch.full((1,), 2.0))
     assert torch.equal(v.float(), keep_v.float() * 2.0)
+    # fp16's kept gradients: fp32, cast by the same pass that multiplies them by the upstream factor and gamma (new
+    # tensors: the fp32 ones untouched), beside one scaled in place; a factor of 1 still casts
+    k32 = torch.randn(2500)
+    keep_k = k32.clone()
+    half, same = scale_by([k32, v], torch.full((1,), 3.0), (torch.float16, None), gamma=torch.full((1,), 2.0 ** -4))
+    assert half.dtype == torch.float16 and torch.equal(k32, keep_k) and same is v
+    assert torch.allclose(half.float(), keep_k * (3.0 / 16), rtol=2 ** -10, atol=6e-8)  # (one fp16 rounding)
+    assert torch.allclose(v.float(), keep_v.float() * (2.0 * 3.0 / 16), rtol=2 ** -7, atol=0)
+    cast = scale_by([k32], torch.ones(1), (torch.float16,))[0]
+    assert cast.dtype == torch.float16 and torch.allclose(cast.float(), keep_k, rtol=2 ** -10, atol=0)
 
 
 def test_trainer_raises_a_bad_last_batch_when_training_ends(asynchronous, tmp_path):

@@ -351,3 +351,31 @@ def test_fp16_gradients_take_a_loss_scale_before_their_rounding(path, monkeypatc
     (F.cross_entropy(h64 @ w64.T, y, label_smoothing=0.1, reduction="sum") / 200000 * 65536.0).backward()
     assert rel(hh.grad, h64.grad) < 1e-3, rel(hh.grad, h64.grad)
     assert rel(ww.grad, w64.grad) < 1e-3, rel(ww.grad, w64.grad)
+
+
+@pytest.mark.parametrize("path", ["one-pass", "fused"])
+def test_fp16_per_token_losses_take_gamma_back_in_backward(path, monkeypatch):
+    """The fp16 fused and one-pass paths return their kept gradients divided by gamma (a power of two), and backward
+    multiplies it back as it casts them (``paths.finish_gradients``): per-token losses with a uniform upstream factor
+    (the kept gradients times one constant), then a second backward through the same graph (recomputed), both within
+    1e-3 of fp64 and equal to each other."""
+    import hf_lsce.ops.config as config
+
+    g = torch.Generator().manual_seed(2)
+    n, d, v = 40, 32, 1500
+    h = torch.randn(n, d, generator=g).half()
+    w = (torch.randn(v, d, generator=g) / d ** 0.5 * 2).half()
+    y = torch.randint(0, v, (n,), generator=g)
+    y[::7] = -100
+    monkeypatch.setattr(config, "TRAIN_PATH", path)
+    hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+    per = linear_cross_entropy(hh, ww, y, label_smoothing=0.1, reduction="none", backend="triton")
+    (per.sum() * 3.0).backward(retain_graph=True)
+    first = hh.grad.clone(), ww.grad.clone()
+    hh.grad = ww.grad = None
+    (per.sum() * 3.0).backward()
+    assert torch.equal(hh.grad, first[0]) and torch.equal(ww.grad, first[1])
+    h64, w64 = (t.double().requires_grad_() for t in (h, w))
+    (F.cross_entropy(h64 @ w64.T, y, label_smoothing=0.1, reduction="sum") * 3.0).backward()
+    assert rel(hh.grad, h64.grad) < 1e-3 and rel(ww.grad, w64.grad) < 1e-3, (rel(hh.grad, h64.grad),
+                                                                              rel(ww.grad, w64.grad))

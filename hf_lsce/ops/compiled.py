@@ -33,7 +33,8 @@ from torch import Tensor
 from .checks import check_device_values
 from .dispatch import forward_stats
 from .matmul import kept_dtype
-from .paths import loss_gradients, loss_terms, notify_training_call, statistics_and_gradients, training_options
+from .paths import (finish_gradients, loss_gradients, loss_terms, notify_training_call, statistics_and_gradients,
+                    training_options)
 
 
 def compiling() -> bool:
@@ -102,10 +103,10 @@ def token_loss_gradients(hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
     """(dh, dw, db) of ``sum_n grad_n loss_n + grad_lse_n lse_n``; an output not needed is an empty tensor."""
     opts = training_options(hidden, weight, softcap, backend, z_loss, memory, accum_dtype, one_pass)
     need_db = need_db and bias is not None
-    dh, dw, db = loss_gradients(hidden, weight, bias, targets, lse, smoothing, grad, grad_lse, opts, one_pass,
-                                need_dh, need_dw, need_db)
-    return (dh.to(hidden.dtype) if need_dh else _none(hidden), dw.to(weight.dtype) if need_dw else _none(hidden),
-            db.to(bias.dtype) if need_db and db is not None else _none(hidden))
+    dh, dw, db = finish_gradients(loss_gradients(hidden, weight, bias, targets, lse, smoothing, grad, grad_lse, opts,
+                                                 one_pass, need_dh, need_dw, need_db), None, hidden, weight, bias)
+    return (dh if need_dh else _none(hidden), dw if need_dw else _none(hidden),
+            db if need_db and db is not None else _none(hidden))
 
 
 @token_loss_gradients.register_fake
@@ -153,6 +154,8 @@ def reduced_training_loss(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]
                                                                  Tensor, Tensor]:
     """(loss = sum_n loss_n / denom, lse, argmax, nll, entropy, dh, dw, db), the gradients those of the loss; a
     gradient not needed is an empty tensor."""
+    from .train_pass import scale_by
+
     n, dt = hidden.shape[0], _stats_dtype(hidden)
     need_db = need_db and bias is not None
     if n == 0:
@@ -164,8 +167,9 @@ def reduced_training_loss(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]
                 device=hidden.device), e.clone(), e.clone(), *kept)
     opts = training_options(hidden, weight, softcap, backend, z_loss, memory, accum_dtype, True,
                             need_stats=need_stats, reduce=True)
-    stats, (dh, dw, db) = statistics_and_gradients(hidden, weight, bias, targets, smoothing, token_weight, opts,
-                                                   need_dh, need_dw, need_db)
+    stats, (dh, dw, db, gamma) = statistics_and_gradients(hidden, weight, bias, targets, smoothing, token_weight,
+                                                          opts, need_dh, need_dw, need_db)
+    dh, dw, db = scale_by((dh, dw, db), gamma=gamma)  # (fp16: times gamma, in place; kept in fp32: kept_dtype)
     lse, argmax, entropy = stats[0], stats[3], stats[4]
     per, nll = loss_terms(stats, smoothing, targets, weight.shape[0], z_loss)
     loss = per.sum() if denom is None else per.sum() / denom

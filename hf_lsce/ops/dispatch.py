@@ -12,10 +12,10 @@ def cublas_logits(hidden) -> bool:
     """Whether the per-token statistics (evaluation, the two-pass path's lse, the vocabulary-parallel forward; a chunk
     of rows at a time) and the recomputing backward by vocabulary columns (``dense_backward``, the two-pass
     computation) take their logits from cuBLAS and the one-pass path's row kernel (``train_pass``) rather than the
-    fused and G kernels' Triton dots: where those dots are not tensor-core MMA. That is fp32 inputs on every GPU (Triton's fp32
-    dots are ``ieee``, FMA) and every dtype on GPUs below compute capability 8.0 (``KernelConfig.mma_dot``: Turing,
-    Volta), and wherever ``HF_LSCE_TRAIN_PATH`` forces the one-pass path (``"fused"`` or ``"two-pass"`` force the
-    Triton kernels)."""
+    fused and G kernels' Triton dots: where those dots are not tensor-core MMA. That is fp32 inputs on every GPU
+    (Triton's fp32 dots are ``ieee``, FMA) and every dtype on GPUs below compute capability 8.0
+    (``KernelConfig.mma_dot``: Turing, Volta), and wherever ``HF_LSCE_TRAIN_PATH`` forces the one-pass path
+    (``"fused"`` or ``"two-pass"`` force the Triton kernels)."""
     from . import config
     from .train_pass import supported
 

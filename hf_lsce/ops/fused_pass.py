@@ -55,7 +55,7 @@ import triton
 import triton.language as tl
 
 from .config import interpreting
-from .matmul import addmm_f32, kept_dtype, mm_f32, power_of_two_scale
+from .matmul import addmm_f32, fp16_weights, kept_dtype, mm_f32
 from .tiles import _dot, _finish_logits, _init_state, _logit_acc, _split_bounds, _tanh, tma_ready
 
 # c_n = mean logit + C_SHIFT; a row whose max exceeds c_n by more than R_EXP_MAX is redone with c_n = its max.
@@ -216,10 +216,11 @@ def supported(hidden, weight, softcap, z_loss, config) -> bool:
 def online(hidden) -> bool:
     """fp16's mode of the pass: fp16 holds about 27 nats (e^-16.6 to e^11), too few for R with an offset fixed before
     the logits, so the kernel stores R relative to each row's running max (per tile, in MT) and ``_normalize_kernel``
-    turns it into p once the row's lse is known (2 more bytes read and written per logit); dW is accumulated in fp32
-    from (a / gamma) o h (gamma a power of two at least every row's a: fp16 would hold a ~ 1 / N as subnormal numbers)
-    and scaled by gamma when cast. No soft-cap: its derivative needs every logit back from R, and fp16's R does not
-    keep the small ones."""
+    turns it into p once the row's lse is known (2 more bytes read and written per logit); the token weights are divided
+    by gamma (a power of two at least the largest: fp16 would hold a ~ 1 / N in a o h as subnormal numbers), dW is
+    accumulated in fp32, and the gradients are returned divided by gamma, which the op's backward multiplies back as
+    it casts them (``train_pass.scale_by``: no pass of its own over dW). No soft-cap: its derivative needs every logit
+    back from R, and fp16's R does not keep the small ones."""
     return hidden.dtype == torch.float16
 
 
@@ -392,7 +393,7 @@ def _zloss_factor(lse, z_loss):
 
 @triton.jit
 def _finish_rows_kernel(
-    S, T, M, AM, SZS, C, ZY, SZ, Y, SMOOTH, SCALE, H, R, HS, GAMMA,
+    S, T, M, AM, SZS, C, ZY, SZ, Y, SMOOTH, SCALE, H, R, HS,
     LSE_OUT, ENT_OUT, AM_OUT, A_OUT, U_OUT, LOSS_OUT, NLL_OUT,
     n, splits, D, stride_h, stride_r, stride_hs, inv_v, r_exp_max, z_loss,
     STATS: tl.constexpr, GRAD: tl.constexpr, R_TARGET: tl.constexpr, SCALE_H: tl.constexpr, SOFTCAP: tl.constexpr,
@@ -404,7 +405,7 @@ def _finish_rows_kernel(
     a = w k / S and u = w b / V (k = 1 + 2 z_loss lse), (R_TARGET) R's target entry made R_ny - (1 - b) S / k from
     the fp32 target logit, and (SCALE_H) the rows of a o h in the input dtype for dW. ONLINE (``online``): the splits
     relative to their own maxima, lse = m + log S, and a = w k (``_normalize_kernel`` makes R the probabilities and
-    sets the target entry), a o h divided by GAMMA[0]."""
+    sets the target entry)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     mask_r = rows < n
     s, t_acc, m, am = _merge_splits(S, T, M, AM, rows, mask_r, n, splits, STATS, BLOCK_R, ONLINE)
@@ -439,8 +440,6 @@ def _finish_rows_kernel(
         k = _zloss_factor(lse, z_loss)
         a = w * k if ONLINE else w * k / s
         tl.store(A_OUT + rows, a, mask=mask_r)
-        if ONLINE:
-            a = a / tl.load(GAMMA)  # (hs only)
         tl.store(U_OUT + rows, w * b * inv_v, mask=mask_r)
         if R_TARGET:
             tgt = tl.exp(zy - c) - (1.0 - b) * s / k
@@ -682,9 +681,10 @@ def triton_fused_pass(hidden, weight, bias, targets, smoothing, scale, config, n
                       z_loss: float = 0.0, softcap: float | None = None, smoothed: bool = True):
     """Statistics and gradients of ``sum_n scale_n loss_n`` for 2-D bf16 ``hidden`` (N, D) by the fused path (see the
     module docstring; ``supported`` says when it applies). ``targets``: ids, -1 for ignored tokens; ``smoothing`` and
-    ``scale``: fp32 per token. Returns ``(lse, zy, sz, argmax, entropy, loss, nll), dh, dw, db`` (the token losses
-    as ``paths.token_loss_terms`` gives them; dh, dw in the inputs' dtype (fp32 for fp16: ``kept_dtype``), db fp32;
-    None where not needed; argmax and entropy zeros unless ``need_stats``). ``free_bytes``: the free memory
+    ``scale``: fp32 per token. Returns ``(lse, zy, sz, argmax, entropy, loss, nll), dh, dw, db, gamma`` (the token
+    losses as ``paths.token_loss_terms`` gives them; dh, dw in the inputs' dtype (fp32 for fp16: ``kept_dtype``), db
+    fp32; None where not needed; argmax and entropy zeros unless ``need_stats``; the gradients are gamma times these:
+    gamma None but for fp16, ``online``). ``free_bytes``: the free memory
     ``memory="auto"`` measured (the direct layout only if it fits: ``layout``). ``softcap``: R's chunk becomes G
     itself (``_softcap_grad_kernel``), whose products give dh, dW and db. ``smoothed=False``: ``smoothing`` is 0 for
     every token, so u is 0 and dW's and db's rank-one terms are skipped."""
@@ -693,6 +693,7 @@ def triton_fused_pass(hidden, weight, bias, targets, smoothing, scale, config, n
     dev = hidden.device
     f32 = dict(dtype=torch.float32, device=dev)
     on = online(hidden)
+    (scale,), gamma = fp16_weights(hidden.dtype, scale)  # (fp16: every gradient divided by gamma, ``online``)
     v_pad, rows, direct = layout(n, v, d, need_dw, chunk_bytes, free_bytes, half_range=on)
     if rows < n and rows > config.block_n:
         rows = rows // config.block_n * config.block_n  # whole row blocks per chunk
@@ -716,9 +717,6 @@ def triton_fused_pass(hidden, weight, bias, targets, smoothing, scale, config, n
     hs = torch.empty(rows + extra, d, dtype=hidden.dtype, device=dev) if need_dw and not soft else None
     c_buf = torch.empty(rows, **f32)
     mt = torch.empty(rows, triton.cdiv(v, config.block_v), **f32) if on else None
-    gamma = a_all  # (fp16: dW and db from (a / gamma) o h, scaled back by gamma, a power of two: ``online``)
-    if on:
-        gamma = power_of_two_scale(scale)
     per_row = (zy, sz, smoothing, scale, lse, ent, am, a_all, u_all, loss, nll, dh)
     for s0 in range(0, n, rows):
         e0 = min(n, s0 + rows)
@@ -735,7 +733,7 @@ def triton_fused_pass(hidden, weight, bias, targets, smoothing, scale, config, n
         if not (soft or on):  # (capped logits never leave the range; fp16 has no fixed offset)
             _exp_tiles(config, h, weight, bias, c, r, need_stats, bufs=st, descs=descs)  # the flagged rows redone
         _finish_rows_kernel[grid](
-            *st, c, zy_c, sz_c, y, b_c, w_c, h, r, h if hs is None else hs, gamma, lse_c, ent_c, am_c, a, u, loss_c,
+            *st, c, zy_c, sz_c, y, b_c, w_c, h, r, h if hs is None else hs, lse_c, ent_c, am_c, a, u, loss_c,
             nll_c, nr, st[0].shape[0], d, h.stride(0), r.stride(0), 0 if hs is None else hs.stride(0), 1.0 / v,
             R_EXP_MAX, float(z_loss), STATS=need_stats, GRAD=grad, R_TARGET=not (soft or on), SCALE_H=hs is not None,
             SOFTCAP=soft, ONLINE=on, BLOCK_R=br, BLOCK_D=bd, num_warps=warps)
@@ -760,7 +758,7 @@ def triton_fused_pass(hidden, weight, bias, targets, smoothing, scale, config, n
             if not soft:
                 rhs = hs
                 if e0 == n and smoothed:  # the last chunk also adds the rank-one term (u is whole now)
-                    _rank_one_rows(r_buf, hs, u_all / gamma if on else u_all, hidden, nr, v)
+                    _rank_one_rows(r_buf, hs, u_all, hidden, nr, v)
                     k = nr + 2
             if s0 == 0:
                 mm_f32(r_buf[:k, :v].T, rhs[:k], dw32)
@@ -768,18 +766,18 @@ def triton_fused_pass(hidden, weight, bias, targets, smoothing, scale, config, n
                 addmm_f32(dw32, r_buf[:k, :v].T, rhs[:k])
         if db is not None:  # R's column sums weighted by a (soft-cap: G's column sums)
             db_chunk = torch.empty(v, 1, **f32)
-            mm_f32(r.T, (torch.ones_like(a) if soft else a / gamma if on else a).to(r.dtype)[:, None], db_chunk)
-            db += db_chunk[:, 0] * gamma if on else db_chunk[:, 0]
+            mm_f32(r.T, (torch.ones_like(a) if soft else a).to(r.dtype)[:, None], db_chunk)
+            db += db_chunk[:, 0]
     dw = None
     if direct:
         dw = _direct_dw(r_buf, hs, u_all, hidden, n, v, weight, rank_one=smoothed)
-    elif need_dw and on:  # (kept in fp32 until backward: matmul.kept_dtype)
-        dw = dw32.mul_(gamma)
+    elif need_dw and on:  # (kept in fp32, divided by gamma, until backward: matmul.kept_dtype)
+        dw = dw32
     elif need_dw:
         dw = dw32.to(weight.dtype)
     if db is not None and not soft and smoothed:
         db -= u_all.sum()
-    return (lse, zy, sz, am, ent, loss, nll), dh, dw, db
+    return (lse, zy, sz, am, ent, loss, nll), dh, dw, db, gamma
 
 
 def triton_fused_columns(hidden, weight, bias, targets, smoothing, scale, config, chunk_bytes: int | None = None,
@@ -792,9 +790,9 @@ def triton_fused_columns(hidden, weight, bias, targets, smoothing, scale, config
     change R's target entry) come once, at the end. A chunk that holds a row's max past its offset (``_offset_rule``)
     redoes that row with the max as its offset and scales what the row accumulated so far by exp(c_old - c_new).
     ``chunk_bytes``: R's chunk (N x columns, bf16); one chunk where it holds every column (or None). Returns what
-    ``triton_fused_pass`` returns, without dW and db (None); ``need_dh=False``: the statistics alone, no R stored
-    (``fused_statistics``), and then ``softcap`` may be given (the offset is the cap: no fix-up) and ``smoothing``
-    and ``scale`` may be None (no loss wanted)."""
+    ``triton_fused_pass`` returns, without dW, db and gamma (None: bf16); ``need_dh=False``: the statistics alone, no
+    R stored (``fused_statistics``), and then ``softcap`` may be given (the offset is the cap: no fix-up) and
+    ``smoothing`` and ``scale`` may be None (no loss wanted)."""
     soft = softcap is not None
     if soft and need_dh:
         raise ValueError("triton_fused_columns takes a softcap only for the statistics alone (need_dh=False).")
@@ -839,7 +837,7 @@ def triton_fused_columns(hidden, weight, bias, targets, smoothing, scale, config
     # R_EXP_MAX, so the row kernel keeps them)
     state = st[:4] if one else (s_run, t_run, c, am_run)
     _finish_rows_kernel[grid](
-        *state, st[4], c, zy, sz, targets, smoothing, scale, hidden, r_buf, hidden, c,
+        *state, st[4], c, zy, sz, targets, smoothing, scale, hidden, r_buf, hidden,
         lse, ent, am, a, u, loss, nll, n, state[0].shape[0] if one else 1, d, hidden.stride(0), r_buf.stride(0), 0,
         1.0 / v, R_EXP_MAX, float(z_loss), STATS=need_stats, GRAD=need_dh, R_TARGET=False, SCALE_H=False,
         SOFTCAP=soft, ONLINE=False, BLOCK_R=br, BLOCK_D=bd, num_warps=warps)
@@ -848,7 +846,7 @@ def triton_fused_columns(hidden, weight, bias, targets, smoothing, scale, config
         dh = torch.empty(n, d, dtype=hidden.dtype, device=dev)
         _dh_rows_kernel[grid](acc, a, u, colsum, dh, targets, weight, scale, smoothing, n, d, acc.stride(0),
                               dh.stride(0), weight.stride(0), TARGET=True, BLOCK_R=br, BLOCK_D=bd, num_warps=warps)
-    return (lse, zy, sz, am, ent, loss, nll), dh, None, None
+    return (lse, zy, sz, am, ent, loss, nll), dh, None, None, None
 
 
 def frozen_chunk_bytes(n: int, v: int, d: int, free_bytes: int | None = None) -> int | None:

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 
 from .checks import _check_num_items, check_device_values, check_summary
 from .compiled import check_values, compiling, reduced_loss, token_losses
-from .paths import (MEMORY_MODES, Options, loss_gradients, loss_terms, notify_training_call, recompute_kept,
-                    statistics, statistics_and_gradients, training_options, use_train_pass)
+from .paths import (MEMORY_MODES, Options, finish_gradients, loss_gradients, loss_terms, notify_training_call,
+                    recompute_kept, statistics, statistics_and_gradients, training_options, use_train_pass)
 
 _REDUCTIONS = ("mean", "sum", "none")
 _BACKENDS = ("auto", "triton", "torch")
@@ -266,11 +266,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             kept = recompute_kept(hidden, weight, bias, targets, smoothing, token_weight, lse, opts,
                                   need_dh, need_dw, need_db and bias is not None)
         if kept_path and opts.reduce:  # grad_loss is the upstream scalar (not None: see above)
-            from .train_pass import scale_by
-
-            c = grad_loss.detach().float().reshape(1)
-            dh, dw, db = scale_by(kept, c)
-            return _cast(dh, hidden), _cast(dw, weight), db.to(bias.dtype) if db is not None else None, *rest
+            return *finish_gradients(kept, grad_loss.detach().float().reshape(1), hidden, weight, bias), *rest
         if bad is not None and grad_loss is not None:  # the NaN loss of a failed check passes no gradient
             grad_loss = torch.where(bad, 0.0, grad_loss)
         valid = targets >= 0
@@ -285,21 +281,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if kept_path:
             c = _uniform_ratio(grad, token_weight)
             if c is not None:
-                dh, dw, db = kept
-                if not math.isclose(c, 1.0, rel_tol=1e-6, abs_tol=0.0):
-                    dh, dw, db = (t.mul_(c) if t is not None else None for t in kept)
-                return _cast(dh, hidden), _cast(dw, weight), db.to(bias.dtype) if db is not None else None, *rest
+                c = None if math.isclose(c, 1.0, rel_tol=1e-6, abs_tol=0.0) else torch.full(
+                    (1,), c, dtype=torch.float32, device=hidden.device)
+                return *finish_gradients(kept, c, hidden, weight, bias), *rest
         del kept  # an upstream gradient the kept one cannot be scaled to: recompute below
-        dh, dw, db = loss_gradients(hidden, weight, bias, targets, lse, smoothing, grad, grad_lse, opts, False,
-                                    need_dh, need_dw, need_db and bias is not None)
-        return (dh.to(hidden.dtype) if need_dh else None, dw.to(weight.dtype) if need_dw else None,
-                db.to(bias.dtype) if need_db and db is not None else None) + rest
-
-
-def _cast(t, like):
-    """``t`` in ``like``'s dtype (None passes): a kept gradient, fp32 for fp16 inputs (``matmul.kept_dtype``), rounded
-    once after the upstream gradient multiplied it."""
-    return t.to(like.dtype) if t is not None else None
+        grads = loss_gradients(hidden, weight, bias, targets, lse, smoothing, grad, grad_lse, opts, False, need_dh,
+                               need_dw, need_db and bias is not None)
+        dh, dw, db = finish_gradients(grads, None, hidden, weight, bias)
+        return (dh if need_dh else None, dw if need_dw else None, db if need_db else None) + rest
 
 
 def _uniform_ratio(grad: torch.Tensor, token_weight: torch.Tensor) -> float | None:

@@ -207,8 +207,10 @@ def _resolve_memory(memory, one_pass, hidden, weight, accum_dtype, path="one-pas
 
 def statistics_and_gradients(hidden, weight, bias, targets, smoothing, token_weight, opts, need_dh, need_dw,
                              need_db):
-    """The training paths' forward: (statistics, (dh, dw, db) of ``sum_n token_weight_n loss_n``) by the path
-    ``opts`` names (fused, two-pass, or the one-pass ``train_pass``)."""
+    """The training paths' forward: (statistics, (dh, dw, db, gamma)): the gradients of ``sum_n token_weight_n
+    loss_n`` are gamma times dh, dw and db (gamma None but for fp16 on the fused and one-pass paths, multiplied back
+    where backward casts them: ``train_pass.scale_by``), by the path ``opts`` names (fused, two-pass, or the one-pass
+    ``train_pass``)."""
     if opts.path == "fused":
         return _fused_gradients(hidden, weight, bias, targets, smoothing, token_weight, opts, need_dh, need_dw, need_db)
     if opts.path == "two-pass":
@@ -217,10 +219,10 @@ def statistics_and_gradients(hidden, weight, bias, targets, smoothing, token_wei
                                          need_dh, need_dw, need_db)
     from .train_pass import triton_train_pass
 
-    stats, dh, dw, db = triton_train_pass(
+    stats, *grads = triton_train_pass(
         hidden, weight, bias, targets, smoothing, token_weight, opts.softcap, need_dh=need_dh, need_dw=need_dw,
         need_db=need_db, z_loss=opts.z_loss, accum_dtype=opts.accum_dtype)
-    return stats, (dh, dw, db)
+    return stats, tuple(grads)
 
 
 def statistics(hidden, weight, bias, targets, opts, smoothing=None):
@@ -233,7 +235,7 @@ def statistics(hidden, weight, bias, targets, opts, smoothing=None):
 
 def recompute_kept(hidden, weight, bias, targets, smoothing, token_weight, lse, opts, need_dh, need_dw, need_db):
     """The training path's gradients again, by the same computation as the forward's (a second backward, or the
-    compiled backward of per-token losses)."""
+    compiled backward of per-token losses): (dh, dw, db, gamma), as ``statistics_and_gradients``."""
     if opts.path == "fused":
         return _fused_gradients(hidden, weight, bias, targets, smoothing, token_weight, opts, need_dh, need_dw,
                                 need_db, lse)[1]
@@ -244,9 +246,20 @@ def recompute_kept(hidden, weight, bias, targets, smoothing, token_weight, lse, 
                                     need_db)[1]
 
 
+def finish_gradients(grads, c, hidden, weight, bias) -> tuple:
+    """A path's gradients ``(dh, dw, db, gamma)`` (None entries pass) times the upstream factor ``c`` (a one-element
+    fp32 tensor; None: 1) and gamma (fp16's: ``matmul.fp16_weights``), in the inputs' dtypes, rounded once: a pass over
+    each at most (``train_pass.scale_by``; fp16's are kept in fp32 until here, ``matmul.kept_dtype``)."""
+    from .train_pass import scale_by
+
+    *grads, gamma = grads
+    return tuple(scale_by(grads, c, (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None), gamma))
+
+
 def loss_gradients(hidden, weight, bias, targets, lse, smoothing, grad, grad_lse, opts, training_path: bool,
                    need_dh, need_dw, need_db):
-    """(dh, dw, db) of ``sum_n grad_n loss_n (+ grad_lse_n lse_n)``, exact: ``training_path`` (and no lse gradient)
+    """(dh, dw, db, gamma): gamma (None: 1) times dh, dw and db are the gradients of ``sum_n grad_n loss_n
+    (+ grad_lse_n lse_n)``, exact: ``training_path`` (and no lse gradient)
     by the training path ``opts`` names, with ``grad`` as the token weights; otherwise the recomputing dense
     backward (``dispatch.dense_backward``: through cuBLAS's logits where Triton's dots are FMA, fp32, Turing,
     Volta)."""
@@ -261,18 +274,18 @@ def loss_gradients(hidden, weight, bias, targets, lse, smoothing, grad, grad_lse
         if grad_lse is not None:
             extra = extra + grad_lse.float()
         extra = extra.contiguous()
-    return dense_backward(hidden, weight, bias, targets, lse, grad.float().contiguous(),
-                          smoothing.float().contiguous(), opts.softcap, opts.backend, need_dh=need_dh,
-                          need_dw=need_dw, extra=extra)
+    return (*dense_backward(hidden, weight, bias, targets, lse, grad.float().contiguous(),
+                            smoothing.float().contiguous(), opts.softcap, opts.backend, need_dh=need_dh,
+                            need_dw=need_dw, extra=extra), None)
 
 
 def _fused_gradients(hidden, weight, bias, targets, smoothing, token_weight, opts, need_dh, need_dw, need_db,
                      lse=None):
     """The fused training path (``fused_pass``): statistics and gradients from one logits pass whose kernel stores
-    the shifted exponentials; ``(stats, (dh, dw, db))``. A frozen head goes by vocabulary columns
-    (``fused_pass.triton_fused_columns``). Under ``memory="low"`` dW or db need every row's normalisation before a
-    chunk's product: the fused pass gives the statistics alone (no R stored; ``lse`` given, as a second backward has
-    it: none) and the two-pass computation the gradients."""
+    the shifted exponentials; ``(stats, (dh, dw, db, gamma))`` (``statistics_and_gradients``). A frozen head goes by
+    vocabulary columns (``fused_pass.triton_fused_columns``). Under ``memory="low"`` dW or db need every row's
+    normalisation before a chunk's product: the fused pass gives the statistics alone (no R stored; ``lse`` given, as
+    a second backward has it: none) and the two-pass computation the gradients."""
     from .config import fused_config, low_memory_chunk_bytes
     from .fused_pass import frozen_chunk_bytes, online, triton_fused_columns, triton_fused_pass
 
@@ -292,14 +305,14 @@ def _fused_gradients(hidden, weight, bias, targets, smoothing, token_weight, opt
         chunk = (low_memory_chunk_bytes(n, d, opts.free_bytes) if opts.memory == "low"
                  else frozen_chunk_bytes(n, v, d, opts.free_bytes))
     if chunk is not None:
-        stats, dh, dw, db = triton_fused_columns(hidden, weight, bias, targets, smoothing, token_weight, cfg, chunk,
-                                                 need_stats=opts.need_stats, z_loss=opts.z_loss)
-        return stats, (dh, dw, db)
-    stats, dh, dw, db = triton_fused_pass(hidden, weight, bias, targets, smoothing, token_weight, cfg,
+        stats, *grads = triton_fused_columns(hidden, weight, bias, targets, smoothing, token_weight, cfg, chunk,
+                                             need_stats=opts.need_stats, z_loss=opts.z_loss)
+        return stats, tuple(grads)
+    stats, *grads = triton_fused_pass(hidden, weight, bias, targets, smoothing, token_weight, cfg,
                                           need_dh=need_dh, need_dw=need_dw, need_db=need_db,
                                           need_stats=opts.need_stats, free_bytes=opts.free_bytes, z_loss=opts.z_loss,
                                           softcap=opts.softcap, smoothed=opts.smoothed)
-    return stats, (dh, dw, db)
+    return stats, tuple(grads)
 
 
 def two_pass_gradients(hidden, weight, bias, targets, smoothing, token_weight, lse, opts, need_dh, need_dw, need_db):
@@ -308,13 +321,14 @@ def two_pass_gradients(hidden, weight, bias, targets, smoothing, token_weight, l
     at a time (1 GiB; ``memory="low"``: ``config.low_memory_chunk_bytes``), dW (one rounding) and dh (fp32
     accumulator) from cuBLAS (``backward.triton_gradients_by_columns``). One more logits matmul than the one-pass
     path, but no fp32 logits in memory: where D is small the fp32 traffic, not the matmuls, sets the one-pass path's
-    time."""
+    time. Returns (dh, dw, db, None): these gradients come scaled (``statistics_and_gradients``)."""
     from .backward import triton_gradients_by_columns
     from .config import grad_logits_config, low_memory_chunk_bytes
 
     extra = token_weight * (2.0 * opts.z_loss) * lse if opts.z_loss else None
-    return triton_gradients_by_columns(hidden, weight, bias, targets, lse, token_weight, smoothing, opts.softcap,
-                                       grad_logits_config(hidden.dtype, hidden.device), need_dh=need_dh,
-                                       need_dw=need_dw, need_db=need_db, extra=extra,
-                                       chunk_bytes=low_memory_chunk_bytes(*hidden.shape, opts.free_bytes)
-                                       if opts.memory == "low" else None, cublas=cublas_logits(hidden))
+    grads = triton_gradients_by_columns(hidden, weight, bias, targets, lse, token_weight, smoothing, opts.softcap,
+                                        grad_logits_config(hidden.dtype, hidden.device), need_dh=need_dh,
+                                        need_dw=need_dw, need_db=need_db, extra=extra,
+                                        chunk_bytes=low_memory_chunk_bytes(*hidden.shape, opts.free_bytes)
+                                        if opts.memory == "low" else None, cublas=cublas_logits(hidden))
+    return (*grads, None)

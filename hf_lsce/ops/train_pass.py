@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .config import STATS_CHUNK_BYTES, TRAIN_CHUNK_BYTES, interpreting
-from .matmul import addmm_f32, fp16_weights, kept_dtype, mm_f32, times_gamma
+from .matmul import addmm_f32, fp16_weights, kept_dtype, mm_f32
 from .tiles import _tanh
 
 
@@ -221,9 +221,10 @@ def triton_train_pass(hidden, weight, bias, targets, smoothing, scale, softcap,
                       z_loss: float = 0.0, accum_dtype: torch.dtype | None = None):
     """Statistics and gradients of ``sum_n scale_n loss_n`` for 2-D ``hidden`` (N, D).
 
-    Returns ``(lse, zy, sz, argmax, entropy), dh, dw, db``; dh in hidden's dtype, dw in weight's (both fp32 for fp16:
-    ``kept_dtype``),
-    db fp32 (None where not needed). ``targets``: ids with -1 for ignored tokens; ``smoothing`` and
+    Returns ``(lse, zy, sz, argmax, entropy), dh, dw, db, gamma``; dh in hidden's dtype, dw in weight's (both fp32 for
+    fp16: ``kept_dtype``), db fp32 (None where not needed), the gradients gamma times these (None but for fp16, whose
+    G is written from the weights divided by gamma: ``matmul.fp16_weights``; backward multiplies it back as it casts,
+    ``scale_by``). ``targets``: ids with -1 for ignored tokens; ``smoothing`` and
     ``scale``: fp32 per token (unread, and may be None, where no gradient is needed: the statistics alone, by chunks
     of ``STATS_CHUNK_BYTES``). ``z_loss``: the coefficient of ``lse^2`` in each token's loss.
     ``accum_dtype``: the dtype dW is accumulated in across chunks (default: the weight's).
@@ -276,49 +277,63 @@ def triton_train_pass(hidden, weight, bias, targets, smoothing, scale, softcap,
             add_chunk_gradients(g, h, weight, dh[s:e] if need_dh else None, None, db, first=s == 0)
         else:
             add_chunk_gradients(g, h, weight, dh[s:e] if need_dh else None, dw, db, first=s == 0)
-    times_gamma((dh, dw, db), gamma)
     if dw is not None and dw.dtype != kept_dtype(weight.dtype):
         dw = dw.to(weight.dtype)
-    return (lse, zy, sz, am.long(), ent), dh, dw, db
+    return (lse, zy, sz, am.long(), ent), dh, dw, db, gamma
 
 
 @triton.jit
-def _scale_kernel(X, Y, C, nx, ny, blocks_x, blocks, BLOCK: tl.constexpr):
-    """X *= C[0] and Y *= C[0], in place, ``BLOCK`` elements at a time (blocks below ``blocks_x`` in X, the rest in Y)
-    with a stride of the grid over them; every program returns at once when C[0] == 1 (the usual upstream gradient),
-    and the grid is small, so that case costs a launch (one program per block was 90 us a call for dW at the Gemma2-2B
-    head: 144,000 programs)."""
+def _scale_kernel(X, Y, XO, YO, C, nx, ny, blocks_x, blocks, CAST: tl.constexpr, BLOCK: tl.constexpr):
+    """XO = X * C[0] and YO = Y * C[0] (in place where XO is X), ``BLOCK`` elements at a time (blocks below
+    ``blocks_x`` in X, the rest in Y) with a stride of the grid over them. Unless CAST (outputs of their own, another
+    dtype), every program returns at once when C[0] == 1 (the usual upstream gradient), and the grid is small, so that
+    case costs a launch (one program per block was 90 us a call for dW at the Gemma2-2B head: 144,000 programs)."""
     c = tl.load(C)
-    if c != 1.0:
+    if CAST or c != 1.0:
         for blk in range(tl.program_id(0), blocks, tl.num_programs(0)):
             if blk < blocks_x:
                 offs = tl.cast(blk, tl.int64) * BLOCK + tl.arange(0, BLOCK)
                 x = tl.load(X + offs, mask=offs < nx, other=0.0)
-                tl.store(X + offs, (x.to(tl.float32) * c).to(X.dtype.element_ty), mask=offs < nx)
+                tl.store(XO + offs, (x.to(tl.float32) * c).to(XO.dtype.element_ty), mask=offs < nx)
             else:
                 offs = tl.cast(blk - blocks_x, tl.int64) * BLOCK + tl.arange(0, BLOCK)
                 y = tl.load(Y + offs, mask=offs < ny, other=0.0)
-                tl.store(Y + offs, (y.to(tl.float32) * c).to(Y.dtype.element_ty), mask=offs < ny)
+                tl.store(YO + offs, (y.to(tl.float32) * c).to(YO.dtype.element_ty), mask=offs < ny)
 
 
-def scale_by(tensors, c: torch.Tensor) -> list:
-    """``t *= c`` for each tensor (None passes through; ``c`` a one-element fp32 tensor on their device) without
-    reading c on the host: the kept gradients times the upstream gradient of the reduced loss. On CUDA (and the
-    interpreter) kernels that touch no memory when c is 1, two tensors per launch; elsewhere a plain multiply."""
+def scale_by(tensors, c: torch.Tensor | None = None, dtypes=None, gamma: torch.Tensor | None = None) -> list:
+    """Each tensor (None passes) times ``c * gamma`` (one-element fp32 tensors on their device; None: 1) in
+    ``dtypes[i]`` (None: its own dtype, in place), without reading them on the host: the kept gradients times the
+    upstream gradient and, for fp16, times gamma (``matmul.fp16_weights``) as they are cast from fp32 to fp16, in one
+    pass (other casts, as a bf16 bias's db, follow the scaling: the interpreter's bf16 casts truncate). On CUDA (and
+    the interpreter) kernels, two tensors per launch, that touch no memory where the factor is 1 and nothing is cast;
+    elsewhere torch."""
+    if gamma is not None:
+        c = gamma if c is None else c * gamma
     out = list(tensors)
-    todo = [i for i, t in enumerate(out) if t is not None and t.numel()]
-    kernel = [i for i in todo if (out[i].is_cuda or interpreting()) and out[i].is_contiguous()]
-    for i in todo:
-        if i not in kernel:
-            t = out[i]
+    jobs = {False: [], True: []}  # (tensor, output) pairs in place / cast
+    for i, t in enumerate(tensors):
+        if t is None:
+            continue
+        dt = (dtypes[i] if dtypes else None) or t.dtype
+        if c is None or not t.numel():
+            out[i] = t.to(dt)
+        elif (t.is_cuda or interpreting()) and t.is_contiguous():
+            cast = dt == torch.float16 and t.dtype == torch.float32
+            out[i] = torch.empty_like(t, dtype=dt) if cast else t
+            jobs[cast].append((t, out[i]))
+        else:
             wide = torch.float64 if t.dtype == torch.float64 else torch.float32
-            t.copy_(t.to(wide) * c.to(wide))
+            res = t.to(wide) * c.to(wide)
+            out[i] = t.copy_(res) if dt == t.dtype else res.to(dt)
     block = 1024 if interpreting() else 4096
-    for k in range(0, len(kernel), 2):
-        x = out[kernel[k]]
-        y = out[kernel[k + 1]] if k + 1 < len(kernel) else x[:0]
-        bx = triton.cdiv(x.numel(), block)
-        blocks = bx + triton.cdiv(y.numel(), block)
-        _scale_kernel[(min(blocks, 4 if interpreting() else 1024),)](x, y, c, x.numel(), y.numel(), bx, blocks,
-                                                                     BLOCK=block, num_warps=1 if interpreting() else 8)
-    return out
+    for cast, pairs in jobs.items():
+        for k in range(0, len(pairs), 2):
+            x, xo = pairs[k]
+            y, yo = pairs[k + 1] if k + 1 < len(pairs) else (x[:0], xo[:0])
+            bx = triton.cdiv(x.numel(), block)
+            blocks = bx + triton.cdiv(y.numel(), block)
+            _scale_kernel[(min(blocks, 4 if interpreting() else 1024),)](
+                x, y, xo, yo, c, x.numel(), y.numel(), bx, blocks, CAST=cast, BLOCK=block,
+                num_warps=1 if interpreting() else 8)
+    return [t if t is None or dtypes is None or dtypes[i] is None else t.to(dtypes[i]) for i, t in enumerate(out)]
