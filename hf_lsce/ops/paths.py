@@ -308,10 +308,10 @@ def _fused_gradients(hidden, weight, bias, targets, smoothing, token_weight, opt
         stats, *grads = triton_fused_columns(hidden, weight, bias, targets, smoothing, token_weight, cfg, chunk,
                                              need_stats=opts.need_stats, z_loss=opts.z_loss)
         return stats, tuple(grads)
-    stats, *grads = triton_fused_pass(hidden, weight, bias, targets, smoothing, token_weight, cfg,
-                                          need_dh=need_dh, need_dw=need_dw, need_db=need_db,
-                                          need_stats=opts.need_stats, free_bytes=opts.free_bytes, z_loss=opts.z_loss,
-                                          softcap=opts.softcap, smoothed=opts.smoothed)
+    stats, *grads = triton_fused_pass(hidden, weight, bias, targets, smoothing, token_weight, cfg, need_dh=need_dh,
+                                      need_dw=need_dw, need_db=need_db, need_stats=opts.need_stats,
+                                      free_bytes=opts.free_bytes, z_loss=opts.z_loss, softcap=opts.softcap,
+                                      smoothed=opts.smoothed)
     return stats, tuple(grads)
 
 
