@@ -119,6 +119,35 @@ def test_patched_model_compiles_fullgraph_with_hf_loss_and_proof():
             assert rel(p.grad, q.grad) < 1e-4, name
 
 
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_per_token_losses_compile(dtype):
+    """reduction='none' in bf16 and fp16 under torch.compile: the fused kernel's statistics hold each token's loss and
+    nll as rows of one buffer, which the compiled operator returned as two aliasing outputs (torch refused the call
+    from 1f96dbf to the fix). The compiled losses and nll equal the eager op's; the gradients are within half
+    precision's rounding of fp64's (the eager op's training pass and the compiled forward's statistics, two kernels,
+    agree to fp32's rounding)."""
+    h, w, y, _ = make_inputs(peaked=True)
+
+    def loss_fn(h, w, y):
+        tok, stats = linear_cross_entropy(h, w, y, label_smoothing=B, reduction="none", return_stats=True,
+                                          backend="triton")
+        return tok.sum() * 3.0, tok.detach(), stats.nll
+
+    results = []
+    for fn in (loss_fn, _compiled(loss_fn)):
+        hc, wc = (t.to(dtype).requires_grad_() for t in (h, w))
+        loss, tok, nll = fn(hc, wc, y)
+        loss.backward()
+        results.append((tok, nll, hc.grad, wc.grad))
+    hr, wr = (t.to(dtype).double().requires_grad_() for t in (h, w))
+    z = hr @ wr.T
+    (F.cross_entropy(z, y, label_smoothing=B, reduction="sum") * 3.0).backward()
+    tok, nll = (F.cross_entropy(z, y, label_smoothing=b, reduction="none").detach() for b in (B, 0.0))
+    for got in results:
+        assert rel(got[0], tok) < 1e-5 and (got[1] - nll).abs().max() < 1e-5  # (nll: lse - z_y, fp32's cancellation)
+        assert rel(got[2], hr.grad) < 1e-2 and rel(got[3], wr.grad) < 1e-2
+
 @pytest.mark.parametrize("backend,path", [("torch", None), ("triton", "one-pass"), ("triton", "two-pass")])
 def test_a_frozen_head_compiles(backend, path, monkeypatch):
     """A frozen head without a bias (LoRA) under torch.compile: dW and db are both not needed, and the compiled

@@ -78,7 +78,9 @@ def token_losses(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets
     loss, nll = loss_terms(stats, smoothing, targets, weight.shape[0], z_loss)
     if training:
         notify_training_call(observed_smoothing)
-    return loss, lse.clone(), argmax.clone(), nll, entropy.clone()
+    # (copies: an operator's outputs may not alias each other, and the fused kernel's statistics hold the lse, loss
+    # and nll as rows of one buffer)
+    return loss, lse.clone(), argmax.clone(), nll.clone(), entropy.clone()
 
 
 @token_losses.register_fake
