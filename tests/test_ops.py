@@ -400,6 +400,23 @@ def test_recomputing_backward_takes_cublas_logits_where_triton_dots_are_fma(monk
         assert rel(got, want) < 1e-2  # G and the gradients in bf16
 
 
+def _columns_case(dtype, softcap, bias, seed, draws):
+    """A recomputing-backward case at ragged sizes (37 x 40 x 203): the inputs in ``dtype``, ids with -1 for the ignored
+    row, the fp32 lse, per-token b, upstream gradient and extra p term, and the fp64 reference gradients."""
+    from hf_lsce.ops.reference import torch_backward
+
+    h, w, y, b = make_inputs(n=37, d=40, v=203, seed=seed, bias=bias, peaked=True)
+    hh, ww = h.to(dtype), w.to(dtype)
+    bb = b.to(dtype) if bias else None
+    t = y.masked_fill(y < 0, -1)
+    g = torch.Generator().manual_seed(draws)
+    sm, grad, extra = torch.rand(37, generator=g) * 0.3, torch.rand(37, generator=g), torch.rand(37, generator=g)
+    lse = torch_forward(hh.double(), ww.double(), bb.double() if bias else None, t, softcap)[0].float()
+    ref = torch_backward(hh.double(), ww.double(), bb.double() if bias else None, t, lse.double(), grad.double(),
+                         sm.double(), softcap, extra=extra.double())
+    return hh, ww, bb, t, lse, sm, grad, extra, ref
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("softcap,bias", [(None, False), (3.0, True)])
 def test_gradients_by_columns_through_cublas_logits_match_fp64(dtype, softcap, bias):
@@ -411,17 +428,8 @@ def test_gradients_by_columns_through_cublas_logits_match_fp64(dtype, softcap, b
 
     from hf_lsce.ops.backward import triton_gradients_by_columns
     from hf_lsce.ops.config import fused_config
-    from hf_lsce.ops.reference import torch_backward
 
-    h, w, y, b = make_inputs(n=37, d=40, v=203, seed=35, bias=bias, peaked=True)
-    hh, ww = h.to(dtype), w.to(dtype)
-    bb = b.to(dtype) if bias else None
-    t = y.masked_fill(y < 0, -1)
-    g = torch.Generator().manual_seed(8)
-    sm, grad, extra = torch.rand(37, generator=g) * 0.3, torch.rand(37, generator=g), torch.rand(37, generator=g)
-    lse = torch_forward(hh.double(), ww.double(), bb.double() if bias else None, t, softcap)[0].float()
-    ref = torch_backward(hh.double(), ww.double(), bb.double() if bias else None, t, lse.double(), grad.double(),
-                         sm.double(), softcap, extra=extra.double())
+    hh, ww, bb, t, lse, sm, grad, extra, ref = _columns_case(dtype, softcap, bias, seed=35, draws=8)
     cfg = dataclasses.replace(fused_config(dtype, hh.device), tma=False)
     tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: G and the products in bf16
     got = triton_gradients_by_columns(hh, ww, bb, t, lse, grad, sm, softcap, cfg, extra=extra,
@@ -663,18 +671,9 @@ def test_tma_grad_logits_kernel_matches_fp64(dtype, softcap, bias, splits):
 
     from hf_lsce.ops.backward import triton_gradients_by_columns
     from hf_lsce.ops.config import fused_config
-    from hf_lsce.ops.reference import torch_backward
 
-    h, w, y, b = make_inputs(n=37, d=40, v=203, seed=32, bias=bias, peaked=True)
-    hh, ww = h.to(dtype), w.to(dtype)
-    bb = b.to(dtype) if bias else None
-    t = y.masked_fill(y < 0, -1)
-    g = torch.Generator().manual_seed(7)
-    sm, grad, extra = torch.rand(37, generator=g) * 0.3, torch.rand(37, generator=g), torch.rand(37, generator=g)
-    lse = torch_forward(hh.double(), ww.double(), bb.double() if bias else None, t, softcap)[0].float()
+    hh, ww, bb, t, lse, sm, grad, extra, ref = _columns_case(dtype, softcap, bias, seed=32, draws=7)
     cfg = dataclasses.replace(fused_config(dtype, hh.device), tma=True, min_splits=splits, min_programs=1)
-    ref = torch_backward(hh.double(), ww.double(), bb.double() if bias else None, t, lse.double(), grad.double(),
-                         sm.double(), softcap, extra=extra.double())
     tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: G and the products in bf16
     got = {}
     for c in (cfg, dataclasses.replace(cfg, tma=False)):
