@@ -145,17 +145,6 @@ def _row_statistics(z_row, BIAS, y, LSE_OUT, ZY_OUT, SZ_OUT, AM_OUT, ENT_OUT, V,
     return lse
 
 
-def _logits_into(h, weight, w_cpu, z) -> None:
-    """z (fp32) = h W^T by cuBLAS (half inputs: fp32 accumulation and output); on the CPU through ``w_cpu``, the
-    weight in fp32."""
-    if h.device.type != "cuda":
-        torch.mm(h.to(w_cpu.dtype), w_cpu.T, out=z)
-    elif h.dtype == torch.float32:
-        torch.mm(h, weight.T, out=z)
-    else:
-        torch.mm(h, weight.T, out_dtype=torch.float32, out=z)
-
-
 def logits_gradients(hidden, weight_cols, bias_cols, targets, lse, grad, smoothing, extra, buf, v_total: int,
                      softcap):
     """G = ``grad_n dL/dz + extra_n p`` (the recomputing backward's) over the vocabulary columns ``weight_cols`` holds
@@ -167,7 +156,7 @@ def logits_gradients(hidden, weight_cols, bias_cols, targets, lse, grad, smoothi
     n, cols = hidden.shape[0], weight_cols.shape[0]
     z = buf[: n * cols].view(n, cols)
     on_cpu = hidden.device.type != "cuda"
-    _logits_into(hidden, weight_cols, weight_cols.float() if on_cpu else weight_cols, z)
+    mm_f32(hidden, weight_cols.T, z)
     g = torch.empty(n, cols, dtype=hidden.dtype) if on_cpu else z.view(hidden.dtype)[:, :cols]
     bias_cols = bias_cols.contiguous() if bias_cols is not None else None
     block, warps = _rows_launch_config(cols)
@@ -251,7 +240,7 @@ def triton_train_pass(hidden, weight, bias, targets, smoothing, scale, softcap,
     # (non-finite as bf16 pairs), and a row of dh came back NaN.
     g_all = (torch.empty(rows, v, dtype=hidden.dtype, device=dev) if on_cpu and write_g
              else buf.view(hidden.dtype)[:, :v])
-    w_cpu = weight.float() if on_cpu and weight.dtype != torch.float32 else weight
+    w_t = (weight.float() if on_cpu else weight).T  # (off CUDA the weight in fp32 once, not per chunk: mm_f32)
     dh = torch.empty(n, d, dtype=kept_dtype(hidden.dtype), device=dev) if need_dh else None
     acc_dt = accum_dtype or kept_dtype(weight.dtype)
     dw = torch.empty(v, d, dtype=acc_dt, device=dev) if need_dw else None
@@ -260,7 +249,7 @@ def triton_train_pass(hidden, weight, bias, targets, smoothing, scale, softcap,
     for s in range(0, n, rows):
         e = min(n, s + rows)
         z, g, h = buf[: e - s], g_all[: e - s], hidden[s:e]
-        _logits_into(h, weight, w_cpu, z)
+        mm_f32(h, w_t, z)
         _lce_rows_kernel[(e - s,)](
             z, bias if bias is not None else z, targets[s:e], smoothing[s:e], scale[s:e],
             scale[s:e], g, lse[s:e], zy[s:e], sz[s:e], am[s:e], ent[s:e],
