@@ -181,8 +181,8 @@ def test_column_chunks_of_the_pointer_kernel_take_few_widths(monkeypatch):
         y = torch.randint(0, v, (n,), generator=g)
         lse = torch.logsumexp(h @ w.T, -1)
         grad = torch.full((n,), 1.0 / n)
-        dh, dw, _ = bw.triton_gradients_by_columns(h, w, None, y, lse, grad, torch.full((n,), 0.1), None, cfg,
-                                                   need_db=False, chunk_bytes=4 * 1000)
+        dh, dw, _, _ = bw.triton_gradients_by_columns(h, w, None, y, lse, grad, torch.full((n,), 0.1), None, cfg,
+                                                      need_db=False, chunk_bytes=4 * 1000)
         ref = _ref(h, w, y, b=0.1)
         assert rel(dh, ref[1]) < 1e-5 and rel(dw, ref[2]) < 1e-5
     full = {c for c in widths if c & (c - 1) == 0}

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .config import launch, tuning_configs
-from .matmul import addmm_f32, fp16_weights, kept_dtype, mm_f32, times_gamma
+from .matmul import addmm_f32, fp16_weights, kept_dtype, mm_f32
 from .tiles import _dot, _finish_logits, _logit_tile, _split_bounds, _tile_offsets, tma_ready, vocab_splits
 from .train_pass import logits_gradients
 
@@ -162,8 +162,9 @@ def triton_gradients_by_columns(hidden, weight, bias, targets, lse, grad, smooth
                                 need_dh: bool = True, need_dw: bool = True, need_db: bool = True,
                                 chunk_bytes: int | None = None, extra: torch.Tensor | None = None,
                                 cublas: bool = False):
-    """(dh, dW, db) of ``sum_n grad_n loss_n (+ extra_n p_n)`` (dh in hidden's dtype, dW in weight's, both fp32 for
-    fp16: ``kept_dtype``; db fp32),
+    """(dh, dW, db, gamma): gamma (None but for fp16, ``matmul.fp16_weights``) times dh, dW and db are the gradients
+    of ``sum_n grad_n loss_n (+ extra_n p_n)`` (dh in hidden's dtype, dW in weight's, both fp32 for fp16:
+    ``kept_dtype``; db fp32),
     through chunks of vocabulary *columns* of G: the lse is known, so each chunk of columns is complete for every
     row. Its rows of dW come from one matmul over all N (written once, one rounding, as torch's own bf16 path), its
     part of dh is added into an fp32 accumulator (``4 N D`` bytes; one rounding at the end). The logits are
@@ -172,7 +173,7 @@ def triton_gradients_by_columns(hidden, weight, bias, targets, lse, grad, smooth
     in fp32 (``chunk_bytes`` of them) and G by the one-pass path's row kernel (``train_pass.logits_gradients``)."""
     from .config import GRAD_CHUNK_BYTES
 
-    (grad, extra), gamma = fp16_weights(hidden.dtype, grad, extra)  # (fp16: G keeps its digits; scaled back below)
+    (grad, extra), gamma = fp16_weights(hidden.dtype, grad, extra)  # (fp16: G keeps its digits; gamma returned)
     n, d = hidden.shape
     v = weight.shape[0]
     dev = hidden.device
@@ -201,5 +202,4 @@ def triton_gradients_by_columns(hidden, weight, bias, targets, lse, grad, smooth
                               softcap)
         add_column_chunk_gradients(g, hidden, weight[c0:c1], dh_acc, dw[c0:c1] if need_dw else None,
                                    db[c0:c1] if db is not None else None, first=c0 == 0)
-    times_gamma((dh_acc, dw, db), gamma)
-    return (dh_acc.to(kept_dtype(hidden.dtype)) if need_dh else None), dw, db
+    return (dh_acc.to(kept_dtype(hidden.dtype)) if need_dh else None), dw, db, gamma

@@ -58,8 +58,9 @@ def forward_stats(hidden, weight, bias, targets, softcap, backend, stats=True, l
 
 def dense_backward(hidden, weight, bias, targets, lse, grad, smoothing, softcap, backend, need_dh=True, need_dw=True,
                    extra=None):
-    """(dh, dw, db) of ``sum_n grad_n loss_n`` (+ ``extra_n p_n`` on the logits' gradient), exact, from the chosen
-    backend (Triton: the logits recomputed by vocabulary columns, through cuBLAS where Triton's dots are FMA)."""
+    """(dh, dw, db, gamma): gamma (None: 1) times dh, dw and db are the gradients of ``sum_n grad_n loss_n``
+    (+ ``extra_n p_n`` on the logits' gradient), exact, from the chosen backend (Triton: the logits recomputed by
+    vocabulary columns, through cuBLAS where Triton's dots are FMA; fp16's gamma: ``matmul.fp16_weights``)."""
     if backend == "triton":
         from .backward import triton_gradients_by_columns
         from .config import grad_logits_config
@@ -68,5 +69,5 @@ def dense_backward(hidden, weight, bias, targets, lse, grad, smoothing, softcap,
                                            grad_logits_config(hidden.dtype, hidden.device), need_dh=need_dh,
                                            need_dw=need_dw, need_db=bias is not None, extra=extra,
                                            cublas=cublas_logits(hidden))
-    return reference.torch_backward(hidden, weight, bias, targets, lse, grad, smoothing, softcap,
-                                    need_dh=need_dh, need_dw=need_dw, extra=extra)
+    return (*reference.torch_backward(hidden, weight, bias, targets, lse, grad, smoothing, softcap,
+                                      need_dh=need_dh, need_dw=need_dw, extra=extra), None)

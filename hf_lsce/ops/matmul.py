@@ -38,9 +38,9 @@ def fp16_weights(dtype: torch.dtype, *weights):
     other dtypes: (the weights, None). The one-pass and two-pass G writers (``train_pass``, ``backward``) write
     G = w (p - y) in the input dtype, and a weight of 1 / N put most of an fp16 G below fp16's normal range: dh
     0.39-0.42 off fp64 on an H100 (N = 8,192, Llama-3-8B and Gemma2-2B heads), as torch's fp16 logits without a loss
-    scale. With weights near 1 G keeps fp16's digits; the gradients are gamma times the products, exactly: the
-    recomputing backward multiplies gamma back itself (``times_gamma``), the fused and one-pass paths return it
-    beside their kept gradients for backward's cast to take (``paths.finish_gradients``: no pass of its own)."""
+    scale. With weights near 1 G keeps fp16's digits; the gradients are gamma times the products, exactly: every path
+    returns gamma beside its gradients for backward's cast to take (``paths.finish_gradients``: no pass of its own),
+    and the vocabulary-parallel backward multiplies it back before its all-reduce (``times_gamma``)."""
     if dtype != torch.float16:
         return weights, None
     gamma = power_of_two_scale(*weights)

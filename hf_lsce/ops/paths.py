@@ -208,8 +208,8 @@ def _resolve_memory(memory, one_pass, hidden, weight, accum_dtype, path="one-pas
 def statistics_and_gradients(hidden, weight, bias, targets, smoothing, token_weight, opts, need_dh, need_dw,
                              need_db):
     """The training paths' forward: (statistics, (dh, dw, db, gamma)): the gradients of ``sum_n token_weight_n
-    loss_n`` are gamma times dh, dw and db (gamma None but for fp16 on the fused and one-pass paths, multiplied back
-    where backward casts them: ``train_pass.scale_by``), by the path ``opts`` names (fused, two-pass, or the one-pass
+    loss_n`` are gamma times dh, dw and db (gamma None but for fp16, multiplied back where backward casts them:
+    ``finish_gradients``), by the path ``opts`` names (fused, two-pass, or the one-pass
     ``train_pass``)."""
     if opts.path == "fused":
         return _fused_gradients(hidden, weight, bias, targets, smoothing, token_weight, opts, need_dh, need_dw, need_db)
@@ -274,9 +274,9 @@ def loss_gradients(hidden, weight, bias, targets, lse, smoothing, grad, grad_lse
         if grad_lse is not None:
             extra = extra + grad_lse.float()
         extra = extra.contiguous()
-    return (*dense_backward(hidden, weight, bias, targets, lse, grad.float().contiguous(),
-                            smoothing.float().contiguous(), opts.softcap, opts.backend, need_dh=need_dh,
-                            need_dw=need_dw, extra=extra), None)
+    return dense_backward(hidden, weight, bias, targets, lse, grad.float().contiguous(),
+                          smoothing.float().contiguous(), opts.softcap, opts.backend, need_dh=need_dh,
+                          need_dw=need_dw, extra=extra)
 
 
 def _fused_gradients(hidden, weight, bias, targets, smoothing, token_weight, opts, need_dh, need_dw, need_db,
@@ -321,14 +321,13 @@ def two_pass_gradients(hidden, weight, bias, targets, smoothing, token_weight, l
     at a time (1 GiB; ``memory="low"``: ``config.low_memory_chunk_bytes``), dW (one rounding) and dh (fp32
     accumulator) from cuBLAS (``backward.triton_gradients_by_columns``). One more logits matmul than the one-pass
     path, but no fp32 logits in memory: where D is small the fp32 traffic, not the matmuls, sets the one-pass path's
-    time. Returns (dh, dw, db, None): these gradients come scaled (``statistics_and_gradients``)."""
+    time. Returns (dh, dw, db, gamma), as ``statistics_and_gradients``."""
     from .backward import triton_gradients_by_columns
     from .config import grad_logits_config, low_memory_chunk_bytes
 
     extra = token_weight * (2.0 * opts.z_loss) * lse if opts.z_loss else None
-    grads = triton_gradients_by_columns(hidden, weight, bias, targets, lse, token_weight, smoothing, opts.softcap,
-                                        grad_logits_config(hidden.dtype, hidden.device), need_dh=need_dh,
-                                        need_dw=need_dw, need_db=need_db, extra=extra,
-                                        chunk_bytes=low_memory_chunk_bytes(*hidden.shape, opts.free_bytes)
-                                        if opts.memory == "low" else None, cublas=cublas_logits(hidden))
-    return (*grads, None)
+    return triton_gradients_by_columns(hidden, weight, bias, targets, lse, token_weight, smoothing, opts.softcap,
+                                       grad_logits_config(hidden.dtype, hidden.device), need_dh=need_dh,
+                                       need_dw=need_dw, need_db=need_db, extra=extra,
+                                       chunk_bytes=low_memory_chunk_bytes(*hidden.shape, opts.free_bytes)
+                                       if opts.memory == "low" else None, cublas=cublas_logits(hidden))

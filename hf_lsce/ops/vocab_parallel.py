@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from .dispatch import dense_backward, forward_stats
+from .matmul import times_gamma
 
 
 @dataclass(frozen=True)
@@ -87,8 +88,9 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
         b = smoothing.float()
         b_local = b * (v_r / v)  # the backend's uniform term b'/V_r is then exactly b/V
         extra = (grad * (2.0 * ctx.z_loss) * lse.float()).contiguous() if ctx.z_loss else None
-        dh, dw, db = dense_backward(hidden, weight, bias, local_t, lse, grad.contiguous(), b_local.contiguous(),
-                                    ctx.softcap, ctx.backend, extra=extra)
+        dh, dw, db, gamma = dense_backward(hidden, weight, bias, local_t, lse, grad.contiguous(), b_local.contiguous(),
+                                           ctx.softcap, ctx.backend, extra=extra)
+        times_gamma((dh, dw, db), gamma)  # (fp16: the true gradients before the mend and the all-reduce)
         rows = torch.nonzero(here)[:, 0]
         if rows.numel():  # the one-hot coefficient: (1 - b) where the backend used (1 - b')
             c = grad[rows] * (b[rows] - b_local[rows])
