@@ -9,8 +9,9 @@ G goes a chunk of vocabulary columns at a time (``triton_gradients_by_columns``:
 ``memory="low"`` and the recomputing backward for an arbitrary upstream gradient), every row by a chunk of columns,
 so each chunk's rows of dW are written once (one rounding) and dh adds into an fp32 accumulator.
 """
-from __future__ import annotations
 
+# (no `from __future__ import annotations` in a kernel module: Triton 3.1's interpreter then misreads each kernel's
+# tl.constexpr parameters)
 import torch
 import triton
 import triton.language as tl

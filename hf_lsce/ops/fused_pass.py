@@ -48,8 +48,9 @@ lies within ``cap`` of 0: with the offset ``c = cap`` every R is at most 1 and a
 (``_softcap_grad_kernel``: the derivative from log R), and cuBLAS takes dh, dW and db from G; a frozen soft-capped
 head goes by rows too (docs/how_it_works.md).
 """
-from __future__ import annotations
 
+# (no `from __future__ import annotations` in a kernel module: Triton 3.1's interpreter then misreads each kernel's
+# tl.constexpr parameters)
 import torch
 import triton
 import triton.language as tl

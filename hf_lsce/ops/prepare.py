@@ -12,8 +12,9 @@ beside the logits' N x V work). The summary it writes is the one ``checks._summa
 (``checks.check_summary`` reads it, at once or later), so the errors and the NaN loss are the same. The torch
 computation stays for the torch backend, ``torch.compile`` and the vocabulary-parallel op; tests hold the two equal.
 """
-from __future__ import annotations
 
+# (no `from __future__ import annotations` in a kernel module: Triton 3.1's interpreter then misreads each kernel's
+# tl.constexpr parameters)
 import torch
 import triton
 import triton.language as tl
@@ -40,9 +41,10 @@ def _prepare_kernel(
         offs = s + tl.arange(0, BLOCK)
         m = offs < n
         y = tl.load(Y + offs, mask=m, other=ignore_index).to(tl.int64)
-        ignored = y == ignore_index  # (an ignore_index inside [0, V) is ignored too)
-        good = (y >= 0) & (y < vocab) & ~ignored
-        bad = m & ~(good | ignored)
+        # (an ignore_index inside [0, V) is ignored too; no ~ on booleans: Triton 3.2 and 3.3's interpreters lack it)
+        kept = y != ignore_index
+        good = (y >= 0) & (y < vocab) & kept
+        bad = m & ((y < 0) | (y >= vocab)) & kept
         n_bad += bad.to(tl.float32)
         first = tl.minimum(first, tl.where(bad, offs.to(tl.int64), 2 ** 62))
         used = m
@@ -51,7 +53,7 @@ def _prepare_kernel(
         n_valid += (used & good).to(tl.float32)
         if B_TENSOR:
             b = tl.load(B + offs, mask=m, other=0.0).to(tl.float32)
-            b_bad += (used & ~((b >= 0.0) & (b <= 1.0))).to(tl.float32)
+            b_bad += (used & ((b < 0.0) | (b > 1.0) | (b != b))).to(tl.float32)
     bad_count = tl.sum(n_bad, axis=0)
     first_at = tl.min(first, axis=0)
     first_value = tl.load(Y + tl.minimum(first_at, n - 1)).to(tl.float64)
@@ -85,14 +87,14 @@ def _prepare_kernel(
         src = offs
         if SHIFT:
             src = offs + 1
-            last = offs % seq == seq - 1
+            read = m & (offs % seq != seq - 1)  # (a sequence's last position has no next token)
         else:
-            last = offs < 0  # False
-        y = tl.load(Y + src, mask=m & ~last, other=-1).to(tl.int64)
+            read = m
+        y = tl.load(Y + src, mask=read, other=-1).to(tl.int64)
         y = tl.where((y >= 0) & (y < vocab) & (y != ignore_index), y, -1)
         tl.store(T1 + offs, y, mask=m)
         if B_TENSOR:
-            b = tl.load(B + src, mask=m & ~last, other=0.0).to(tl.float32)
+            b = tl.load(B + src, mask=read, other=0.0).to(tl.float32)
             b = tl.where(b != b, 0.0, tl.minimum(tl.maximum(b, 0.0), 1.0))  # bad values are reported, not used
         else:
             b = tl.zeros((BLOCK,), dtype=tl.float32) + b_value

@@ -9,8 +9,9 @@ kernel of their own here (an online softmax per row, merged across splits in tor
 its store of R measured as fast or faster at every head (docs/benchmarks.md, settled experiments:
 ``eval_fused_stats.py``).
 """
-from __future__ import annotations
 
+# (no `from __future__ import annotations` in a kernel module: Triton 3.1's interpreter then misreads each kernel's
+# tl.constexpr parameters)
 import triton
 import triton.language as tl
 

@@ -23,8 +23,9 @@ with N):
 The autograd function keeps dh and dW until backward, which only scales them by the upstream
 gradient (a no-op for the usual 1). The statistics are those of the fused pass (``fused_pass.fused_statistics``).
 """
-from __future__ import annotations
 
+# (no `from __future__ import annotations` in a kernel module: Triton 3.1's interpreter then misreads each kernel's
+# tl.constexpr parameters)
 import torch
 import triton
 import triton.language as tl

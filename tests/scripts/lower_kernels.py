@@ -1,102 +1,359 @@
-"""Lower the fused path's logits kernel to Triton IR for a GPU target, on the CPU (no GPU, no interpreter): both loads
-(TMA descriptors and pointers) x the flags that change its code (fp16's online mode included), for sm80 and sm90. Prints one JSON line per variant
-("ok" or the compiler's last line). Then the fp16 kernel's PTX for sm75 and sm80, and each GPU generation's pointer
-tiles compiled for it with the shared memory they take. Run by tests/test_kernel_lowering.py in a process without
-TRITON_INTERPRET, since the interpreter runs Python and never compiles a branch it does not take."""
-import itertools
+"""Compile every Triton kernel of ``hf_lsce.ops`` for GPU targets on the CPU, with the installed Triton's own compiler
+(no GPU; any Triton from 3.0 on: only its public ``warmup`` API is used, with a stand-in driver naming the target).
+
+1. Record (a child process under ``TRITON_INTERPRET=1``): the op runs its paths on small CPU inputs (bf16 / fp16 /
+   fp32, trainable and frozen, bias, soft-caps on either side of the fused path's limit, fused / one-pass / two-pass /
+   low-memory, per-token losses with statistics) with each target's kernel configuration patched in (the GPU's logits
+   tiles: TMA on sm90, each generation's pointer tiles, Turing's cuBLAS route), and every kernel launch is recorded:
+   the kernel, its arguments' dtypes, integer values and constexprs, warps and stages. The row kernels keep the
+   interpreter's block sizes.
+2. Compile (this process, no interpreter): each distinct launch, through ``kernel.warmup`` for its target, to PTX and
+   cubin. One JSON line per (target, kernel, specialisation): ``"ok"`` with the shared memory it takes, or the
+   compiler's last line. The autotuned G kernel is compiled in each of its autotuning configurations.
+3. The fp16 logits kernel's PTX for sm75 and sm80: Triton lowers its dot to tensor-core MMA from sm80 only (why
+   Turing and Volta take cuBLAS, ``config.KernelConfig.mma_dot``). Then each GPU generation's pointer tiles
+   (``config.pointer_tiles``), compiled as a launch specialises them, with the shared memory they take.
+
+The interpreter never compiles a branch it does not take: a TMA loop left where pointer inputs reach it passed every
+interpreter test and failed to compile on an H100. Run by ``tests/test_kernel_lowering.py`` and, for each Triton a
+torch release brings, by ``tools/triton_matrix.py``.
+
+    python tests/scripts/lower_kernels.py [--targets sm90-tma,sm80]   # JSON lines on stdout; exit 0 whatever compiled
+    python tests/scripts/lower_kernels.py --launches F --save         # record only, into F (this Triton's interpreter)
+    python tests/scripts/lower_kernels.py --launches F                # compile F's launches with this Triton
+
+Each compilation job runs in a process of its own, so a compiler that aborts (an old Triton's C++ assertion) is a row
+``{"job": ..., "crashed": ...}``. Triton's interpreter changed more than its compiler (before 3.3 it fails on this
+code), so tools/triton_matrix.py records once with the newest Triton and compiles the same launches with each one.
+"""
+from __future__ import annotations
+
 import json
 import os
+import re
+import subprocess
 import sys
 
-os.environ.pop("TRITON_INTERPRET", None)
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+sys.path.insert(0, ROOT)
 
-try:
-    from triton._C.libtriton import ir
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.compiler.compiler import make_backend
-except ImportError as e:  # Triton's compiler API moved: the test skips with this line
-    print(json.dumps(dict(unavailable=str(e))))
-    sys.exit(0)
-
-import hf_lsce.ops.fused_pass as fp  # noqa: E402
-
-fn = fp._exp_tiles_kernel
-FLOATS = ("r_exp_max", "softcap")
-for arch, tma, stats, fixup, store, softcap, bias, online in itertools.product(
-        (80, 90), (True, False), (True, False), (True, False), (True, False), (True, False), (True, False),
-        (False, True)):
-    if (tma and arch < 90) or (online and (fixup or softcap)):  # (fp16's online mode: no fix-up, no soft-cap)
-        continue
-    target = GPUTarget("cuda", arch, 32)
-    backend = make_backend(target)
-    options = backend.parse_options({})
-    dt = "fp16" if online else "bf16"
-    types = dict(R=f"*{dt}", B=f"*{dt}", C="*fp32", MT="*fp32", S_OUT="*fp32", T_OUT="*fp32", M_OUT="*fp32",
-                 AM_OUT="*i32", SZ_OUT="*fp32", H=f"tensordesc<{dt}[128, 64]>" if tma else f"*{dt}",
-                 W=f"tensordesc<{dt}[256, 64]>" if tma else f"*{dt}")
-    consts = dict(HAS_BIAS=bias, DOT_PRECISION="tf32", UPCAST=False, STATS=stats, FIXUP=fixup, STORE=store,
-                  SOFTCAP=softcap, ONLINE=online, TMA=tma, BLOCK_N=128, BLOCK_V=256, BLOCK_D=64)
-    signature = {p.name: "constexpr" if p.is_constexpr else types.get(p.name, "fp32" if p.name in FLOATS else "i32")
-                 for p in fn.params}
-    src = ASTSource(fn, signature, {(fn.arg_names.index(k),): v for k, v in consts.items()})
-    ctx = ir.context()
-    ir.load_dialects(ctx)
-    backend.load_dialects(ctx)
-    variant = dict(arch=arch, tma=tma, stats=stats, fixup=fixup, store=store, softcap=softcap, bias=bias,
-                   online=online)
-    try:
-        src.make_ir(target, options, backend.get_codegen_implementation(options), backend.get_module_map(), ctx)
-        print(json.dumps(dict(variant, result="ok")), flush=True)
-    except Exception as e:  # noqa: BLE001 - reported per variant
-        print(json.dumps(dict(variant, result=str(e).strip().splitlines()[-1][:300])), flush=True)
-
-# The premise of the path choice on Turing and Volta (config.KernelConfig.mma_dot): Triton lowers the fp16 kernel's
-# tl.dot to tensor-core MMA from sm80 only. Compiled to PTX (no GPU needed); one line per target.
-import re  # noqa: E402
-
-import triton  # noqa: E402
-
-for arch in (75, 80):
-    types = dict(R="*fp16", B="*fp16", C="*fp32", MT="*fp32", S_OUT="*fp32", T_OUT="*fp32", M_OUT="*fp32",
-                 AM_OUT="*i32", SZ_OUT="*fp32", H="*fp16", W="*fp16")
-    consts = dict(HAS_BIAS=False, DOT_PRECISION="tf32", UPCAST=False, STATS=False, FIXUP=False, STORE=True,
-                  SOFTCAP=False, ONLINE=True, TMA=False, BLOCK_N=128, BLOCK_V=128, BLOCK_D=64)
-    signature = {p.name: "constexpr" if p.is_constexpr else types.get(p.name, "fp32" if p.name in FLOATS else "i32")
-                 for p in fn.params}
-    src = ASTSource(fn, signature, {(fn.arg_names.index(k),): v for k, v in consts.items()})
-    try:
-        ptx = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=8, num_stages=2)).asm["ptx"]
-        print(json.dumps(dict(ptx_arch=arch, mma=sorted(set(re.findall(r"\bmma\.[a-z0-9.]+", ptx))))), flush=True)
-    except Exception as e:  # noqa: BLE001 - no PTX back end here: the test skips that part
-        print(json.dumps(dict(ptx_arch=arch, unavailable=str(e).strip().splitlines()[-1][:300])), flush=True)
-
-# The pointer-load tiles each GPU generation takes (config.pointer_tiles, from its shared memory per block), compiled
-# for it as a launch specialises them (unit D strides, 16-byte aligned pointers and sizes): the shared memory the
-# kernel takes must fit the card's, or it would not launch there. One line per (card, variant).
-from hf_lsce.ops.config import pointer_tiles  # noqa: E402
-
+# target -> (arch, shared memory per block, TMA, Triton's dots are MMA)
+TARGETS = {"sm90-tma": (90, 232448, True, True), "sm90-pointers": (90, 232448, False, True),
+           "sm80": (80, 166912, False, True), "sm86": (86, 101376, False, True), "sm75": (75, 65536, False, False)}
 CARDS = {"A100": (80, 166912), "A10, RTX 30xx": (86, 101376), "L4, RTX 40xx": (89, 101376),
          "RTX 50xx": (120, 101376), "H100 (HF_LSCE_TMA=0)": (90, 232448)}
-ALIGNED = ("H", "W", "R", "B", "C", "MT", "S_OUT", "T_OUT", "M_OUT", "AM_OUT", "SZ_OUT", "stride_rn", "stride_hn",
-           "stride_wv", "stride_mt", "N", "V", "D")
-for card, (arch, smem) in CARDS.items():
+
+
+# ------------------------------------------------------------------------------------------------------ 1. record
+def _record(target: str) -> list[dict]:
+    """The distinct kernel launches of the op's paths with ``target``'s configuration (under the interpreter)."""
+
+    import torch
+    from triton.runtime.interpreter import InterpretedFunction
+
+    import hf_lsce.ops.config as config
+    from hf_lsce import linear_cross_entropy
+
+    arch, smem, tma, mma = TARGETS[target]
+    tma = tma and config._has_tensor_descriptors()
+    bn, bv, bd, stages = config.pointer_tiles(smem)
+
+    def fused(dtype, device, interp):  # the GPU's tiles (UPCAST kept: the interpreter's bf16 dot needs it)
+        prec = "ieee" if dtype == torch.float32 else "tf32"
+        upcast = dtype == torch.bfloat16
+        if dtype == torch.float32:
+            return config.KernelConfig(64, 64, 32, 4, 3, prec, 264, upcast_dot=upcast, mma_dot=mma)
+        if tma:
+            return config.KernelConfig(128, 256, 64, 8, 3, prec, 264, min_splits=2, tma=True, upcast_dot=upcast)
+        return config.KernelConfig(bn, bv, bd, 8, stages, prec, 264, min_splits=2, upcast_dot=upcast, mma_dot=mma)
+
+    def grad(dtype, device):
+        cfg = config.fused_config(dtype, device)
+        if cfg.tma:
+            return cfg
+        prec = "ieee" if dtype == torch.float32 else "tf32"
+        size = (64, 64, 32, 4, 3) if dtype == torch.float32 else (128, 128, 64, 8, 3)
+        return config.KernelConfig(*size, prec, 1, upcast_dot=dtype == torch.bfloat16)
+
+    config._fused_config = fused
+    config.grad_logits_config = grad
+    config.LOW_MEMORY_BYTES, config.LOW_MEMORY_CHUNK_BYTES = 0, 1  # memory="low" by several vocabulary chunks
+    launches: dict[str, dict] = {}
+    original = InterpretedFunction.__getitem__
+
+    def getitem(self, grid):
+        launcher = original(self, grid)
+
+        def run(*args, **kwargs):
+            spec = dict(module=self.fn.__module__, kernel=self.fn.__name__,
+                        args=[_describe(a) for a in args], kwargs={k: _describe(v) for k, v in kwargs.items()})
+            # one launch per compiled variant: integer arguments matter only as 1 or not (Triton specialises on it;
+            # a divisibility by 16 changes the code's vector widths, not whether it compiles)
+            key = dict(spec, args=[a == 1 if type(a) is int else a for a in spec["args"]])
+            launches.setdefault(json.dumps(key, sort_keys=True), spec)
+            return launcher(*args, **kwargs)
+        return run
+
+    InterpretedFunction.__getitem__ = getitem
+    n, v, d = 40, 300, 40
+    g = torch.Generator().manual_seed(0)
+    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+    # (dtype, path, frozen, bias, softcap, memory, call): each kernel and flag the paths launch, once
+    cases = [(dt, path, frozen, bias, cap, "auto", "train") for dt in (bf16, fp16) for path in ("fused", "two-pass")
+             for frozen in (False, True) for bias, cap in ((True, None), (False, 30.0))]
+    cases += [(bf16, "one-pass", False, True, 60.0, "auto", "train"), (fp16, "one-pass", True, False, None, "auto",
+              "train"), (fp32, None, False, True, 30.0, "auto", "train"), (bf16, "fused", False, False, 60.0, "auto",
+              "train"), (bf16, "fused", False, True, None, "low", "train"), (bf16, "fused", True, False, None, "low",
+              "train"), (fp16, "fused", False, False, None, "low", "train"), (bf16, "fused", False, False, None,
+              "auto", "tokens")]
+    cases += [(dt, None, True, bias, cap, "auto", "eval") for dt in (bf16, fp16, fp32) for bias, cap in
+              ((True, None), (False, 30.0), (False, 60.0))]
+    for dtype, path, frozen, bias, softcap, memory, call in cases:
+        if dtype == fp16 and softcap is not None and path == "fused":
+            continue  # (fp16 takes no soft-cap on the fused path: the op runs it two-pass)
+        if not mma and path not in (None, "one-pass"):
+            continue  # (Turing and Volta: the op's own route, cuBLAS's logits and the row kernels)
+        config.TRAIN_PATH = path
+        h = (torch.randn(n, d, generator=g) * 0.5).to(dtype).requires_grad_(call != "eval")
+        w = (torch.randn(v, d, generator=g) * 0.5).to(dtype).requires_grad_(not frozen and call != "eval")
+        b = (torch.randn(v, generator=g) * 0.1).to(dtype) if bias else None
+        y = torch.randint(0, v, (n,), generator=g)
+        y[::7] = -100
+        kw = dict(bias=b, softcap=softcap, label_smoothing=0.1, backend="triton", memory=memory)
+        try:
+            if call == "train":
+                linear_cross_entropy(h, w, y, **kw).backward()
+            elif call == "tokens":
+                out = linear_cross_entropy(h, w, y, reduction="none", **kw)
+                out.backward(torch.rand(out.shape, generator=g, dtype=out.dtype))
+            else:
+                linear_cross_entropy(h, w, y, reduction="none", return_stats=True, **kw)
+        except Exception as e:  # noqa: BLE001 - the record says which case failed under this Triton's interpreter
+            text = str(e).strip().splitlines()
+            launches[f"error {len(launches)}"] = dict(
+                error=f"{str(dtype)[6:]}, path {path}, frozen {frozen}, bias {bias}, softcap {softcap}, memory "
+                      f"{memory}, {call}: {type(e).__name__}: {text[-1][:300] if text else ''}")
+    config.TRAIN_PATH = None
+    return list(launches.values())
+
+
+def _describe(x):
+    """A launch argument as the compiler specialises it: tensors by dtype (and alignment), descriptors by block."""
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return dict(tensor=str(x.dtype).replace("torch.", ""), aligned=x.data_ptr() % 16 == 0)
+    if type(x).__name__ == "TensorDescriptor":
+        return dict(descriptor=str(x.base.dtype).replace("torch.", ""), shape=list(x.shape),
+                    strides=list(x.strides), block=list(x.block_shape))
+    if isinstance(x, (bool, int, float, str)) or x is None:
+        return x
+    return dict(unknown=type(x).__name__)
+
+
+# ----------------------------------------------------------------------------------------------------- 2. compile
+class _Target:
+    """A stand-in for Triton's active driver: the target to compile for, no device (``warmup`` compiles, never
+    launches). The device index is the architecture, so each target keeps its own kernel cache."""
+
+    def __init__(self, arch: int):
+        self.arch = arch
+
+    def get_current_device(self):
+        return self.arch
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
+
+        return GPUTarget("cuda", self.arch, 32)
+
+    def set_current_device(self, device):
+        pass
+
+    def get_benchmarker(self):  # (Triton 3.2 and 3.3 ask at ``triton.autotune``, when the module is imported)
+        return lambda *args, **kwargs: [0.0]
+
+
+def _rebuild(x):
+    import torch
+    from triton.runtime.jit import MockTensor
+
+    if isinstance(x, dict) and "tensor" in x:
+        return MockTensor(getattr(torch, x["tensor"]))
+    if isinstance(x, dict) and "descriptor" in x:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        return TensorDescriptor(MockTensor(getattr(torch, x["descriptor"]), x["shape"]), x["shape"], x["strides"],
+                                x["block"])
+    return x
+
+
+def _kernels():
+    """Every Triton kernel of hf_lsce.ops a host function launches: name -> (JIT function, autotuner or None)."""
+    import importlib
+    import pkgutil
+
+    from triton.runtime import driver
+    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.jit import JITFunction
+
+    import hf_lsce.ops as ops
+
+    driver.set_active(_Target(90))  # (before the kernels' modules: some Tritons ask the driver at import)
+
+    found, tuners = {}, {}
+    for info in pkgutil.iter_modules(ops.__path__):
+        mod = importlib.import_module(f"hf_lsce.ops.{info.name}")
+        for name, obj in vars(mod).items():
+            if isinstance(obj, JITFunction) and name.endswith("_kernel") and obj.__module__ == mod.__name__:
+                found[name] = obj
+            elif isinstance(obj, Autotuner):
+                tuners[obj.fn.__name__] = obj
+    return {name: (fn, tuners.get(name)) for name, fn in found.items()}
+
+
+def _compile(fn, args, kwargs, arch):
+    """``fn`` compiled for ``arch`` from the recorded launch: (result, shared memory bytes, PTX)."""
+    from triton.runtime import driver
+
+    driver.set_active(_Target(arch))
+    try:
+        kernel = fn.warmup(*[_rebuild(a) for a in args], grid=(1,), **{k: _rebuild(v) for k, v in kwargs.items()})
+        return "ok", kernel.metadata.shared, kernel.asm.get("ptx", "")
+    except Exception as e:  # noqa: BLE001 - reported per launch
+        text = str(e).strip().splitlines()
+        return f"{type(e).__name__}: {text[-1][:300] if text else ''}", None, ""
+
+
+def _compile_target(target: str, launches: list[dict], kernels: dict) -> None:
+    """Compile ``target``'s recorded launches; one JSON line each."""
+    arch, _, tma, _ = TARGETS[target]
+    if tma and not _descriptors():
+        print(json.dumps(dict(target=target, skipped="no tensor descriptors in this Triton (< 3.4): the op takes "
+                                                    "pointer loads on sm90 (sm90-pointers)")), flush=True)
+        return
+    tuned = set()
+    for spec in launches:
+        if "error" in spec:
+            print(json.dumps(dict(target=target, interpreter_error=spec["error"])), flush=True)
+            continue
+        fn, tuner = kernels[spec["kernel"]]
+        kwargs = dict(spec["kwargs"])
+        if "UPCAST" in kwargs:  # the GPU's dots take the inputs' dtype (only the interpreter's bf16 dot needs fp32)
+            kwargs["UPCAST"] = False
+        variants = [(kwargs, "")]
+        if tuner is not None and spec["kernel"] not in tuned:  # the autotuned twin: each configuration, once
+            tuned.add(spec["kernel"])
+            variants += [({**kwargs, **c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages},
+                          f"autotune {c.kwargs}") for c in tuner.configs]
+        for kw, note in variants:
+            result, shared, _ = _compile(fn, spec["args"], kw, arch)
+            flags = {k: v for k, v in kw.items() if k.isupper() or k.startswith("num_")}
+            print(json.dumps(dict(target=target, arch=arch, kernel=spec["kernel"], flags=flags, note=note,
+                                  result=result, shared=shared)), flush=True)
+
+
+def _descriptors() -> bool:
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _compile_extras(kernels: dict, job: str) -> None:
+    """The fp16 logits kernel's dots on sm75 and sm80 (``ptx``), or one GPU generation's pointer tiles (``card:``)."""
+    import torch
+
+    from hf_lsce.ops.config import pointer_tiles
+
+    fn = kernels["_exp_tiles_kernel"][0]
+    half, f32, i32 = torch.float16, torch.float32, torch.int32
+
+    def exp_tiles_args(dt):
+        return [dt, dt, dt, dt, f32, f32, f32, f32, f32, i32, f32, 1024, 4096, 64, 2, 4096, 64, 1, 64, 1, 16, 80.0,
+                1.0]
+
+    if job == "ptx":
+        for arch in (75, 80):
+            flags = dict(HAS_BIAS=False, DOT_PRECISION="tf32", UPCAST=False, STATS=False, FIXUP=False, STORE=True,
+                         SOFTCAP=False, ONLINE=True, TMA=False, BLOCK_N=128, BLOCK_V=128, BLOCK_D=64, num_warps=8,
+                         num_stages=2)
+            result, _, ptx = _compile(fn, exp_tiles_args(half), flags, arch)
+            print(json.dumps(dict(ptx_arch=arch, result=result,
+                                  mma=sorted(set(re.findall(r"\bmma\.[a-z0-9.]+", ptx))))), flush=True)
+        return
+    card = job.split(":", 1)[1]
+    arch, smem = CARDS[card]
     bn, bv, bd, stages = pointer_tiles(smem)
     for online in (False, True):
-        dt = "fp16" if online else "bf16"
-        types = dict(R=f"*{dt}", B=f"*{dt}", C="*fp32", MT="*fp32", S_OUT="*fp32", T_OUT="*fp32", M_OUT="*fp32",
-                     AM_OUT="*i32", SZ_OUT="*fp32", H=f"*{dt}", W=f"*{dt}")
-        consts = dict(HAS_BIAS=True, DOT_PRECISION="tf32", UPCAST=False, STATS=True, FIXUP=not online, STORE=True,
-                      SOFTCAP=not online, ONLINE=online, TMA=False, BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd,
-                      stride_hd=1, stride_wd=1)
-        signature = {p.name: "constexpr" if p.is_constexpr or p.name in consts else types.get(
-            p.name, "fp32" if p.name in FLOATS else "i32") for p in fn.params}
-        src = ASTSource(fn, signature, {(fn.arg_names.index(k),): v for k, v in consts.items()},
-                        {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in ALIGNED})
-        row = dict(card=card, arch=arch, smem=smem, tiles=[bn, bv, bd, stages], dtype=dt)
-        try:
-            kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=8, num_stages=stages))
-            print(json.dumps(dict(row, shared=kernel.metadata.shared)), flush=True)
-        except Exception as e:  # noqa: BLE001 - no back end for this target here: the test says so
-            print(json.dumps(dict(row, unavailable=str(e).strip().splitlines()[-1][:300])), flush=True)
+        dt = half if online else torch.bfloat16
+        flags = dict(HAS_BIAS=True, DOT_PRECISION="tf32", UPCAST=False, STATS=True, FIXUP=not online, STORE=True,
+                     SOFTCAP=not online, ONLINE=online, TMA=False, BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd,
+                     num_warps=8, num_stages=stages)
+        result, shared, _ = _compile(fn, exp_tiles_args(dt), flags, arch)
+        print(json.dumps(dict(card=card, arch=arch, smem=smem, tiles=[bn, bv, bd, stages], dtype=str(dt)[6:],
+                              result=result, shared=shared)), flush=True)
+
+
+def _option(name: str, default=None):
+    return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else default
+
+
+def main() -> int:
+    if "--record" in sys.argv:  # (a child: one target's launches, under the interpreter)
+        print(json.dumps(_record(_option("--record"))))
+        return 0
+    targets = _option("--targets", ",".join(TARGETS)).split(",")
+    saved = _option("--launches")
+    os.environ.pop("TRITON_INTERPRET", None)
+    if "--job" in sys.argv:  # (a child: one target's compilation, or the extras, from the saved launches)
+        kernels, job = _kernels(), _option("--job")
+        if job in TARGETS:
+            with open(saved) as f:
+                _compile_target(job, json.load(f)[job], kernels)
+        else:
+            _compile_extras(kernels, job)
+        return 0
+    import tempfile
+
+    import triton
+
+    print(json.dumps(dict(triton=triton.__version__, kernels=sorted(_kernels()))), flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        if saved is None or "--save" in sys.argv:  # record with this Triton's interpreter
+            launches = {}
+            for target in targets:
+                r = subprocess.run([sys.executable, __file__, "--record", target],
+                                   env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True)
+                if r.returncode != 0:
+                    print(json.dumps(dict(target=target, record_failed=(r.stderr.strip().splitlines() or [""])[-1][
+                        :300])), flush=True)
+                    continue
+                launches[target] = json.loads(r.stdout.strip().splitlines()[-1])
+            if "--save" in sys.argv:  # for other Tritons' compilers (tools/triton_matrix.py): no compilation here
+                with open(saved, "w") as f:
+                    json.dump(launches, f)
+                return 0
+            saved = os.path.join(tmp, "launches.json")
+            with open(saved, "w") as f:
+                json.dump(launches, f)
+        with open(saved) as f:
+            recorded = json.load(f)
+        # each job in a process of its own: a compiler that aborts (an assertion in an old Triton's C++) is a row
+        jobs = [t for t in targets if t in recorded] + ["ptx"] + [f"card:{card}" for card in CARDS]
+        for job in jobs:
+            r = subprocess.run([sys.executable, __file__, "--job", job, "--launches", saved], capture_output=True,
+                               text=True)
+            sys.stdout.write(r.stdout)
+            if r.returncode != 0:
+                last = (r.stderr.strip().splitlines() or [f"exit status {r.returncode}"])[-1][:300]
+                print(json.dumps(dict(job=job, crashed=last)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
