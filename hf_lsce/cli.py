@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 
 # Exceptions that mean "the user asked for something that cannot be done" (our own validation raises these
 # with a message that names the argument and the fix): one line, exit status 2.
@@ -54,52 +53,21 @@ def _positive_float(text: str) -> float:
     return v
 
 
-def _cmd_check(args) -> int:
-    """Run the fused op against materialised logits on this machine and print the comparison."""
-    import torch
-    import torch.nn.functional as F
+def _cmd_env(args) -> int:
+    """Versions, GPUs, the op's path here and a self-test (``hf_lsce.env``)."""
+    from .env import main
 
-    from .ops import linear_cross_entropy
+    return main(args)
 
-    dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    from .checkpoints import as_torch_dtype
 
-    dtype = as_torch_dtype(args.dtype)
-    g = torch.Generator(device="cpu").manual_seed(0)
-    n, d, v = args.tokens, args.hidden_size, args.vocab_size
-    w = (torch.randn(v, d, generator=g) / d ** 0.5).to(dev, dtype)
-    y = torch.randint(0, v, (n,), generator=g).to(dev)
-    h = (3 * torch.randn(n, d, generator=g)).to(dev, dtype)
-    rows = []
-    for name in ("fused", "materialised"):
-        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-        t0 = time.perf_counter()
-        if name == "fused":
-            loss = linear_cross_entropy(hh, ww, y, label_smoothing=args.label_smoothing)
-        else:
-            loss = F.cross_entropy((hh @ ww.T).float(), y, label_smoothing=args.label_smoothing)
-        loss.backward()
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
-        peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if dev.type == "cuda" else None  # CUDA only
-        rows.append(dict(method=name, loss=float(loss.detach()), seconds=dt, peak_extra_mib=peak,
-                         grad_hidden=hh.grad.float(), grad_weight=ww.grad.float()))
-    f, m = rows
-    rel = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
-    backend = "Triton kernels" if dev.type == "cuda" else "chunked torch fallback (no CUDA device)"
-    print(f"hf-lsce check: N={n} D={d} V={v} {args.dtype} b={args.label_smoothing} on {dev} [{backend}]")
-    print(f"{'method':<14}{'loss':>12}{'time (s)':>11}{'peak extra MiB':>16}")
-    for r in rows:
-        peak = "n/a" if r["peak_extra_mib"] is None else f"{r['peak_extra_mib']:.1f}"  # no allocator counters off CUDA
-        print(f"{r['method']:<14}{r['loss']:>12.6f}{r['seconds']:>11.3f}{peak:>16}")
-    print(f"relative difference: loss {abs(f['loss'] - m['loss']) / abs(m['loss']):.2e}, "
-          f"dL/dh {rel(f['grad_hidden'], m['grad_hidden']):.2e}, dL/dW {rel(f['grad_weight'], m['grad_weight']):.2e}")
-    return 0
+def _head(text: str) -> tuple[int, int]:
+    try:
+        d, v = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected D,V (hidden size, vocabulary size), got {text!r}") from None
+    if d < 1 or v < 2:
+        raise argparse.ArgumentTypeError(f"expected D >= 1 and V >= 2, got {text!r}")
+    return d, v
 
 
 def _cmd_run(args) -> int:
@@ -393,14 +361,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="hf-lsce", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--debug", action="store_true", help="show the traceback of an error instead of one line")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    c = sub.add_parser("check", help="compare the fused op with materialised logits on this machine")
-    c.add_argument("--tokens", type=_positive_int, default=2048)
-    c.add_argument("--hidden-size", type=_positive_int, default=512)
-    c.add_argument("--vocab-size", type=_positive_int, default=32000)
-    c.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="fp32")
-    c.add_argument("--label-smoothing", type=_unit_float, default=0.1)
-    c.add_argument("--device", default=None)
-    c.set_defaults(func=_cmd_check)
+    c = sub.add_parser("env", help="versions, GPUs, the op's training path here and a self-test against fp64 (paste "
+                                   "it into a bug report)")
+    c.add_argument("--json", action="store_true", help="print the report as JSON, for tools")
+    c.add_argument("--no-self-test", action="store_true", help="versions and paths only")
+    c.add_argument("--device", default=None, help="the device to report and test (default: cuda:0, else the CPU)")
+    c.add_argument("--tokens", type=_positive_int, default=8192, help="tokens per call for the paths (default 8192)")
+    c.add_argument("--head", type=_head, default=(2048, 128256),
+                   help="the LM head's D,V for the paths (default 2048,128256: Llama-3.2-1B)")
+    c.set_defaults(func=_cmd_env)
     d = sub.add_parser("demo", help="the end-to-end story on a real model: calibration, SFT with and without "
                                     "smoothing, ATS, what moved",
                        description="Score a real checkpoint on real ARC-Easy / SciQ / PIQA / MMLU items, diagnose "

@@ -7,7 +7,52 @@ import re
 from dataclasses import dataclass
 
 import torch
-import triton
+
+# The oldest torch and Triton the package is tested with (tools/triton_matrix.py, docs/limitations.md#versions): every
+# kernel launch compiled for sm80, sm86 and sm90, the op's interpreter tests, the torch path and the patch. torch 2.4
+# cannot register the op's custom operators, and transformers 5 disables torch below 2.6; below TRITON_MIN (torch 2.5's
+# Triton 3.1, whose interpreter computes the kernels wrongly) the op runs its chunked torch path, with one warning.
+TORCH_MIN = (2, 6)
+TRITON_MIN = (3, 2)
+
+
+def _release(version: str) -> tuple[int, int]:
+    """(major, minor) of a version string such as ``2.6.0+cu124`` or ``3.3.1``."""
+    major, minor = (re.match(r"(\d+)\.(\d+)", version) or re.match(r"(\d+)()", version + ".0")).groups()
+    return int(major), int(minor or 0)
+
+
+def torch_problem(version: str | None = None) -> str | None:
+    """One line saying why this torch (``version``: the installed one) cannot run hf_lsce, or None."""
+    version = version or torch.__version__
+    if _release(version) >= TORCH_MIN:
+        return None
+    need = ".".join(map(str, TORCH_MIN))
+    return (f"hf_lsce needs torch >= {need} (the oldest its tests pass on), found {version}: pip install -U "
+            f"'torch>={need}'")
+
+
+def triton_version() -> str | None:
+    """The installed Triton's version, or None where it cannot be imported."""
+    try:
+        import triton
+    except Exception:  # noqa: BLE001 - not installed (macOS, Windows), or broken: the op takes the torch path
+        return None
+    return triton.__version__
+
+
+@functools.lru_cache(maxsize=None)
+def triton_problem() -> str | None:
+    """One line saying why the op's Triton kernels cannot run here (no Triton, or one below ``TRITON_MIN``), or None.
+    Cached: asked by every call of the op with ``backend="auto"``."""
+    version = triton_version()
+    need = ".".join(map(str, TRITON_MIN))
+    if version is None:
+        return f"Triton is not importable here; the fused kernels need triton >= {need} (Linux, with torch)"
+    if _release(version) < TRITON_MIN:
+        return (f"Triton {version} is older than the {need} the fused kernels are tested with: pip install -U "
+                f"'triton>={need}' (or a torch that brings it)")
+    return None
 
 
 @dataclass(frozen=True)
@@ -163,8 +208,7 @@ def _has_tensor_descriptors() -> bool:
         from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
     except ImportError:
         return False
-    major, minor = (int(x) for x in triton.__version__.split(".")[:2])
-    return (major, minor) >= (3, 4)
+    return _release(triton_version()) >= (3, 4)
 
 
 def grad_logits_config(dtype: torch.dtype, device: torch.device) -> KernelConfig:
@@ -236,6 +280,8 @@ def low_memory_chunk_bytes(n: int, d: int, free_bytes: int | None = None) -> int
 
 def tuning_configs(shapes) -> list:
     """triton.autotune candidates from (BLOCK_N, BLOCK_V, BLOCK_D, num_warps, num_stages) tuples."""
+    import triton
+
     return [triton.Config(dict(BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd), num_warps=w, num_stages=st)
             for bn, bv, bd, w, st in shapes]
 

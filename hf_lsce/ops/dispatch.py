@@ -42,8 +42,8 @@ def forward_stats(hidden, weight, bias, targets, softcap, backend, stats=True, l
         if statistics_supported(hidden, softcap, cfg):
             return fused_statistics(hidden, weight, bias, targets, softcap, cfg, need_stats=stats, smoothing=smoothing,
                                     z_loss=z_loss)
-    from .train_pass import supported, triton_train_pass
-
+    if backend == "triton":  # (the kernels' modules import Triton: the torch path runs without it)
+        from .train_pass import supported, triton_train_pass
     if backend == "triton" and supported(hidden):
         from .config import free_cuda_memory, low_memory_chunk_bytes, stats_chunk_bytes
 

@@ -45,23 +45,21 @@ class LCEStats(NamedTuple):
     valid: torch.Tensor
 
 
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except Exception:  # pragma: no cover - triton is a Linux dependency
-        return False
-    return True
-
-
 # Triton compiles for NVIDIA GPUs of compute capability 7.0 (Volta) and newer.
 TRITON_MIN_CAPABILITY = (7, 0)
 
 
 @functools.lru_cache(maxsize=None)
 def _triton_runs_on(device: torch.device) -> bool:
-    """Whether Triton's kernels can run on this CUDA device; an older GPU takes the chunked torch path, with one
-    warning per process (cached per device: asked on every call)."""
-    if not _triton_available():
+    """Whether the op's Triton kernels can run on this CUDA device: a Triton at least ``config.TRITON_MIN`` and a GPU
+    it drives. Otherwise the op takes its chunked torch path (exact), with one warning per process and device (cached:
+    asked on every call)."""
+    from .config import triton_problem
+
+    problem = triton_problem()
+    if problem is not None:
+        warnings.warn(f"hf_lsce: {problem}. The op runs its chunked torch path (exact, without the fused kernels' "
+                      "speed).", RuntimeWarning, stacklevel=3)
         return False
     cap = torch.cuda.get_device_capability(device)
     if torch.version.hip is None and cap < TRITON_MIN_CAPABILITY:
@@ -76,16 +74,26 @@ def _resolve_backend(backend: str, device: torch.device) -> str:
     if backend == "auto":
         return "triton" if device.type == "cuda" and _triton_runs_on(device) else "torch"
     if backend == "triton":
-        from .config import interpreting
+        from .config import interpreting, triton_problem, triton_version
 
-        if not _triton_available():
+        if triton_version() is None:
             raise RuntimeError("backend='triton' needs the `triton` package; install it or use backend='torch'.")
         if device.type != "cuda" and not interpreting():
             raise ValueError(
                 f"backend='triton' needs CUDA tensors (got device {device}); set TRITON_INTERPRET=1 "
                 "before importing hf_lsce to run the kernels in Triton's CPU interpreter, or use backend='torch'."
             )
+        if triton_problem() is not None:  # asked for explicitly: run, and say once that it is untested
+            _warn_untested_triton()
     return backend
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_untested_triton() -> None:
+    from .config import triton_problem
+
+    warnings.warn(f"hf_lsce: backend='triton' was asked for, but {triton_problem()}; backend='auto' takes the torch "
+                  "path there.", RuntimeWarning, stacklevel=4)
 
 
 _INT64 = (-(2 ** 63), 2 ** 63 - 1)
