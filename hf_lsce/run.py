@@ -45,21 +45,35 @@ def _setup_logging() -> None:
         log.propagate = False
 
 
-def _smoothing_from_env() -> float | None:
+def _smoothing_from_env(command: str) -> float | None:
     raw = os.environ.get("HF_LSCE_LABEL_SMOOTHING")
     if raw in (None, ""):
         return None
     try:
         return float(raw)
     except ValueError:
-        raise SystemExit(f"hf-lsce run: HF_LSCE_LABEL_SMOOTHING must be a number in [0, 1], got {raw!r}.") from None
+        raise SystemExit(f"{command}: HF_LSCE_LABEL_SMOOTHING must be a number in [0, 1], got {raw!r}.") from None
+
+
+def patch_classes(command: str) -> None:
+    """Patch every supported model class (``apply_lsce_patch()``; ``HF_LSCE_LABEL_SMOOTHING`` fixes b, else the
+    Trainer's ``label_smoothing_factor`` drives it) and route hf_lsce's log lines to the console; ``command`` names
+    the caller in a one-line error."""
+    from .patching import apply_lsce_patch
+
+    b = _smoothing_from_env(command)
+    try:
+        apply_lsce_patch(label_smoothing=b)
+    except (TypeError, ValueError) as e:
+        raise SystemExit(f"{command}: HF_LSCE_LABEL_SMOOTHING: {e}") from None
+    _setup_logging()  # only once the run goes ahead: the process's logging is the script's from here on
+    src = f"HF_LSCE_LABEL_SMOOTHING={b}" if b is not None else "the script's --label_smoothing_factor"
+    logging.getLogger("hf_lsce").info("patched every supported model class; %s drives the fused op", src)
 
 
 def run_script(script: str, args: list[str], module: bool = False) -> None:
     """Patch every supported class, then run ``script`` (a path, or a module name if ``module``) as
     ``__main__`` with ``args`` as its command line."""
-    from .patching import apply_lsce_patch
-
     if module:
         import importlib.util
 
@@ -71,14 +85,7 @@ def run_script(script: str, args: list[str], module: bool = False) -> None:
             raise SystemExit(f"hf-lsce run: no module named {script!r} (is its package installed?)")
     elif not os.path.isfile(script):
         raise SystemExit(f"hf-lsce run: no such script: {script}")
-    b = _smoothing_from_env()
-    try:
-        apply_lsce_patch(label_smoothing=b)
-    except (TypeError, ValueError) as e:
-        raise SystemExit(f"hf-lsce run: HF_LSCE_LABEL_SMOOTHING: {e}") from None
-    _setup_logging()  # only once the run goes ahead: the process's logging is the script's from here on
-    src = f"HF_LSCE_LABEL_SMOOTHING={b}" if b is not None else "the script's --label_smoothing_factor"
-    logging.getLogger("hf_lsce").info("patched every supported model class; %s drives the fused op", src)
+    patch_classes("hf-lsce run")
     if module:
         sys.argv = [script, *args]
         runpy.run_module(script, run_name="__main__", alter_sys=True)

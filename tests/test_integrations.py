@@ -32,6 +32,29 @@ def test_axolotl_keys_refused_with_one_line_naming_the_key(data, match):
     assert "\n" not in err["msg"]
 
 
+@pytest.mark.parametrize("data, match", [
+    (dict(lsce_calibration_tasks="arc_eazy", val_set_size=0.1), "lsce_calibration_tasks: unknown task names "
+     "\\['arc_eazy'\\].*did you mean 'arc_easy'"),
+    (dict(lsce_calibration_tasks=3, val_set_size=0.1), "lsce_calibration_tasks: tasks must be a comma-separated"),
+    (dict(lsce_calibration_tasks="mmlu", lsce_calibration_limit="ten", val_set_size=0.1),
+     "lsce_calibration_limit must be a whole number .* got 'ten' \\(str\\)"),
+    (dict(lsce_calibration_tasks="mmlu", lsce_calibration_limit=0, val_set_size=0.1), "lsce_calibration_limit must"),
+    (dict(lsce_calibration_tasks="mmlu", lsce_calibration_data_dir="/no/such/folder", val_set_size=0.1),
+     "lsce_calibration_data_dir: no such folder: /no/such/folder"),
+    (dict(lsce_calibration_tasks="mmlu", lsce_calibration_diagrams="yes", val_set_size=0.1),
+     "lsce_calibration_diagrams must be true or false"),
+    (dict(lsce_calibration_task="mmlu"), "lsce_calibration_task is not a calibration key of hf_lsce"),
+    (dict(lsce_calibration_limit=50), "lsce_calibration_limit is set but lsce_calibration_tasks is not"),
+    (dict(lsce_calibration_tasks="mmlu"), "scores the model at each evaluation, and this config has none: set "
+                                          "val_set_size"),
+])
+def test_axolotl_calibration_keys_refused_with_one_line_naming_the_key(data, match):
+    with pytest.raises(ValueError, match=match) as e:
+        LsceArgs.model_validate(data)
+    (err,) = e.value.errors()
+    assert "\n" not in err["msg"]
+
+
 def test_axolotl_keys_accepted():
     keys = LsceArgs.model_validate(dict(lsce_label_smoothing=0.1, label_smoothing_factor=0.2))
     assert keys.lsce_label_smoothing == 0.1
@@ -52,6 +75,69 @@ def test_llamafactory_config_refused(cfg, model_type, match):
         check_config(cfg, model_type)
 
 
+@pytest.mark.parametrize("cfg, match", [
+    (dict(lsce_calibration_tasks="arc_easy"), "this config has none: set eval_strategy: steps"),
+    (dict(lsce_calibration_tasks="arc_easy", eval_strategy="steps"), "this config has none"),
+    (dict(lsce_calibration_tasks="arc_easy", val_size=0.1, eval_strategy="no"), "this config has none"),
+    (dict(lsce_calibration_tasks=["mmlu", 7], val_size=0.1, eval_strategy="steps"), "task names must be strings"),
+    (dict(lsce_calibration_diagrams=True), "lsce_calibration_diagrams is set but lsce_calibration_tasks is not"),
+])
+def test_llamafactory_calibration_keys_refused(cfg, match):
+    with pytest.raises(ValueError, match=match):
+        check_config(cfg)
+
+
+def test_calibration_keys_load_their_tasks_before_training(shared_data, tmp_path):
+    """The keys give a CalibrationCallback whose sets are loaded now (a file missing inside the folder: one line
+    naming the key, before any model loads)."""
+    from hf_lsce.integrations.calibration_keys import calibration_callback
+
+    cb = calibration_callback(dict(lsce_calibration_tasks="arc_easy,mmlu", lsce_calibration_limit=6,
+                                   lsce_calibration_data_dir=shared_data, lsce_calibration_diagrams=False))
+    assert [(t.name, len(t)) for t in cb.tasks] == [("arc_easy", 6), ("mmlu", 6)] and cb.save_diagrams is False
+    assert calibration_callback(dict(lsce_calibration_tasks=None)) is None
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="^lsce_calibration_tasks: .*arc") as e:
+        calibration_callback(dict(lsce_calibration_tasks="arc_easy", lsce_calibration_data_dir=str(tmp_path / "empty")))
+    assert "\n" not in str(e.value)
+
+
+def test_a_calibration_callback_given_to_the_trainer_logs_through_it(shared_data, tmp_path):
+    """LLaMA-Factory's route hands the callback to the Trainer's constructor (its ``run_exp(callbacks=...)``), where it
+    has no trainer to log through: the patch's hook on ``Trainer.train`` binds it, so the metrics reach ``trainer.log``
+    (``report_to`` and the log history) at each evaluation, as ``.attach(trainer)`` would."""
+    from transformers import Trainer, TrainingArguments
+
+    from hf_lsce import apply_lsce_patch, revert_lsce_patch
+    from hf_lsce.integrations.calibration_keys import calibration_callback
+    from tiny_models import TokenRows, tiny_model, word_tokenizer
+
+    tok = word_tokenizer()
+    model = apply_lsce_patch(tiny_model("llama"), label_smoothing=0.1)
+    cb = calibration_callback(dict(lsce_calibration_tasks="arc_easy", lsce_calibration_limit=4,
+                                   lsce_calibration_data_dir=shared_data, lsce_calibration_diagrams=False))
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=2,
+                             eval_strategy="steps", eval_steps=1, logging_steps=1, report_to=[], use_cpu=True,
+                             save_strategy="no")
+    rows = TokenRows(4)
+    logged = []
+
+    class Recorder(__import__("transformers").TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            logged.append(dict(logs))
+
+    trainer = Trainer(model=model, args=args, train_dataset=rows, eval_dataset=rows, processing_class=tok,
+                      callbacks=[cb, Recorder()])
+    try:
+        trainer.train()
+    finally:
+        revert_lsce_patch(model)
+    assert cb.trainer is trainer
+    calib_steps = [row["step"] for row in trainer.state.log_history if "eval_calib/arc_easy_ece" in row]
+    assert calib_steps == [1, 2], trainer.state.log_history
+    assert sum("eval_calib/arc_easy_acc" in row for row in logged) == 2  # through trainer.log, seen by every callback
+
+
 def test_llamafactory_config_accepted():
     check_config(dict(stage="sft", label_smoothing_factor=0.1, finetuning_type="lora"), "llama")
     check_config(dict(stage="pt"), "qwen2")
@@ -69,6 +155,41 @@ def test_llamafactory_route_refuses_a_missing_framework_before_reading_the_confi
     with pytest.raises(SystemExit, match="needs llamafactory >= 0.9.5 .* found 0.9.4"):
         llamafactory.main(["train", str(cfg)])
     assert cfg.read_text() == "label_smoothing_factor: 0.1\n"  # the user's file untouched
+
+
+def test_quantized_base_without_bitsandbytes_or_a_gpu_refused_naming_the_key(monkeypatch):
+    """QLoRA (LLaMA-Factory's ``quantization_bit``; Axolotl's keys in the Axolotl set) where bitsandbytes or a CUDA GPU
+    is missing: one line naming the key and what to do, before anything loads."""
+    import importlib.util
+
+    from hf_lsce.patching.versions import quantization_problem
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    with pytest.raises(ValueError, match="^quantization_bit: 4 loads the base model through bitsandbytes, which is not "
+                                         "installed: pip install bitsandbytes$"):
+        check_config(dict(stage="sft", quantization_bit=4))
+    check_config(dict(stage="sft", quantization_bit=4, quantization_method="hqq"))  # (not bitsandbytes: not ours)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "bitsandbytes" else real(
+        name, *a))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert quantization_problem("adapter: qlora").startswith("adapter: qlora needs a CUDA GPU for bitsandbytes' 4- and "
+                                                             "8-bit layers")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert quantization_problem("adapter: qlora") is None
+
+
+def test_framework_newer_than_tested_refused_unless_asked(monkeypatch):
+    monkeypatch.setattr(versions, "installed_version", lambda name: {"axolotl": "0.22.1"}.get(name, "99.0"))
+    problem = versions.environment_problem("axolotl", "0.19.0", "0.21.0")
+    assert problem == ("hf_lsce's axolotl integration is tested with axolotl 0.19.0 to 0.21.0, found 0.22.1: pip "
+                       "install 'axolotl<0.22', or set HF_LSCE_UNTESTED_FRAMEWORK=1 to try it untested")
+    monkeypatch.setenv("HF_LSCE_UNTESTED_FRAMEWORK", "1")
+    assert versions.environment_problem("axolotl", "0.19.0", "0.21.0") is None
+    monkeypatch.delenv("HF_LSCE_UNTESTED_FRAMEWORK")
+    monkeypatch.setattr(versions, "installed_version", lambda name: {"axolotl": "0.21.3"}.get(name, "99.0"))
+    assert versions.environment_problem("axolotl", "0.19.0", "0.21.0") is None  # (a patch release of the newest)
 
 
 def test_versions_below_the_floor_refused_with_found_and_needed(monkeypatch):
@@ -158,6 +279,42 @@ def test_plugin_refuses_a_family_outside_the_table_and_patches_the_built_model()
         revert_lsce_patch(model)
 
 
+def test_plugin_attaches_the_calibration_callback_from_the_keys(shared_data, tmp_path):
+    """On Axolotl's own classes: the calibration keys join Axolotl's config, the sets load before the model, and the
+    callback the plugin gives Axolotl is bound to its trainer (metrics through ``trainer.log``)."""
+    plugin = _axolotl()
+    from axolotl.integrations.base import PluginManager
+    from axolotl.integrations.config import merge_input_args
+    from axolotl.utils.dict import DictDefault
+    from transformers import Trainer, TrainingArguments
+
+    from tiny_models import tiny_model
+
+    keys = dict(lsce_calibration_tasks="arc_easy", lsce_calibration_limit=5, lsce_calibration_data_dir=shared_data,
+                lsce_calibration_diagrams=False)
+    manager = PluginManager.get_instance()
+    manager.register("hf_lsce.integrations.axolotl.LscePlugin")
+    try:
+        _, input_config = merge_input_args()
+        assert set(keys) <= set(input_config.model_fields)
+        with pytest.raises(ValueError, match="lsce_calibration_limit must be a whole number"):
+            input_config.model_validate(dict(base_model="x", val_set_size=0.1,
+                                             **{**keys, "lsce_calibration_limit": -1}))
+    finally:
+        manager.plugins.pop("hf_lsce.integrations.axolotl.LscePlugin", None)
+    with pytest.raises(ValueError, match="^adapter: qlora loads the base model through bitsandbytes|^adapter: qlora "
+                                         "needs a CUDA GPU"):
+        plugin.check_quantization(DictDefault(adapter="qlora", load_in_4bit=True))
+    p = plugin.LscePlugin()
+    cfg = DictDefault(model_config_type="llama", val_set_size=0.1, **keys)
+    p.pre_model_load(cfg)
+    trainer = Trainer(model=tiny_model("llama"), args=TrainingArguments(output_dir=str(tmp_path), report_to=[],
+                                                                        use_cpu=True))
+    (cb,) = p.add_callbacks_post_trainer(cfg, trainer)
+    assert cb.trainer is trainer and [(t.name, len(t)) for t in cb.tasks] == [("arc_easy", 5)]
+    assert p.add_callbacks_post_trainer(DictDefault(model_config_type="llama"), trainer) == []
+
+
 def test_hf_lsce_llamafactory_command_refuses_in_one_line(monkeypatch, tmp_path, capsys):
     """The command line's route: a user error is one line on stderr and exit status 2, nothing run."""
     from hf_lsce.cli import main
@@ -168,3 +325,19 @@ def test_hf_lsce_llamafactory_command_refuses_in_one_line(monkeypatch, tmp_path,
     assert err.startswith("hf-lsce llamafactory: LLaMA-Factory is not installed") and "\n" not in err
     assert main(["llamafactory", "evaluate", "cfg.yaml"]) == 2
     assert "only 'train CONFIG.yaml' is routed" in capsys.readouterr().err
+
+
+def test_the_example_yamls_pass_their_frameworks_checks():
+    """examples/axolotl and examples/llamafactory: their hf_lsce keys (smoothing, calibration with an evaluation to run
+    at) pass the plugin's config model and the route's check, as the frameworks would apply them."""
+    import yaml
+
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "examples"
+    ax = yaml.safe_load((root / "axolotl" / "lsce_llama_lora.yml").read_text())
+    keys = LsceArgs.model_validate(ax)
+    assert keys.lsce_calibration_tasks == "arc_easy,mmlu" and keys.lsce_calibration_limit == 200
+    lf = yaml.safe_load((root / "llamafactory" / "lsce_llama_lora_sft.yaml").read_text())
+    check_config(lf, "llama")
+    assert lf["lsce_calibration_tasks"] == "arc_easy,mmlu"

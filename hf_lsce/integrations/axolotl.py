@@ -8,7 +8,9 @@ Axolotl loads the plugin in the process that trains (``axolotl train`` launches 
 applied by ``hf-lsce run`` in the launching process would not reach). Its keys (``axolotl_args.LsceArgs``) are
 validated with Axolotl's config; before the model loads the plugin checks the versions and the model family; once
 Axolotl has built the model (LoRA and QLoRA adapters included) it applies ``apply_lsce_patch`` to it, and every training step then
-checks that the fused op ran with the smoothing asked for (``hf_lsce.patching.trainer``).
+checks that the fused op ran with the smoothing asked for (``hf_lsce.patching.trainer``). The ``lsce_calibration_*``
+keys (``calibration_keys``) add ``CalibrationCallback`` to Axolotl's trainer: accuracy, ECE and RMS on held-out
+multiple-choice sets at each evaluation, through Axolotl's logging.
 """
 from __future__ import annotations
 
@@ -26,14 +28,17 @@ from .axolotl_args import LsceArgs, validate_lsce_keys
 
 logger = logging.getLogger("hf_lsce")
 
-# The oldest Axolotl the plugin is tested with (tools/frameworks_e2e.py).
+# The oldest and newest Axolotl the plugin is tested with (tools/frameworks_e2e.py, docs/frameworks.md's versions).
 MIN_AXOLOTL = "0.19.0"
-__all__ = ["LscePlugin", "LsceArgs", "MIN_AXOLOTL", "check_environment", "check_family"]
+NEWEST_AXOLOTL = "0.21.0"
+__all__ = ["LscePlugin", "LsceArgs", "MIN_AXOLOTL", "NEWEST_AXOLOTL", "check_environment", "check_family",
+           "check_quantization"]
 
 
 def check_environment() -> None:
-    """Raise ValueError (one line) when Axolotl, transformers or TRL is older than what the plugin is tested with."""
-    problem = environment_problem("axolotl", MIN_AXOLOTL)
+    """Raise ValueError (one line) when Axolotl is outside the releases the plugin is tested with, or transformers or
+    TRL older."""
+    problem = environment_problem("axolotl", MIN_AXOLOTL, NEWEST_AXOLOTL)
     if problem is not None:
         raise ValueError(problem)
 
@@ -48,6 +53,19 @@ def check_family(model_type: str | None) -> None:
                          f"{', '.join(sorted(MODEL_TABLE))}); remove the plugin or set lsce: false.")
 
 
+def check_quantization(cfg) -> None:
+    """Raise ValueError (one line, naming the key) for a 4- or 8-bit base (``adapter: qlora``, ``load_in_4bit``,
+    ``load_in_8bit``) where bitsandbytes or a CUDA GPU is missing, before the model loads."""
+    from ..patching.versions import quantization_problem
+
+    key = next((k for k, v in (("adapter: qlora", cfg.get("adapter") == "qlora"),
+                               ("load_in_4bit: true", cfg.get("load_in_4bit")),
+                               ("load_in_8bit: true", cfg.get("load_in_8bit"))) if v), None)
+    problem = quantization_problem(key) if key else None
+    if problem is not None:
+        raise ValueError(problem)
+
+
 class LscePlugin(BasePlugin):
     """Axolotl plugin: ``plugins: [hf_lsce.integrations.axolotl.LscePlugin]``."""
 
@@ -59,6 +77,11 @@ class LscePlugin(BasePlugin):
         validate_lsce_keys(dict(cfg))
 
     def pre_model_load(self, cfg):
+        from .calibration_keys import calibration_tasks
+
+        # the calibration sets load now, before the model: a file missing in the folder stops the run here
+        self._calibration = (cfg, calibration_tasks(_keys(cfg)))
+        check_quantization(cfg)
         if cfg.lsce is False:
             return
         check_family(cfg.model_config_type)
@@ -74,3 +97,22 @@ class LscePlugin(BasePlugin):
         source = (f"lsce_label_smoothing={cfg.lsce_label_smoothing}" if cfg.lsce_label_smoothing is not None
                   else f"label_smoothing_factor={cfg.label_smoothing_factor or 0.0}")
         logger.info("hf_lsce: %s patched; %s drives the fused op", type(model).__name__, source)
+
+    def add_callbacks_post_trainer(self, cfg, trainer):
+        """``CalibrationCallback`` from the ``lsce_calibration_*`` keys, attached to Axolotl's trainer (its metrics go
+        through ``trainer.log``: Axolotl's ``report_to`` and log history), also with ``lsce: false``."""
+        from .calibration_keys import calibration_callback
+
+        loaded = getattr(self, "_calibration", (None, None))
+        tasks = loaded[1] if loaded[0] is cfg else None
+        callback = calibration_callback(_keys(cfg), tasks=tasks, trainer=trainer)
+        if callback is None:
+            return []
+        logger.info("hf_lsce: calibration on %s logged at each evaluation", ", ".join(t.name for t in callback.tasks))
+        return [callback]
+
+
+def _keys(cfg) -> dict:
+    from .calibration_keys import KEYS
+
+    return {key: cfg.get(key) for key in KEYS}

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pydantic import BaseModel, model_validator
 
 from ..patching import validate_smoothing
+from .calibration_keys import validate_calibration_keys
 
 # Other plugins' keys that replace the same loss: the fused op cannot run under either.
 CONFLICTS = {
@@ -30,12 +31,17 @@ def _flag(key: str, value) -> None:
 
 
 def validate_lsce_keys(data: dict) -> None:
-    """Raise ValueError (one line, naming the key) for a bad value of the plugin's keys or of
-    ``label_smoothing_factor``, or for another loss-replacing plugin enabled beside it. ``data``: the YAML's mapping."""
+    """Raise ValueError (one line, naming the key) for a bad value of the plugin's keys (the calibration keys
+    included, with an evaluation to run them at) or of ``label_smoothing_factor``, or for another loss-replacing plugin
+    enabled beside it. ``data``: the YAML's mapping."""
     _flag("lsce", data.get("lsce"))
     _flag("lsce_fused_eval_loss", data.get("lsce_fused_eval_loss"))
     _smoothing("lsce_label_smoothing", data.get("lsce_label_smoothing"))
     _smoothing("label_smoothing_factor", data.get("label_smoothing_factor"))
+    validate_calibration_keys(data)
+    if data.get("lsce_calibration_tasks") is not None and not (data.get("val_set_size") or data.get("test_datasets")):
+        raise ValueError("lsce_calibration_tasks scores the model at each evaluation, and this config has none: set "
+                         "val_set_size (or test_datasets) and eval_steps, or remove lsce_calibration_tasks.")
     if data.get("lsce") is False:
         return
     for key, name in CONFLICTS.items():
@@ -50,11 +56,16 @@ class LsceArgs(BaseModel):
     ``lsce``: the fused label-smoothed loss on (the default once the plugin is listed) or off.
     ``lsce_label_smoothing``: fixes b; unset, the YAML's ``label_smoothing_factor`` (which Axolotl passes to the
     Trainer) drives it. ``lsce_fused_eval_loss``: the evaluation loss through the op too (no logits in evaluation).
+    ``lsce_calibration_*``: ``CalibrationCallback`` at each evaluation (``calibration_keys``).
     """
 
     lsce: bool | None = None
     lsce_label_smoothing: float | None = None
     lsce_fused_eval_loss: bool | None = None
+    lsce_calibration_tasks: str | list[str] | None = None
+    lsce_calibration_limit: int | None = None
+    lsce_calibration_data_dir: str | None = None
+    lsce_calibration_diagrams: bool | None = None
 
     @model_validator(mode="before")
     @classmethod

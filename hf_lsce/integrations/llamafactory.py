@@ -6,18 +6,23 @@
 LLaMA-Factory's YAML takes ``label_smoothing_factor`` (a ``Seq2SeqTrainingArguments`` key) and hands it to its
 Trainer. This route checks the YAML first (LLaMA-Factory's version, the smoothing's value, a model family in hf_lsce's
 table, no ``enable_liger_kernel`` and no ``use_asft_loss`` beside it: each a one-line error before anything loads),
-then patches every supported model class (as ``hf-lsce run`` does) and runs LLaMA-Factory's own training entry,
-``llamafactory.launcher``, in this process. ``llamafactory-cli train`` itself would start ``torchrun`` children on a
-machine with several GPUs, which a patch in this process does not reach; launched by ``torchrun`` as above, each
-rank runs this module and patches itself. The YAML is read, never written.
+then patches every supported model class (as ``hf-lsce run`` does) and runs LLaMA-Factory's own training entry
+(``run_exp``, what ``llamafactory.launcher`` runs) in this process. The ``lsce_calibration_*`` keys
+(``calibration_keys``) attach ``CalibrationCallback``; they are taken out of the configuration handed to
+LLaMA-Factory, whose parser refuses keys it does not know. ``llamafactory-cli train`` itself would start ``torchrun``
+children on a machine with several GPUs, which a patch in this process does not reach; launched by ``torchrun`` as
+above, each rank runs this module and patches itself. The YAML is read, never written.
 """
 from __future__ import annotations
 
 import os
 import sys
 
-# LLaMA-Factory versions this route is tested with (tools/frameworks_e2e.py): its SFT workflow and launcher entry
+from .calibration_keys import KEYS, calibration_callback, validate_calibration_keys
+
+# LLaMA-Factory versions this route is tested with (tools/frameworks_e2e.py): its SFT workflow and training entry
 MIN_LLAMAFACTORY = "0.9.5"
+NEWEST_LLAMAFACTORY = "0.9.5"
 USAGE = "usage: hf-lsce llamafactory train CONFIG.yaml [key=value ...]"
 
 
@@ -34,8 +39,17 @@ def _config(argv: list[str]) -> dict:
 def check_config(cfg: dict, model_type: str | None = None) -> None:
     """Raise ValueError (one line, naming the key) for what the route cannot train: a stage other than ``sft`` or
     ``pt``, a ``label_smoothing_factor`` outside [0, 1], another loss replacement (``enable_liger_kernel``,
-    ``use_asft_loss``), or a model type outside hf_lsce's table (``model_type``: the config's, when known)."""
+    ``use_asft_loss``), a calibration key that is wrong or has no evaluation to run at (``calibration_keys``), or a
+    model type outside hf_lsce's table (``model_type``: the config's, when known)."""
     from ..patching import MODEL_TABLE, validate_smoothing
+
+    validate_calibration_keys(cfg)
+    if cfg.get("lsce_calibration_tasks") is not None and (
+            str(cfg.get("eval_strategy", cfg.get("evaluation_strategy", "no"))) == "no"
+            or not (cfg.get("val_size") or cfg.get("eval_dataset"))):
+        raise ValueError("lsce_calibration_tasks scores the model at each evaluation, and this config has none: set "
+                         "eval_strategy: steps, eval_steps and val_size (or eval_dataset), or remove "
+                         "lsce_calibration_tasks.")
 
     stage = cfg.get("stage", "sft")
     if stage not in ("sft", "pt"):
@@ -49,6 +63,12 @@ def check_config(cfg: dict, model_type: str | None = None) -> None:
         if cfg.get(key):
             raise ValueError(f"{key}: true replaces the training loss with {what}, as hf_lsce does; keep one: remove "
                              f"{key} or train with llamafactory-cli train.")
+    if cfg.get("quantization_bit") is not None and cfg.get("quantization_method", "bnb") == "bnb":
+        from ..patching.versions import quantization_problem
+
+        problem = quantization_problem(f"quantization_bit: {cfg['quantization_bit']}")
+        if problem is not None:
+            raise ValueError(problem)
     if model_type is not None and model_type not in MODEL_TABLE:
         raise ValueError(f"model type {model_type!r} (model_name_or_path) is not in hf_lsce's table "
                          f"({', '.join(sorted(MODEL_TABLE))}); train it with llamafactory-cli train.")
@@ -75,19 +95,24 @@ def main(argv: list[str] | None = None) -> None:
     if installed_version("llamafactory") is None:
         raise SystemExit("hf-lsce llamafactory: LLaMA-Factory is not installed: pip install "
                          f"'llamafactory>={MIN_LLAMAFACTORY}'")
-    problem = environment_problem("llamafactory", MIN_LLAMAFACTORY)  # and transformers / TRL, before anything loads
+    # and transformers / TRL, before anything loads
+    problem = environment_problem("llamafactory", MIN_LLAMAFACTORY, NEWEST_LLAMAFACTORY)
     if problem is not None:
         raise SystemExit(f"hf-lsce llamafactory: {problem}")
     cfg = _config(argv[1:])
     try:
         check_config(cfg)
         check_config(cfg, _model_type(cfg))
+        callback = calibration_callback({k: cfg.get(k) for k in KEYS})  # (its sets load now, before the model)
     except ValueError as e:
         raise SystemExit(f"hf-lsce llamafactory: {e}") from None
-    from ..run import run_script
+    from ..run import patch_classes
+    from llamafactory.train.tuner import run_exp
 
-    # LLaMA-Factory's launcher module run as __main__ calls run_exp(), which reads the config from sys.argv
-    run_script("llamafactory.launcher", argv[1:], module=True)
+    patch_classes("hf-lsce llamafactory")
+    # LLaMA-Factory's own training entry (what its launcher runs), with the configuration it would read, less the
+    # route's keys (its parser refuses keys it does not know); the callback is bound to the trainer at train()
+    run_exp(args={k: v for k, v in cfg.items() if k not in KEYS}, callbacks=[callback] if callback else None)
 
 
 if __name__ == "__main__":

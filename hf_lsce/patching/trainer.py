@@ -350,9 +350,21 @@ def _hooked_add_fused_lm_head(orig):
     return add_fused_lm_head
 
 
+def _bind_calibration_callbacks(trainer) -> None:
+    """A ``CalibrationCallback`` handed to the Trainer's constructor (LLaMA-Factory's route passes it to
+    ``run_exp(callbacks=...)``) has no trainer to log through; bound here, its metrics reach ``trainer.log`` (the
+    ``report_to`` integrations and the log history), as ``.attach(trainer)`` would."""
+    from ..calibration.callback import CalibrationCallback
+
+    for callback in trainer.callback_handler.callbacks:
+        if isinstance(callback, CalibrationCallback) and callback.trainer is None:
+            callback.trainer = trainer
+
+
 def _hooked_train(orig):
     @functools.wraps(orig)
     def train(self, *args, **kwargs):
+        _bind_calibration_callbacks(self)
         out = orig(self, *args, **kwargs)
         # The op checks its targets on the device and reports a bad batch at its next call (ops/checks.py); the last
         # step has no next call, so training ends by waiting for those checks (one synchronisation per run).

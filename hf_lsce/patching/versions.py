@@ -8,6 +8,7 @@ was not checked against, so ``apply_lsce_patch`` fails closed with one line nami
 from __future__ import annotations
 
 import functools
+import os
 from importlib import metadata
 
 from packaging.version import Version
@@ -37,15 +38,38 @@ def version_problem(name: str, found: str | None, floor: str | None = None) -> s
     return None
 
 
-def environment_problem(framework: str | None = None, floor: str | None = None) -> str | None:
-    """The first version problem (one line) of ``framework`` (an integration's, at least ``floor``; when installed),
-    transformers and TRL, or None: what the integrations refuse a launch with before anything loads."""
-    if framework is not None and installed_version(framework) is not None:
-        problem = version_problem(framework, installed_version(framework), floor)
+def environment_problem(framework: str | None = None, floor: str | None = None,
+                        newest: str | None = None) -> str | None:
+    """The first version problem (one line) of ``framework`` (an integration's, at least ``floor``, and no newer
+    minor release than ``newest``, the newest it was run with, unless ``HF_LSCE_UNTESTED_FRAMEWORK=1``; when
+    installed), transformers and TRL, or None: what the integrations refuse a launch with before anything loads."""
+    found = installed_version(framework) if framework is not None else None
+    if found is not None:
+        problem = version_problem(framework, found, floor)
         if problem is not None:
             return problem
+        if newest is not None and Version(found).release[:2] > Version(newest).release[:2] and os.environ.get(
+                "HF_LSCE_UNTESTED_FRAMEWORK") != "1":
+            ceiling = ".".join(map(str, (*Version(newest).release[:1], Version(newest).release[1] + 1)))
+            return (f"hf_lsce's {framework} integration is tested with {framework} {floor} to {newest}, found {found}: "
+                    f"pip install '{framework}<{ceiling}', or set HF_LSCE_UNTESTED_FRAMEWORK=1 to try it untested")
     return next((p for name in MIN_VERSIONS if (p := version_problem(name, installed_version(name))) is not None),
                 None)
+
+
+def quantization_problem(key: str) -> str | None:
+    """One line saying why a 4- or 8-bit base (QLoRA: bitsandbytes' layers on a CUDA GPU) cannot load here, naming the
+    config's ``key``, or None."""
+    import importlib.util
+
+    import torch
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        return f"{key} loads the base model through bitsandbytes, which is not installed: pip install bitsandbytes"
+    if not torch.cuda.is_available():
+        why = "torch is a CPU build" if torch.version.cuda is None else "no CUDA GPU is visible"
+        return f"{key} needs a CUDA GPU for bitsandbytes' 4- and 8-bit layers, and {why}: train without it (LoRA)"
+    return None
 
 
 @functools.lru_cache(maxsize=None)

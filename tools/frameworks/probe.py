@@ -45,6 +45,7 @@ def install(trainer) -> None:
                               confirmed=bool(getattr(trainer, "_lsce_confirmed", False)))
             except ImportError:
                 pass
+            record["log_history"] = trainer.state.log_history  # (what report_to and the logs were given)
             with open(os.environ["LSCE_PROBE_OUT"], "w") as f:
                 json.dump(record, f)
 
