@@ -46,6 +46,7 @@ def run_demo(output_dir: str = "hf_lsce_demo", *, model: str = DEFAULT_MODEL, da
     from .ats import ATSCalibrator
     from .ats.training import train_ats
     from .calibration import Task, paired_bootstrap, reliability_grid, score_task
+    from .calibration.scoring import at_temperature
     if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) or not 0 < label_smoothing <= 1:
         raise ValueError(f"label_smoothing must lie in (0, 1]; got {label_smoothing!r} (the demo compares it to 0)")
     plan = choose_budget(budget, steps=steps, ats_steps=ats_steps)
@@ -59,11 +60,12 @@ def run_demo(output_dir: str = "hf_lsce_demo", *, model: str = DEFAULT_MODEL, da
     logger.info("demo on %s (%s budget, %s): %d SFT records, %d calibration records, tasks %s", model, plan.name, dev,
                 len(train), len(calib), {t.name: len(t) for t in tasks})
 
-    def score_all(m, label):
+    def score_all(m, label, temperatures=()):
         out = {}
         for t in tasks:
             logger.info("scoring %s on %s (%d items)", label, t.name, len(t))
-            out[t.name] = score_task(m, tokenizer, t, batch_size=16, n_bins=10, progress=True)
+            out[t.name] = score_task(m, tokenizer, t, batch_size=16, n_bins=10, progress=True,
+                                     temperatures=temperatures)
         return out
 
     # -------------------------------------------------------------------------- 1-2: the base, and its diagnosis
@@ -85,6 +87,17 @@ def run_demo(output_dir: str = "hf_lsce_demo", *, model: str = DEFAULT_MODEL, da
     from .diagnosis import token_report
 
     runs, trained, tokens = {}, {}, {}
+
+    def fit(key, head, loss, lr, base0):
+        logger.info("fitting %s on %d held-out records", key, len(calib))
+        cal = ATSCalibrator.from_base(base0, head_type=head, loss_type=loss)
+        kw = {"bf16": True} if plan.bf16 and dev.type == "cuda" else {}
+        return train_ats(base0, tokenizer, calib, calibrator=cal, max_steps=plan.ats_steps, learning_rate=lr,
+                         per_device_train_batch_size=plan.batch_size, max_length=plan.max_length,
+                         output_dir=os.path.join(output_dir, "ats" if head == "transformer" else "temperature"),
+                         save_steps=max(plan.ats_steps, 1), logging_steps=max(1, plan.ats_steps // 5), seed=seed,
+                         **kw)
+
     watch = next((t for t in tasks if t.name == "arc_easy"), tasks[0])  # logged during training: a cheap task
     watch = Task(name=watch.name, kind=watch.kind, items=watch.items[:20], split=watch.split)
     for b in (0.0, label_smoothing):
@@ -93,28 +106,28 @@ def run_demo(output_dir: str = "hf_lsce_demo", *, model: str = DEFAULT_MODEL, da
         m, info = sft(path, tokenizer, train, calib[:32], watch, label_smoothing=b, budget=plan,
                       output_dir=os.path.join(output_dir, f"sft_b{b:g}"), seed=seed)
         trained[key], runs[key] = m.to(dev), info
-        scores[key] = score_all(trained[key], key)
+        if b == 0.0:
+            # 4a. temperature scaling fitted on it now: one temperature for every token, so its row is this model's
+            # scoring at that temperature, taken in the same forward passes (no second pass over the items)
+            for p in m.parameters():
+                p.requires_grad_(False)
+            cal = fit("SFT b=0 + temperature", "scalar", "nll", 5e-2, m)
+            with torch.no_grad():  # (the scalar head's one inverse temperature, as its forward clamps it)
+                temperature = 1.0 / float(cal.inverse_temperature(torch.zeros(1, 1, 1, device=dev)))
+            scores[key] = score_all(m, key, temperatures=(temperature,))
+            scores["SFT b=0 + temperature"] = {t.name: at_temperature(scores[key][t.name], t, temperature, n_bins=10)
+                                               for t in tasks}
+        else:
+            scores[key] = score_all(trained[key], key)
         tokens[key] = token_report(trained[key], tokenizer, tok_records, (label_smoothing,), predict=b == 0.0)
         if b != 0.0:
             del trained[key]
             gc.collect()
 
-    # -------------------------------------------------------------------------- 4: ATS and temperature scaling
-    base0 = trained["SFT b=0"]
-    for p in base0.parameters():
-        p.requires_grad_(False)
-    fitted = {}
-    for key, head, loss, lr in (("SFT b=0 + ATS", "transformer", "selective", 5e-4),
-                                ("SFT b=0 + temperature", "scalar", "nll", 5e-2)):
-        logger.info("fitting %s on %d held-out records", key, len(calib))
-        cal = ATSCalibrator.from_base(base0, head_type=head, loss_type=loss)
-        kw = {"bf16": True} if plan.bf16 and dev.type == "cuda" else {}
-        cal = train_ats(base0, tokenizer, calib, calibrator=cal, max_steps=plan.ats_steps, learning_rate=lr,
-                        per_device_train_batch_size=plan.batch_size, max_length=plan.max_length,
-                        output_dir=os.path.join(output_dir, "ats" if head == "transformer" else "temperature"),
-                        save_steps=max(plan.ats_steps, 1), logging_steps=max(1, plan.ats_steps // 5), seed=seed, **kw)
-        scores[key] = score_all(cal, key)
-        fitted[key] = cal
+    # -------------------------------------------------------------------------- 4b: ATS
+    key = "SFT b=0 + ATS"
+    scores[key] = score_all(fit(key, "transformer", "selective", 5e-4, trained["SFT b=0"]), key)
+    scores["SFT b=0 + temperature"] = scores.pop("SFT b=0 + temperature")  # (the table's order: ATS, then it)
 
     # -------------------------------------------------------------------------- 5: report
     b_key = f"SFT b={label_smoothing:g}"

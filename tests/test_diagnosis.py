@@ -100,6 +100,32 @@ def test_probs_at_temperature_equal_a_tempered_model(tiny_model_and_tokenizer, k
         score_task(model, tok, task, progress=False, temperatures=[0.0])
 
 
+@pytest.mark.parametrize("kind", ["continuation", "letters"])
+def test_a_scalar_calibrators_scores_are_the_models_at_its_temperature(tiny_model_and_tokenizer, kind):
+    """The demo's temperature-scaling row: ``at_temperature`` of the model's own scoring at 1 / s equals scoring
+    through ``ATSCalibrator(head_type="scalar")`` with inverse temperature s (probabilities, accuracy, acc_norm, ECE):
+    the second pass over the items it replaced."""
+    from hf_lsce.ats import ATSCalibrator
+    from hf_lsce.calibration.scoring import at_temperature
+
+    model, tok = tiny_model_and_tokenizer
+    items = [MultipleChoiceItem(context=f"Question: the fox number {i}\nAnswer:",
+                                choices=[" the dog", " a quick brown fox", " over"] if kind == "continuation"
+                                else ["dog", "fox", "hill"], gold=i % 3) for i in range(7)]
+    task = Task("t", kind, items)
+    cal = ATSCalibrator.from_base(model, head_type="scalar", loss_type="nll").eval()
+    with torch.no_grad():
+        cal.head.log_scale.fill_(math.log(0.37))
+        t = 1.0 / float(cal.inverse_temperature(torch.zeros(1, 1, 1)))
+    ref = score_task(cal, tok, task, batch_size=3, progress=False, n_bins=5)
+    got = at_temperature(score_task(model, tok, task, batch_size=4, progress=False, temperatures=[t], n_bins=5), task,
+                         t, n_bins=5)
+    assert t == pytest.approx(1 / 0.37)
+    assert torch.allclose(got.probs, ref.probs, atol=1e-5) and torch.equal(got.labels, ref.labels)
+    assert got.summary()["acc"] == ref.summary()["acc"] and got.acc_norm == ref.acc_norm
+    assert got.summary()["ece"] == pytest.approx(ref.summary()["ece"], abs=1e-6)
+
+
 def test_token_statistics_against_a_plain_loop(tiny_model_and_tokenizer):
     model, tok = tiny_model_and_tokenizer
     recs = [{"prompt": "the quick brown", "completion": " fox jumps over"},

@@ -272,20 +272,38 @@ def score_task(model, tokenizer, task: Task, *, batch_size: int = 8, max_length:
         mine_rows = [r for p in parts for r in p]
     mine_rows.sort(key=lambda r: r[0])
     loglik = torch.stack([r[1] for r in mine_rows])
-    labels = torch.tensor([task.items[r[0]].gold for r in mine_rows])
+    loglik_at = {t: torch.stack([r[3][k] for r in mine_rows]) for k, t in enumerate(temps)}
+    return _task_scores(task, [r[0] for r in mine_rows], loglik, n_bins, [r[2] for r in mine_rows], loglik_at)
+
+
+def _task_scores(task: Task, items: list[int], loglik: torch.Tensor, n_bins: int, shots_used: list[int],
+                 loglik_at: dict) -> TaskScores:
+    """``TaskScores`` of the scored ``items`` (indices into ``task.items``) from their choices' log-likelihoods."""
+    labels = torch.tensor([task.items[i].gold for i in items])
     probs = torch.softmax(loglik, -1)  # -inf padding -> probability 0
     acc_norm = None
     if task.kind == "continuation":
         normed = torch.full_like(loglik, float("-inf"))  # padding (items with fewer choices) stays -inf, never NaN
-        for row, r in enumerate(mine_rows):
-            ch = task.items[r[0]].choices
+        for row, i in enumerate(items):
+            ch = task.items[i].choices
             lens = torch.tensor([float(max(1, len(choice_length_text(c)))) for c in ch], dtype=torch.float64)
             normed[row, : len(ch)] = loglik[row, : len(ch)] / lens
         acc_norm = float((normed.argmax(-1) == labels).double().mean())
     metrics = calibration_metrics(probs, labels, n_bins=n_bins)
-    loglik_at = {t: torch.stack([r[3][k] for r in mine_rows]) for k, t in enumerate(temps)}
     return TaskScores(task=task.name, probs=probs.float(), labels=labels, loglik=loglik, acc_norm=acc_norm,
-                      metrics=metrics, shots_used=[r[2] for r in mine_rows], loglik_at=loglik_at)
+                      metrics=metrics, shots_used=shots_used, loglik_at=loglik_at)
+
+
+def at_temperature(scores: TaskScores, task: Task, temperature: float, n_bins: int = 15) -> TaskScores:
+    """The ``TaskScores`` of the model whose every next-token distribution is softmax(logits / ``temperature``)
+    (classic temperature scaling, ``ATSCalibrator`` with ``head_type="scalar"``), from ``scores`` of the model itself
+    scored with that temperature (``score_task(temperatures=...)``): no second pass over the items."""
+    if temperature == 1.0:
+        return scores
+    if temperature not in scores.loglik_at:
+        raise KeyError(f"temperature {temperature} was not scored; pass it in score_task(temperatures=...)")
+    return _task_scores(task, list(range(len(task.items))), scores.loglik_at[temperature], n_bins,
+                        scores.shots_used, {})
 
 
 def choice_length_text(choice: str) -> str:
