@@ -45,6 +45,8 @@ def versions() -> dict:
             found[name] = metadata.version(dist)
         except metadata.PackageNotFoundError:
             found[name] = None
+    found["torch"] = torch.__version__  # (with its build tag: +cpu, +cu130)
+    found["Triton"] = config.triton_version()  # (what imports, or None)
     found["torch CUDA"] = torch.version.cuda
     return found
 
