@@ -12,6 +12,8 @@ so each chunk's rows of dW are written once (one rounding) and dh adds into an f
 
 # (no `from __future__ import annotations` in a kernel module: Triton 3.1's interpreter then misreads each kernel's
 # tl.constexpr parameters)
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -104,10 +106,17 @@ def _lce_grad_logits_tma_kernel(
             acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
 
 
-_lce_grad_logits_autotuned = triton.autotune(
-    configs=tuning_configs([(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 256, 64, 4, 4),
-                            (128, 128, 64, 4, 4), (256, 128, 64, 8, 3)]),
-    key=["D", "V", "DOT_PRECISION"])(_lce_grad_logits_kernel)
+# The pointer G kernel's autotuning candidates (the TMA kernel and the interpreter take fixed tiles)
+GRAD_LOGITS_TILES = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 256, 64, 4, 4), (128, 128, 64, 4, 4),
+                     (256, 128, 64, 8, 3)]
+
+
+@functools.lru_cache(maxsize=None)
+def grad_logits_autotuned():
+    """The pointer G kernel under ``triton.autotune``, made at its first use: Triton 3.2 and 3.3 ask the active
+    driver for a benchmarker when the autotuner is made, which fails without a GPU (the interpreter's CPU runs)."""
+    return triton.autotune(configs=tuning_configs(GRAD_LOGITS_TILES), key=["D", "V", "DOT_PRECISION"])(
+        _lce_grad_logits_kernel)
 
 
 def write_grad_logits(config, hidden, weight, bias, targets, lse, grad, smoothing, extra, g, v_total: int,
@@ -133,7 +142,7 @@ def write_grad_logits(config, hidden, weight, bias, targets, lse, grad, smoothin
                (h_desc, w_desc, b, targets, lse, grad, smoothing, ext, g, n, vc, d, splits, g.stride(0), cap,
                 1.0 / v_total), flags)
     else:
-        launch(_lce_grad_logits_kernel, _lce_grad_logits_autotuned, config,
+        launch(_lce_grad_logits_kernel, grad_logits_autotuned() if config.autotune else None, config,
                lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(vc, meta["BLOCK_V"])),
                (hidden, weight, b, targets, lse, grad, smoothing, ext, g, n, vc, d, hidden.stride(0),
                 hidden.stride(1), weight.stride(0), weight.stride(1), g.stride(0), cap, 1.0 / v_total), flags)

@@ -186,8 +186,9 @@ def _rebuild(x):
     if isinstance(x, dict) and "descriptor" in x:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        return TensorDescriptor(MockTensor(getattr(torch, x["descriptor"]), x["shape"]), x["shape"], x["strides"],
-                                x["block"])
+        base = MockTensor(getattr(torch, x["descriptor"]))  # (Triton 3.4's MockTensor takes no shape)
+        base.shape = x["shape"]
+        return TensorDescriptor(base, x["shape"], x["strides"], x["block"])
     return x
 
 
@@ -212,6 +213,10 @@ def _kernels():
                 found[name] = obj
             elif isinstance(obj, Autotuner):
                 tuners[obj.fn.__name__] = obj
+    from hf_lsce.ops.backward import grad_logits_autotuned  # (made at first use)
+
+    tuner = grad_logits_autotuned()
+    tuners[tuner.fn.__name__] = tuner
     return {name: (fn, tuners.get(name)) for name, fn in found.items()}
 
 
