@@ -42,6 +42,7 @@ def triton_version() -> str | None:
 
 
 @functools.lru_cache(maxsize=None)
+@torch.compiler.assume_constant_result  # (torch.compile calls it while tracing: torch 2.6's cannot trace `re`)
 def triton_problem() -> str | None:
     """One line saying why the op's Triton kernels cannot run here (no Triton, or one below ``TRITON_MIN``), or None.
     Cached: asked by every call of the op with ``backend="auto"``."""
