@@ -151,8 +151,10 @@ def own_class(module) -> type:
     """The module's own class, looking through wrappers that subclass it dynamically (FSDP2's
     ``fully_shard`` turns a ``LlamaForCausalLM`` into an ``FSDPLlamaForCausalLM``, an ``nn.Linear``
     into an ``FSDPLinear``)."""
-    return next((c for c in type(module).__mro__ if not c.__module__.startswith("torch.distributed")),
-                type(module))
+    cls = type(module)
+    if not cls.__module__.startswith("torch.distributed"):  # (first: torch 2.6's dynamo cannot read object.__module__)
+        return cls
+    return next((c for c in cls.__mro__ if not c.__module__.startswith("torch.distributed")), cls)
 
 
 def unwrap_model(model):
