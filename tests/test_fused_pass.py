@@ -26,8 +26,10 @@ def rel(a, b):
 def tma(monkeypatch, request):
     """The fused kernel with TMA loads (what an H100 runs) and with pointer loads (what GPUs without TMA run, and an
     H100 under HF_LSCE_TMA=0), small tiles and three vocabulary splits, on the interpreter."""
-    if request.param and not config._has_tensor_descriptors():
-        pytest.skip("Triton < 3.4: no tensor descriptors (the op takes pointer loads there)")
+    if request.param and (not config._has_tensor_descriptors()
+                          or config._release(config.triton_version()) in ((3, 4), (3, 5))):
+        pytest.skip("Triton < 3.4 has no tensor descriptors (the op takes pointer loads there); 3.4 and 3.5's "
+                    "interpreters check their strides in elements, not bytes")
     real = config.fused_config
     small = lambda dt, dev: dataclasses.replace(real(dt, dev), tma=request.param, min_splits=3, min_programs=1)  # noqa
     monkeypatch.setattr(config, "fused_config", small)
