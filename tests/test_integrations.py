@@ -338,6 +338,10 @@ def test_the_example_yamls_pass_their_frameworks_checks():
     ax = yaml.safe_load((root / "axolotl" / "lsce_llama_lora.yml").read_text())
     keys = LsceArgs.model_validate(ax)
     assert keys.lsce_calibration_tasks == "arc_easy,mmlu" and keys.lsce_calibration_limit == 200
+    qlora = yaml.safe_load((root / "axolotl" / "lsce_gemma3_qlora.yml").read_text())
+    LsceArgs.model_validate(qlora)
+    assert qlora["adapter"] == "qlora" and qlora["load_in_4bit"] is True and qlora["label_smoothing_factor"] == 0.1
+    assert "hf_lsce.integrations.axolotl.LscePlugin" in qlora["plugins"]
     lf = yaml.safe_load((root / "llamafactory" / "lsce_llama_lora_sft.yaml").read_text())
     check_config(lf, "llama")
     assert lf["lsce_calibration_tasks"] == "arc_easy,mmlu"

@@ -7,13 +7,71 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import torch
 from transformers import Trainer
 
 
+class _Timer:
+    """Each optimizer step's wall time (the device synchronised at its start and end), the input tokens it trained
+    on (the attention mask's ones, or every position of a packed batch), and the device's peak memory over training:
+    the figures of tools/frameworks_gpu.py. Synchronising at step boundaries only adds no wait inside a step."""
+
+    def __init__(self, record: dict):
+        self.record = record
+        self.t0 = None
+        self.tokens = 0
+
+    def _sync(self):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    def count(self, inputs) -> None:
+        mask = inputs.get("attention_mask") if hasattr(inputs, "get") else None
+        ids = inputs.get("input_ids") if hasattr(inputs, "get") else None
+        if torch.is_tensor(mask) and mask.dim() == 2:
+            self.tokens += int(mask.sum())
+        elif torch.is_tensor(ids):
+            self.tokens += ids.numel()
+
+    def callback(self):
+        from transformers import TrainerCallback
+
+        timer = self
+
+        class StepTimer(TrainerCallback):
+            def on_train_begin(self, args, state, control, **kw):
+                if torch.cuda.is_available():
+                    torch.cuda.reset_peak_memory_stats()
+
+            def on_step_begin(self, args, state, control, **kw):
+                timer._sync()
+                timer.t0, timer.tokens = time.perf_counter(), 0
+
+            def on_step_end(self, args, state, control, **kw):
+                timer._sync()
+                timer.record["step_seconds"].append(time.perf_counter() - timer.t0)
+                timer.record["step_tokens"].append(timer.tokens)
+                if torch.cuda.is_available():  # (a framework may reset the peak during training: the largest seen)
+                    timer.record["peak_gib"] = max(timer.record["peak_gib"] or 0.0,
+                                                   torch.cuda.max_memory_allocated() / 2**30)
+
+            def on_train_end(self, args, state, control, **kw):
+                if torch.cuda.is_available():
+                    timer.record["peak_gib"] = max(timer.record["peak_gib"] or 0.0,
+                                                   torch.cuda.max_memory_allocated() / 2**30)
+                    timer.record["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+                    timer.record["device"] = torch.cuda.get_device_name()
+
+        return StepTimer()
+
+
 def install(trainer) -> None:
-    record = dict(losses=[], lm_head_logit_calls=0, fused_calls=None, patched=False, confirmed=False)
+    record = dict(losses=[], lm_head_logit_calls=0, fused_calls=None, patched=False, confirmed=False,
+                  step_seconds=[], step_tokens=[], peak_gib=None)
+    timer = _Timer(record)
+    trainer.add_callback(timer.callback())
     head = trainer.model.get_output_embeddings() if hasattr(trainer.model, "get_output_embeddings") else None
 
     def on_head(module, args, out):
@@ -25,6 +83,8 @@ def install(trainer) -> None:
     compute_loss = trainer.compute_loss
 
     def probed(model, inputs, *args, **kwargs):
+        if model.training:
+            timer.count(inputs)
         out = compute_loss(model, inputs, *args, **kwargs)
         loss = out[0] if isinstance(out, tuple) else out
         if model.training:
