@@ -84,6 +84,19 @@ def test_bad_targets_raise_from_a_compiled_call():
         fn(h.float(), w.float(), y)
 
 
+def _stock_compiles_or_skip(stock, ids, labels):
+    """Skips where the unpatched model itself cannot be compiled whole: torch 2.6's dynamo cannot trace transformers
+    5's forward wrappers (``co_varnames``), whatever the loss. (Training passes ``use_cache=False``: the
+    DynamicCache that transformers >= 5.2 builds otherwise cannot be traced by torch <= 2.8's dynamo either.)"""
+    try:
+        _compiled(stock)(input_ids=ids, labels=labels, use_cache=False)
+    except torch._dynamo.exc.Unsupported as e:
+        import transformers
+
+        pytest.skip(f"the unpatched model does not compile whole under torch {torch.__version__} with transformers "
+                    f"{transformers.__version__}: {str(e).splitlines()[0][:120]}")
+
+
 def test_patched_model_compiles_fullgraph_with_hf_loss_and_proof():
     """A patched Llama under torch.compile(fullgraph=True): the loss and every gradient are HF's own smoothed loss on
     the unpatched model's logits, no logits are returned, and each compiled step is counted as a fused call when it
@@ -106,11 +119,12 @@ def test_patched_model_compiles_fullgraph_with_hf_loss_and_proof():
                           reduction="sum") / items
     ref.backward()
 
+    _stock_compiles_or_skip(stock, ids, labels)
     compiled = _compiled(model)
     before = ENGAGEMENT.fused_calls
     for step in range(2):
         model.zero_grad(set_to_none=True)
-        out = compiled(input_ids=ids, labels=labels, num_items_in_batch=items)
+        out = compiled(input_ids=ids, labels=labels, num_items_in_batch=items, use_cache=False)
         out.loss.backward()
         assert out.logits is None
         assert ENGAGEMENT.fused_calls - before == step + 1

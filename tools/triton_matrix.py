@@ -161,7 +161,8 @@ def table(rows: list[dict]) -> str:
         cards = [t for k, t in targets.items() if k.startswith("card ")]
         tiles = f"{sum(t['ok'] for t in cards)}/{sum(t['ok'] + t['failed'] for t in cards)}" if cards else "-"
         it = row.get("interpreter", {})
-        its = (f"{it.get('passed', 0)} passed, {it.get('failed', 0) + it.get('error', 0)} failed"
+        its = (f"{it.get('passed', 0)} passed, {it.get('skipped', 0)} skipped, "
+               f"{it.get('failed', 0) + it.get('error', 0)} failed"
                + (f" ({it['first_failure']})" if it.get("first_failure") else "")) if it else ""
         lines.append(f"| {v.get('torch', row['torch'])} | {v.get('triton', '')} | {lowered} | {tiles} | {its} | "
                      f"{row.get('torch_path', '')} |")

@@ -8,12 +8,15 @@ from dataclasses import dataclass
 
 import torch
 
-# The oldest torch and Triton the package is tested with (tools/triton_matrix.py, docs/limitations.md#versions): every
-# kernel launch compiled for sm80, sm86 and sm90, the op's interpreter tests, the torch path and the patch. torch 2.4
-# cannot register the op's custom operators, and transformers 5 disables torch below 2.6; below TRITON_MIN (torch 2.5's
-# Triton 3.1, whose interpreter computes the kernels wrongly) the op runs its chunked torch path, with one warning.
+# The oldest torch and Triton the package is tested with (tools/triton_matrix.py, docs/limitations.md#versions).
+# TORCH_MIN: torch 2.4 cannot register the op's custom operators, transformers 5 disables torch below 2.6, and torch 2.5
+# is refused with them; torch 2.6 runs the torch path and the patch exactly (its Triton 3.2 is below TRITON_MIN).
+# TRITON_MIN: the oldest Triton (torch 2.7's 3.3) under which every kernel launch compiles for sm75, sm80 and sm90
+# and every interpreter test of the op passes; Triton 3.2's interpreter aborts mid-suite and returned a wrong argmax in
+# the low-memory pointer path, 3.1's computes the kernels wrongly. Below it the op runs its chunked torch path, with
+# one warning. setup.cfg asks for torch >= 2.7 and Triton >= 3.3: the oldest row that passes everything.
 TORCH_MIN = (2, 6)
-TRITON_MIN = (3, 2)
+TRITON_MIN = (3, 3)
 
 
 def _release(version: str) -> tuple[int, int]:
@@ -28,7 +31,7 @@ def torch_problem(version: str | None = None) -> str | None:
     if _release(version) >= TORCH_MIN:
         return None
     need = ".".join(map(str, TORCH_MIN))
-    return (f"hf_lsce needs torch >= {need} (the oldest its tests pass on), found {version}: pip install -U "
+    return (f"hf_lsce needs torch >= {need} (the oldest it is tested on), found {version}: pip install -U "
             f"'torch>={need}'")
 
 
