@@ -3,6 +3,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 from transformers.trainer_pt_utils import LabelSmoother
 
@@ -570,3 +571,30 @@ def test_cuda_graph_replays_are_trusted_only_after_a_counted_step(monkeypatch):
     for mode, confirmed in (("reduce-overhead", False), (None, True), ("default", True)):
         with pytest.raises(LsceNotEngagedError, match="did not run through the fused op"):
             _verify_engaged(trainer(mode, confirmed), model, 0.1, "label_smoothing_factor", before)
+
+
+@pytest.mark.parametrize("b", [0.1, 0.0])
+def test_chunked_token_stats_in_evaluation_from_the_logits(b):
+    """TRL 1.x's chunked loss protocol (TRL 1.14 for one calls compute_loss in evaluation and reads
+    ``num_valid_tokens``, ``entropy_sum`` and ``num_correct_tokens``, which its own chunked forward, replaced by the
+    patch, returns there too): in evaluation the patched forward builds the logits and returns the three sums, equal
+    to those of the stock model's logits, and the loss equals stock smoothing's."""
+    ref_model = tiny("llama").eval()
+    model = apply_lsce_patch(copy.deepcopy(ref_model), label_smoothing=b).eval()
+    ids, labels = batch()
+    model.__dict__["_lsce_token_stats"] = "chunked"
+    try:
+        with torch.no_grad():
+            out = model(input_ids=ids, labels=labels)
+            logits = ref_model(input_ids=ids).logits.double()
+    finally:
+        model.__dict__.pop("_lsce_token_stats")
+    nxt = F.pad(labels, (0, 1), value=-100)[:, 1:]
+    valid = nxt != -100
+    p = logits.softmax(-1)
+    entropy = -(p * p.clamp_min(1e-300).log()).sum(-1)
+    assert int(out.num_valid_tokens) == int(valid.sum())
+    assert rel(out.entropy_sum.double(), (entropy * valid).sum()) < 1e-5
+    assert int(out.num_correct_tokens) == int(((logits.argmax(-1) == nxt) & valid).sum())
+    ref = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), nxt.reshape(-1), label_smoothing=b)
+    assert rel(out.loss.double(), ref) < 1e-5

@@ -52,6 +52,12 @@ def _weights(out_dir):
     return load_file(f if f.exists() else out_dir / "adapter_model.safetensors")
 
 
+def _trl_chunked_default() -> bool:
+    import trl.trainer.sft_trainer as sft_module
+
+    return hasattr(sft_module, "_patch_chunked_ce_lm_head") and not hasattr(sft_module, "add_fused_lm_head")
+
+
 def _compare(tmp, target, args, precision, ga, steps, checkpoint, adapter=False):
     """Run stock and patched, check the evidence and the results; returns the patched run's stderr."""
     common = [*args, "--seed", "0", "--max_steps", str(steps), "--gradient_accumulation_steps", str(ga),
@@ -59,12 +65,22 @@ def _compare(tmp, target, args, precision, ga, steps, checkpoint, adapter=False)
               "--label_smoothing_factor", "0.1", "--learning_rate", "0.5", "--optim", "sgd",
               "--lr_scheduler_type", "constant", "--max_grad_norm", "0"]
     common += ["--bf16", "true" if precision == "bf16" else "false"]  # TRL's SFTConfig defaults to bf16
-    stock_audit, stock_err = _launch("stock", target, common, tmp / "stock", tmp)
+    # TRL 1.x between its chunked loss and its fused head (1.9 to 1.14) defaults to a chunked loss that cannot smooth
+    # (stock crashes under the LabelSmoother): stock smoothing there is its "nll" loss; the patched run is unchanged
+    stock_extra = ["--loss_type", "nll"] if any("trl" in str(t) for t in target) and _trl_chunked_default() else []
+    stock_audit, stock_err = _launch("stock", target, common + stock_extra, tmp / "stock", tmp)
     ours_audit, ours_err = _launch("patched", target, common, tmp / "ours", tmp)
     assert stock_audit["lm_head_calls"] > 0  # the audit sees the head when it runs
     assert ours_audit["lm_head_calls"] == 0, "hf-lsce run built logits"
     assert ours_audit["fused_calls"] == steps * ga and ours_audit["smoothing"] == [0.1]
     tol = 2e-4 if precision == "fp32" else 6e-2
+    lines = [ln for ln in ours_err.splitlines() if "[hf_lsce]" in ln]
+    assert lines and not any("[hf_lsce] hf_lsce:" in ln for ln in lines)
+    assert "first training step ran through the fused op (label_smoothing=0.1" in ours_err
+    if adapter and _trl_chunked_default():
+        # TRL 1.14.2's sft script initialises LoRA's A unseeded: two stock runs of it ended 1.4 apart (relative), so
+        # no run can be compared with another there; the evidence above still holds
+        return stock_err, ours_err
     ws, wo = _weights(tmp / "stock"), _weights(tmp / "ours")
     assert ws.keys() == wo.keys()
     # updates: final minus the checkpoint's weights; LoRA: lora_B, which starts at zero (its value is its update)
@@ -76,9 +92,6 @@ def _compare(tmp, target, args, precision, ga, steps, checkpoint, adapter=False)
         d_ours = wo[k].float() - (base[k].float() if k in base else 0)
         assert d_stock.norm() > 0, k
         assert float((d_ours - d_stock).norm() / d_stock.norm()) < tol, k
-    lines = [ln for ln in ours_err.splitlines() if "[hf_lsce]" in ln]
-    assert lines and not any("[hf_lsce] hf_lsce:" in ln for ln in lines)
-    assert "first training step ran through the fused op (label_smoothing=0.1" in ours_err
     return stock_err, ours_err
 
 
@@ -100,7 +113,8 @@ def test_trl_sft_module_bf16_with_accumulation(assets, tmp_path):
     model, data = assets
     stock_err, ours_err = _compare(tmp_path, ["-m", "trl.scripts.sft"], _sft_args(model, data, 2), "bf16", 2, steps=2,
                                    checkpoint=model)
-    assert "label_smoothing_factor` is deprecated" in stock_err  # TRL's warning, stock
+    if not _trl_chunked_default():  # (TRL 1.14.2 does not warn)
+        assert "label_smoothing_factor` is deprecated" in stock_err  # TRL's warning, stock
     assert "label_smoothing_factor` is deprecated" not in ours_err  # replaced by our accurate line
     assert "no extra forward pass" in ours_err
 

@@ -201,6 +201,21 @@ def _check_label_range(model, labels, name: str) -> None:
     check_now(labels, vocab, -100, None, None, name=name)
 
 
+@torch.no_grad()
+def _with_logit_token_stats(out, logits, shift_labels):
+    """``out`` with the statistics TRL's chunked loss returns (:class:`TokenStatsCausalLMOutput`), from the logits an
+    evaluation built: TRL 1.x (1.14 for one) calls ``compute_loss`` in evaluation too and reads them, and its own chunked
+    forward, which the patch replaces, returns them there as well."""
+    targets = shift_labels.to(logits.device)
+    valid = targets != -100
+    logp = torch.log_softmax(logits, dim=-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    counts = dict(num_valid_tokens=valid.sum(), entropy_sum=(entropy * valid).sum(),
+                  num_correct_tokens=((logits.argmax(-1) == targets) & valid).sum())
+    cls = TokenStatsMoeCausalLMOutput if isinstance(out, MoeCausalLMOutputWithPast) else TokenStatsCausalLMOutput
+    return cls(**dict(out.items()), **counts)
+
+
 def lsce_forward(self, *args, **kwargs):
     kwargs = _as_kwargs(self, args, kwargs)
     labels = kwargs.pop("labels", None)
@@ -223,7 +238,8 @@ def lsce_forward(self, *args, **kwargs):
         if has_labels:
             _check_label_range(self, labels if labels is not None else shift_labels,
                                "labels" if labels is not None else "shift_labels")
-        if not has_labels or b == 0.0:
+        chunked = has_labels and self.__dict__.get("_lsce_token_stats") == "chunked" and return_dict is not False
+        if not has_labels or (b == 0.0 and not chunked):
             if labels is not None:
                 kwargs["labels"] = labels
             if shift_labels is not None:
@@ -246,6 +262,8 @@ def lsce_forward(self, *args, **kwargs):
         if spec is not None and spec.router_aux and getattr(out, "aux_loss", None) is not None:
             loss = loss + self.router_aux_loss_coef * out.aux_loss.to(loss.device)
         out = type(out)(loss=loss, **{k: v for k, v in out.items() if k != "loss"})  # loss first, as HF orders it
+        if chunked:
+            out = _with_logit_token_stats(out, logits, shift_labels)
         return out if return_dict is not False else out.to_tuple()
 
     spec = check_supported(self)  # fail closed on configs the op cannot reproduce (the class patch checks here)
