@@ -7,6 +7,8 @@ validation, and it patches a real model. End-to-end runs of each framework's own
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -252,6 +254,43 @@ def test_plugin_is_axolotls_own_and_its_keys_join_axolotls_config(tmp_path):
         manager.plugins.pop("hf_lsce.integrations.axolotl.LscePlugin", None)
 
 
+def test_label_smoothing_factor_in_the_yaml_reaches_the_op():
+    """Axolotl's own config (0.19 to 0.21) has no ``label_smoothing_factor`` and drops it in validation, so a YAML's
+    ``label_smoothing_factor: 0.1`` trained at b = 0 (with the plugin too, before it declared the key). Through
+    Axolotl's own validation with the plugin listed the value survives, and the model the plugin patches smooths
+    with it: its loss equals HF's smoothed loss at 0.1, not the unsmoothed one."""
+    plugin = _axolotl()
+    import yaml
+    from axolotl.integrations.base import PluginManager
+    from axolotl.utils.config import validate_config
+    from axolotl.utils.dict import DictDefault
+
+    from hf_lsce import revert_lsce_patch
+    from tiny_models import tiny_model
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "axolotl" / "lsce_llama_lora.yml"
+    manager = PluginManager.get_instance()
+    manager.register("hf_lsce.integrations.axolotl.LscePlugin")
+    try:
+        cfg = validate_config(DictDefault(yaml.safe_load(example.read_text())))
+    finally:
+        manager.plugins.pop("hf_lsce.integrations.axolotl.LscePlugin", None)
+    assert cfg.label_smoothing_factor == 0.1
+    stock = tiny_model("llama").train()
+    model = tiny_model("llama").train()
+    plugin.LscePlugin().post_model_load(cfg, model)
+    try:
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(3, 100, (2, 12), generator=g)
+        logits = stock(input_ids=ids).logits.float()[:, :-1].reshape(-1, stock.config.vocab_size)
+        smoothed, plain = (torch.nn.functional.cross_entropy(logits, ids[:, 1:].reshape(-1), label_smoothing=b)
+                           for b in (0.1, 0.0))
+        loss = model(input_ids=ids, labels=ids).loss
+        assert abs(float(loss) - float(smoothed)) < 1e-5 * float(smoothed) and abs(float(smoothed) - float(plain)) > 1e-3
+    finally:
+        revert_lsce_patch(model)
+
+
 def test_plugin_refuses_a_family_outside_the_table_and_patches_the_built_model():
     plugin = _axolotl()
     from axolotl.utils.dict import DictDefault
@@ -338,6 +377,7 @@ def test_the_example_yamls_pass_their_frameworks_checks():
     ax = yaml.safe_load((root / "axolotl" / "lsce_llama_lora.yml").read_text())
     keys = LsceArgs.model_validate(ax)
     assert keys.lsce_calibration_tasks == "arc_easy,mmlu" and keys.lsce_calibration_limit == 200
+    assert keys.label_smoothing_factor == 0.1  # (Axolotl's own config drops the key; the plugin's keeps it)
     qlora = yaml.safe_load((root / "axolotl" / "lsce_gemma3_qlora.yml").read_text())
     LsceArgs.model_validate(qlora)
     assert qlora["adapter"] == "qlora" and qlora["load_in_4bit"] is True and qlora["label_smoothing_factor"] == 0.1

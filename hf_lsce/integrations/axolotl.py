@@ -2,7 +2,7 @@
 
     plugins:
       - hf_lsce.integrations.axolotl.LscePlugin
-    label_smoothing_factor: 0.1        # Axolotl hands it to the Trainer; the patched model smooths with it
+    label_smoothing_factor: 0.1        # the plugin hands it to the fused op (Axolotl's own config drops it)
 
 Axolotl loads the plugin in the process that trains (``axolotl train`` launches it through accelerate, where a patch
 applied by ``hf-lsce run`` in the launching process would not reach). Its keys (``axolotl_args.LsceArgs``) are
@@ -92,8 +92,10 @@ class LscePlugin(BasePlugin):
             return
         from ..patching import apply_lsce_patch
 
-        apply_lsce_patch(model, label_smoothing=cfg.lsce_label_smoothing,
-                         fused_eval_loss=bool(cfg.lsce_fused_eval_loss))
+        # Axolotl hands no label_smoothing_factor to the Trainer (its config has no such key; LsceArgs keeps it):
+        # the YAML's value reaches the op here, as the model's own b
+        b = cfg.lsce_label_smoothing if cfg.lsce_label_smoothing is not None else cfg.label_smoothing_factor
+        apply_lsce_patch(model, label_smoothing=b, fused_eval_loss=bool(cfg.lsce_fused_eval_loss))
         source = (f"lsce_label_smoothing={cfg.lsce_label_smoothing}" if cfg.lsce_label_smoothing is not None
                   else f"label_smoothing_factor={cfg.label_smoothing_factor or 0.0}")
         logger.info("hf_lsce: %s patched; %s drives the fused op", type(model).__name__, source)

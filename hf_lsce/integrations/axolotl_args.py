@@ -54,13 +54,17 @@ class LsceArgs(BaseModel):
     """hf_lsce's keys in an Axolotl YAML.
 
     ``lsce``: the fused label-smoothed loss on (the default once the plugin is listed) or off.
-    ``lsce_label_smoothing``: fixes b; unset, the YAML's ``label_smoothing_factor`` (which Axolotl passes to the
-    Trainer) drives it. ``lsce_fused_eval_loss``: the evaluation loss through the op too (no logits in evaluation).
+    ``lsce_label_smoothing``: fixes b; unset, the YAML's ``label_smoothing_factor`` drives it.
+    ``label_smoothing_factor``: declared here because Axolotl's own config (0.19 to 0.21) has no such key and drops it
+    before the Trainer is built: without this field a YAML's ``label_smoothing_factor: 0.1`` trained at b = 0, with
+    the plugin and without it. ``lsce_fused_eval_loss``: the evaluation loss through the op too (no logits in
+    evaluation).
     ``lsce_calibration_*``: ``CalibrationCallback`` at each evaluation (``calibration_keys``).
     """
 
     lsce: bool | None = None
     lsce_label_smoothing: float | None = None
+    label_smoothing_factor: float | None = None
     lsce_fused_eval_loss: bool | None = None
     lsce_calibration_tasks: str | list[str] | None = None
     lsce_calibration_limit: int | None = None
