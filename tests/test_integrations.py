@@ -382,6 +382,10 @@ def test_the_example_yamls_pass_their_frameworks_checks():
     LsceArgs.model_validate(qlora)
     assert qlora["adapter"] == "qlora" and qlora["load_in_4bit"] is True and qlora["label_smoothing_factor"] == 0.1
     assert "hf_lsce.integrations.axolotl.LscePlugin" in qlora["plugins"]
+    for name, key in (("lsce_llama3_8b_fsdp2.yml", "fsdp_version"), ("lsce_llama3_8b_zero3.yml", "deepspeed")):
+        several = yaml.safe_load((root / "axolotl" / name).read_text())
+        assert LsceArgs.model_validate(several).label_smoothing_factor == 0.1 and several[key]
+    assert (root.parent / yaml.safe_load((root / "axolotl" / "lsce_llama3_8b_zero3.yml").read_text())["deepspeed"]).is_file()
     lf = yaml.safe_load((root / "llamafactory" / "lsce_llama_lora_sft.yaml").read_text())
     check_config(lf, "llama")
     assert lf["lsce_calibration_tasks"] == "arc_easy,mmlu"
