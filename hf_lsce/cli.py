@@ -57,7 +57,9 @@ def _cmd_env(args) -> int:
     """Versions, GPUs, the op's path here and a self-test (``hf_lsce.env``)."""
     from .env import main
 
-    return main(args)
+    text, code = main(args)
+    print(text, flush=True)
+    return code
 
 
 def _head(text: str) -> tuple[int, int]:

@@ -13,7 +13,6 @@ torch path. Exit status 0 when every check passed, 1 otherwise.
 from __future__ import annotations
 
 import platform
-import sys
 import time
 import warnings
 
@@ -305,11 +304,10 @@ def format_report(info: dict) -> str:
     return "\n".join(lines)
 
 
-def main(args) -> int:
-    """``hf-lsce env`` (arguments parsed by ``hf_lsce.cli``): 0 when the self-test passed (or was skipped), else 1."""
+def main(args) -> tuple[str, int]:
+    """``hf-lsce env`` (arguments parsed by ``hf_lsce.cli``, which prints the text): the report as text or JSON, and
+    the exit code: 0 when the self-test passed (or was skipped), else 1."""
     import json
 
     info = report(args.device, args.tokens, tuple(args.head), run_self_test=not args.no_self_test)
-    print(json.dumps(info, indent=1) if args.json else format_report(info))
-    sys.stdout.flush()
-    return 0 if info.get("passed", True) else 1
+    return (json.dumps(info, indent=1) if args.json else format_report(info)), 0 if info.get("passed", True) else 1
