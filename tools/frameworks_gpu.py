@@ -1,6 +1,8 @@
 """The frameworks on one GPU through their own entry (``axolotl train cfg.yml``), bf16, as their users launch them:
-full fine-tuning, LoRA, QLoRA and sample packing, stock smoothing against hf_lsce's plugin and against the
-framework's own Liger option, at b = 0.1 and b = 0. Random weights of real configurations (benchmarks/bench_trainer.py's
+full fine-tuning, LoRA, QLoRA and sample packing, the stock run against hf_lsce's plugin and against the
+framework's own Liger option. Axolotl (0.19 to 0.21) has no smoothing of its own: its config drops
+``label_smoothing_factor``, so the stock and Liger runs are unsmoothed whatever ``--b`` says, and only hf_lsce's plugin
+(which keeps the key since 2026-11-28) smooths; the first-loss column compares like with like at b = 0 only. Random weights of real configurations (benchmarks/bench_trainer.py's
 CONFIGS), SmolLM2's tokenizer, rows of a few hundred tokens from ../shared/data's Alpaca file.
 
 Here, once (a device call carries at most 64 MiB, and the GPU machine has no registry):
@@ -37,6 +39,10 @@ WORK = Path("/tmp/fw_runs")
 SEQ = 1024
 MICRO_BATCH = 8
 STEPS = 12
+WARMUP = 4  # (stock LoRA's first three steps are slow)
+# the first loss against stock smoothing's, relative: bf16 weights, the same batch; stock takes bf16 logits' fp32 upcast,
+# the op sums in fp32 in another order
+FIRST_LOSS_RTOL = 1e-4
 
 
 def prepare(wheels: str | None) -> None:
@@ -148,12 +154,6 @@ def run_one(framework: str, model: Path, mode: str, variant: str, b: float, env:
     row.update(rec, timed_steps=len(secs[timed]),
                tokens_per_s=sum(toks[timed]) / sum(secs[timed]) if secs[timed] else None)
     return row
-
-
-WARMUP = 4  # (stock LoRA's first three steps are slow)
-# the first loss against stock smoothing's, relative: bf16 weights, the same batch; stock takes bf16 logits' fp32 upcast,
-# the op sums in fp32 in another order
-FIRST_LOSS_RTOL = 1e-4
 
 
 def run(args) -> int:
