@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from hf_lsce.patching.trainer import trl_defaults_to_chunked_loss
+
 from tiny_models import V, save_checkpoint, save_sft_dataset
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,12 +54,6 @@ def _weights(out_dir):
     return load_file(f if f.exists() else out_dir / "adapter_model.safetensors")
 
 
-def _trl_chunked_default() -> bool:
-    import trl.trainer.sft_trainer as sft_module
-
-    return hasattr(sft_module, "_patch_chunked_ce_lm_head") and not hasattr(sft_module, "add_fused_lm_head")
-
-
 def _compare(tmp, target, args, precision, ga, steps, checkpoint, adapter=False):
     """Run stock and patched, check the evidence and the results; returns the patched run's stderr."""
     common = [*args, "--seed", "0", "--max_steps", str(steps), "--gradient_accumulation_steps", str(ga),
@@ -67,7 +63,7 @@ def _compare(tmp, target, args, precision, ga, steps, checkpoint, adapter=False)
     common += ["--bf16", "true" if precision == "bf16" else "false"]  # TRL's SFTConfig defaults to bf16
     # TRL 1.x between its chunked loss and its fused head (1.9 to 1.14) defaults to a chunked loss that cannot smooth
     # (stock crashes under the LabelSmoother): stock smoothing there is its "nll" loss; the patched run is unchanged
-    stock_extra = ["--loss_type", "nll"] if any("trl" in str(t) for t in target) and _trl_chunked_default() else []
+    stock_extra = ["--loss_type", "nll"] if any("trl" in str(t) for t in target) and trl_defaults_to_chunked_loss() else []
     stock_audit, stock_err = _launch("stock", target, common + stock_extra, tmp / "stock", tmp)
     ours_audit, ours_err = _launch("patched", target, common, tmp / "ours", tmp)
     assert stock_audit["lm_head_calls"] > 0  # the audit sees the head when it runs
@@ -77,7 +73,7 @@ def _compare(tmp, target, args, precision, ga, steps, checkpoint, adapter=False)
     lines = [ln for ln in ours_err.splitlines() if "[hf_lsce]" in ln]
     assert lines and not any("[hf_lsce] hf_lsce:" in ln for ln in lines)
     assert "first training step ran through the fused op (label_smoothing=0.1" in ours_err
-    if adapter and _trl_chunked_default():
+    if adapter and trl_defaults_to_chunked_loss():
         # TRL 1.14.2's sft script initialises LoRA's A unseeded: two stock runs of it ended 1.4 apart (relative), so
         # no run can be compared with another there; the evidence above still holds
         return stock_err, ours_err
@@ -113,7 +109,7 @@ def test_trl_sft_module_bf16_with_accumulation(assets, tmp_path):
     model, data = assets
     stock_err, ours_err = _compare(tmp_path, ["-m", "trl.scripts.sft"], _sft_args(model, data, 2), "bf16", 2, steps=2,
                                    checkpoint=model)
-    if not _trl_chunked_default():  # (TRL 1.14.2 does not warn)
+    if not trl_defaults_to_chunked_loss():  # (TRL 1.14.2 does not warn)
         assert "label_smoothing_factor` is deprecated" in stock_err  # TRL's warning, stock
     assert "label_smoothing_factor` is deprecated" not in ours_err  # replaced by our accurate line
     assert "no extra forward pass" in ours_err

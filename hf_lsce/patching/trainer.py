@@ -171,6 +171,17 @@ def _warn_unsupported(trainer, model) -> None:
                        "on full logits. %s", type(target).__name__, supported_message())
 
 
+def trl_defaults_to_chunked_loss() -> bool:
+    """Whether the installed TRL's SFTTrainer defaults to its chunked loss (``loss_type="chunked_nll"``: TRL 1.x after
+    that loss and before its fused head, 1.9 to 1.14), which stock TRL cannot smooth (it crashes under the
+    LabelSmoother; its ``"nll"`` loss smooths)."""
+    try:
+        import trl.trainer.sft_trainer as sft_module
+    except Exception:  # noqa: BLE001 - TRL is optional at runtime
+        return False
+    return hasattr(sft_module, "_patch_chunked_ce_lm_head") and not hasattr(sft_module, "add_fused_lm_head")
+
+
 def sft_protocol(trainer) -> str | None:
     """How the installed TRL's ``SFTTrainer.compute_loss`` reads its logged token statistics, for a patched model
     (None for any other trainer): ``"fused"`` (TRL with ``add_fused_lm_head``: the model is called with
@@ -190,7 +201,7 @@ def sft_protocol(trainer) -> str | None:
         return None
     if hasattr(sft_module, "add_fused_lm_head"):
         return "fused"
-    if hasattr(sft_module, "_patch_chunked_ce_lm_head") and getattr(trainer.args, "loss_type", None) == "chunked_nll":
+    if trl_defaults_to_chunked_loss() and getattr(trainer.args, "loss_type", None) == "chunked_nll":
         return "chunked"
     return "logits"
 

@@ -152,12 +152,11 @@ if a.trainer == "sft":
              "completion": " " + " ".join(words[j] for j in torch.randint(0, len(words), (int(n),),
                                                                            generator=g).tolist())}
             for n in torch.randint(1, a.seq - prompt_len, (n_rows,), generator=g)]  # label counts differ
-    import trl.trainer.sft_trainer as sft_module
+    from hf_lsce.patching.trainer import trl_defaults_to_chunked_loss
 
-    # stock TRL 1.9 to 1.14's default chunked loss cannot smooth (it crashes under the LabelSmoother): the unpatched
-    # reference smooths through its "nll" loss there; a patched run keeps the default
-    chunked_default = hasattr(sft_module, "_patch_chunked_ce_lm_head") and not hasattr(sft_module, "add_fused_lm_head")
-    stock_loss = dict(loss_type="nll") if chunked_default and not a.patch else {}
+    # stock TRL 1.9 to 1.14's default chunked loss cannot smooth: the unpatched reference smooths through its "nll"
+    # loss there; a patched run keeps the default
+    stock_loss = dict(loss_type="nll") if trl_defaults_to_chunked_loss() and not a.patch else {}
     args = SFTConfig(a.out, completion_only_loss=True, max_length=a.seq, **common, **stock_loss)
     trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer)
 else:
