@@ -26,6 +26,9 @@ from hf_lsce.patching import versions
     (dict(lsce_fused_eval_loss=1), "lsce_fused_eval_loss must be true or false"),
     (dict(cut_cross_entropy=True), "Cut Cross-Entropy .* both replace the training loss; keep one: remove cut_cross"),
     (dict(liger_fused_linear_cross_entropy=True), "Liger's fused linear cross-entropy .* remove liger_fused_linear"),
+    (dict(lsce=False, label_smoothing_factor=0.1), "label_smoothing_factor: 0.1 with lsce: false would train "
+     "unsmoothed: Axolotl has no label smoothing .* Set lsce: true, or remove label_smoothing_factor"),
+    (dict(lsce=False, lsce_label_smoothing=0.2), "lsce_label_smoothing: 0.2 with lsce: false"),
 ])
 def test_axolotl_keys_refused_with_one_line_naming_the_key(data, match):
     with pytest.raises(ValueError, match=match) as e:
@@ -61,6 +64,7 @@ def test_axolotl_keys_accepted():
     keys = LsceArgs.model_validate(dict(lsce_label_smoothing=0.1, label_smoothing_factor=0.2))
     assert keys.lsce_label_smoothing == 0.1
     assert LsceArgs.model_validate(dict(lsce=False, cut_cross_entropy=True)).lsce is False  # off: no conflict
+    assert LsceArgs.model_validate(dict(lsce=False, label_smoothing_factor=0.0)).lsce is False  # b = 0 asked: fine
     assert LsceArgs.model_validate(dict(liger_fused_linear_cross_entropy=False, liger_rms_norm=True)).lsce is None
 
 

@@ -1,7 +1,10 @@
 """End to end through each framework's own CLI, on the CPU: Axolotl (``axolotl train``, with hf_lsce's plugin) and
 LLaMA-Factory (its training entry, with ``hf-lsce llamafactory train``), each in a virtual environment holding that
-framework at its pinned versions (tools/version_matrix.py makes them), full fine-tuning and LoRA, against the same
-framework's stock smoothing (``label_smoothing_factor: 0.1`` without hf_lsce) on the same batches.
+framework at its pinned versions (tools/version_matrix.py makes them), full fine-tuning and LoRA, against stock
+smoothing on the same batches: LLaMA-Factory's own (``label_smoothing_factor: 0.1`` without hf_lsce, which its Trainer
+hands to transformers' ``LabelSmoother``); Axolotl has none (its config drops ``label_smoothing_factor``), so its stock
+run gets transformers' ``LabelSmoother(0.1)`` from the probe (``LSCE_PROBE_HF_SMOOTHING``): what the HF Trainer does
+with the key, on Axolotl's model and batches.
 
     python tools/frameworks_e2e.py --axolotl-python /tmp/venvs/ax/bin/python \
         --llamafactory-python /tmp/venvs/lf/bin/python --out benchmarks/results/frameworks_e2e_cpu.json
@@ -133,6 +136,8 @@ def compare(stock: dict, ours: dict) -> dict:
     errs = [abs(a - r) / abs(r) for a, r in zip(ours["losses"], stock["losses"])]
     ok = (len(ours["losses"]) == len(stock["losses"]) > 0 and errs[0] < 1e-5 and max(errs) < 1e-4
           and ours["lm_head_logit_calls"] == 0 and ours["confirmed"] and stock["lm_head_logit_calls"] > 0)
+    # (and the stock run smoothed: a reference at b = 0 would differ from the op at 0.1 by far more than 1e-5; the
+    # Axolotl rows before 2026-11-28 compared b = 0 with b = 0, both sides losing the key)
     return dict(stock=stock, lsce=ours, first_rel_loss_error=errs[0] if errs else None,
                 max_rel_loss_error=max(errs) if errs else None, passed=ok)
 
@@ -156,7 +161,9 @@ def main(argv=None) -> int:
                 name = f"axolotl_{mode}_{'lsce' if lsce else 'stock'}"
                 cfg = work / f"{name}.yml"
                 cfg.write_text(axolotl_yaml(model, data, work / name, lora, lsce, packing))
-                runs[lsce] = run([str(axolotl), "train", str(cfg)], {}, work / f"{name}.log", work / f"{name}.json")
+                # (stock: transformers' LabelSmoother on the logits, Axolotl having no smoothing of its own)
+                env = {} if lsce else {"LSCE_PROBE_HF_SMOOTHING": str(B)}
+                runs[lsce] = run([str(axolotl), "train", str(cfg)], env, work / f"{name}.log", work / f"{name}.json")
             results[f"axolotl_{mode}"] = compare(runs[False], runs[True])
         if packing:  # (sample packing is run through Axolotl only)
             continue

@@ -40,6 +40,15 @@ SEQ = 1024
 MICRO_BATCH = 8
 STEPS = 12
 WARMUP = 4  # (stock LoRA's first three steps are slow)
+ZERO3 = ROOT / "examples" / "axolotl" / "zero3_bf16.json"  # the shipped example's DeepSpeed config ("auto" precision)
+# FSDP2 as examples/axolotl/lsce_llama3_8b_fsdp2.yml sets it (the layer class filled in per model)
+FSDP2 = ["fsdp_version: 2", "fsdp_config:", "  offload_params: false", "  cpu_ram_efficient_loading: true",
+         "  auto_wrap_policy: TRANSFORMER_BASED_WRAP", "  transformer_layer_cls_to_wrap: {layer}",
+         "  state_dict_type: FULL_STATE_DICT", "  reshard_after_forward: true"]
+LAYER_CLASS = {"llama": "LlamaDecoderLayer", "gemma3_text": "Gemma3DecoderLayer"}
+# several GPUs against one: the mean over ranks of each step's loss (each rank's loss is its token sum over the global
+# token count, times the world size) against the one-GPU run of the same global batch, both fp32
+MULTI_RTOL = 1e-5
 # the first loss against stock smoothing's, relative: bf16 weights, the same batch; stock takes bf16 logits' fp32 upcast,
 # the op sums in fp32 in another order
 FIRST_LOSS_RTOL = 1e-4
@@ -93,7 +102,7 @@ def make_model(name: str) -> Path:
     cfg = AutoConfig.for_model(spec.pop("model_type"), **spec, bos_token_id=tok.bos_token_id,
                                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # (the CPU: a dry run of this script)
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     model.save_pretrained(path)
     tok.save_pretrained(path)
@@ -102,19 +111,34 @@ def make_model(name: str) -> Path:
     return path
 
 
-def axolotl_yaml(model: Path, out: Path, mode: str, variant: str, b: float) -> str:
+def axolotl_yaml(model: Path, out: Path, mode: str, variant: str, b: float, *, seq: int = SEQ,
+                 micro_batch: int = MICRO_BATCH, steps: int = STEPS, precision: str = "bf16", engine: str | None = None,
+                 sequential: bool = False) -> str:
+    """The YAML of one run. ``engine``: None (one process), "zero3" (the shipped ZeRO-3 example's DeepSpeed config)
+    or "fsdp2"; ``sequential``: Axolotl's ``curriculum_sampling`` (the rows in order, so that N GPUs' first step
+    trains on the one-GPU run's first batch); ``precision``: "bf16" or "fp32" (tf32 off)."""
     packed = mode == "packed"
     plugins = {"stock": [], "lsce": ["hf_lsce.integrations.axolotl.LscePlugin"],
                "liger": ["axolotl.integrations.liger.LigerPlugin"]}[variant] + ["probe.ProbePlugin"]
     lines = [f"base_model: {model}", "datasets:", f"  - path: {FW / 'data' / 'train.jsonl'}", "    ds_type: json",
-             "    type: alpaca", f"sequence_len: {SEQ}", f"sample_packing: {str(packed).lower()}",
-             f"pad_to_sequence_len: {str(packed).lower()}", f"micro_batch_size: {MICRO_BATCH}",
-             "gradient_accumulation_steps: 1", f"max_steps: {STEPS}", "num_epochs: 1", "learning_rate: 0.00001",
+             "    type: alpaca", f"sequence_len: {seq}", f"sample_packing: {str(packed).lower()}",
+             f"pad_to_sequence_len: {str(packed).lower()}", f"micro_batch_size: {micro_batch}",
+             "gradient_accumulation_steps: 1", f"max_steps: {steps}", "num_epochs: 1", "learning_rate: 0.00001",
              "optimizer: adamw_torch_fused", "lr_scheduler: constant", f"output_dir: {out}", "val_set_size: 0",
-             "save_strategy: 'no'", "logging_steps: 1", "seed: 0", "dataloader_num_workers: 2", "bf16: true",
+             "save_strategy: 'no'", "logging_steps: 1", "seed: 0", "dataloader_num_workers: 2",
+             *(["bf16: true"] if precision == "bf16" else ["bf16: false", "fp16: false", "tf32: false"]),
              "sdp_attention: true", f"label_smoothing_factor: {b}",
-             f"dataset_prepared_path: {WORK / ('prepared_' + model.name + ('_packed' if packed else ''))}",
-             "plugins:", *[f"  - {p}" for p in plugins]]
+             # (each run prepares its own copy: runs side by side on several GPUs never share the folder)
+             f"dataset_prepared_path: {out}_prepared", "plugins:", *[f"  - {p}" for p in plugins]]
+    if sequential:
+        lines += ["curriculum_sampling: true"]
+    if engine == "zero3":
+        lines += [f"deepspeed: {ZERO3}"]
+    elif engine == "fsdp2":
+        import json as _json
+
+        layer = LAYER_CLASS[_json.loads((model / "config.json").read_text())["model_type"]]
+        lines += [x.format(layer=layer) for x in FSDP2]
     if variant == "liger":  # only the loss: Liger's other kernels off, as hf_lsce changes only the loss
         lines += ["liger_fused_linear_cross_entropy: true", "liger_rope: false", "liger_rms_norm: false",
                   "liger_glu_activation: false", "liger_layer_norm: false", "liger_cross_entropy: false"]
@@ -126,53 +150,129 @@ def axolotl_yaml(model: Path, out: Path, mode: str, variant: str, b: float) -> s
     return "\n".join(lines) + "\n"
 
 
-def run_one(framework: str, model: Path, mode: str, variant: str, b: float, env: dict) -> dict:
-    name = f"{framework}_{model.name}_{mode}_{variant}_b{b:g}"
+def run_one(framework: str, model: Path, mode: str, variant: str, b: float, env: dict, *, gpus: str = "0",
+            tag: str = "", **yaml_kw) -> dict:
+    """One ``axolotl train`` on the GPUs ``gpus`` (CUDA_VISIBLE_DEVICES; several: one process each, through Axolotl's
+    accelerate launcher). The stock and Liger variants at b > 0 get transformers' LabelSmoother from the probe: the HF
+    Trainer's own smoothing, which Axolotl's config cannot ask for."""
+    name = f"{framework}_{model.name}_{mode}_{variant}_b{b:g}{tag}"
     WORK.mkdir(parents=True, exist_ok=True)
     cfg, log, probe = WORK / f"{name}.yml", WORK / f"{name}.log", WORK / f"{name}.json"
-    cfg.write_text(axolotl_yaml(model, WORK / name, mode, variant, b))
-    probe.unlink(missing_ok=True)
+    cfg.write_text(axolotl_yaml(model, WORK / name, mode, variant, b, **yaml_kw))
+    for old in WORK.glob(f"{name}.json*"):
+        old.unlink()
+    n_gpus = len(gpus.split(","))
+    cmd = ["axolotl", "train", str(cfg)]
+    if n_gpus > 1:
+        port = 29500 + abs(hash(name)) % 1000
+        cmd += ["--", "--num_processes", str(n_gpus), "--main_process_port", str(port)]
+    run_env = {**env, "LSCE_PROBE_OUT": str(probe), "CUDA_VISIBLE_DEVICES": gpus,
+               "LSCE_PROBE_HF_SMOOTHING": str(b) if variant != "lsce" else "0",
+               "HF_DATASETS_CACHE": str(WORK / f"{name}_datasets")}  # (no cache shared by runs side by side)
     t0 = time.time()
     with open(log, "w") as f:
-        rc = subprocess.run(["axolotl", "train", str(cfg)], env={**env, "LSCE_PROBE_OUT": str(probe)}, stdout=f,
-                            stderr=subprocess.STDOUT, timeout=600).returncode
-    row = dict(framework=framework, model=model.name, mode=mode, variant=variant, b=b, rc=rc,
+        rc = subprocess.run(cmd, env=run_env, stdout=f, stderr=subprocess.STDOUT, timeout=600).returncode
+    row = dict(framework=framework, model=model.name, mode=mode, variant=variant, b=b, rc=rc, gpus=n_gpus,
+               engine=yaml_kw.get("engine"), precision=yaml_kw.get("precision", "bf16"),
                wall_s=round(time.time() - t0, 1))
-    if rc != 0 or not probe.exists():
+    files = [probe] if n_gpus == 1 else [Path(f"{probe}.rank{r}") for r in range(n_gpus)]
+    if rc != 0 or not all(f.exists() for f in files):
         lines = [x for x in log.read_text(errors="replace").splitlines() if x.strip()]
         errors = [x for x in lines if "Error" in x or "error:" in x]
         row["error"] = (errors[-3:] if errors else lines[-3:])
         return row
-    rec = json.loads(probe.read_text())
+    recs = [json.loads(f.read_text()) for f in files]
+    rec = recs[0]
     # Axolotl resets the device's peak memory at each logging step and logs each step's peak: the largest of them
     framework_peaks = [float(h["memory/max_allocated (GiB)"]) for h in rec.pop("log_history", [])
                        if "memory/max_allocated (GiB)" in h and "loss" in h]
     if framework_peaks:
         rec["peak_gib"] = max(framework_peaks)
+    if n_gpus > 1:  # every rank: its losses, its head calls, its check; the step loss is the mean over ranks
+        for r in recs[1:]:
+            r.pop("log_history", None)
+        rec = dict(rec, rank_losses=[r["losses"] for r in recs],
+                   losses=[sum(x) / n_gpus for x in zip(*[r["losses"] for r in recs])],
+                   lm_head_logit_calls=sum(r["lm_head_logit_calls"] for r in recs),
+                   confirmed=all(r["confirmed"] for r in recs), ranks_confirmed=[r["confirmed"] for r in recs],
+                   step_tokens=[sum(x) for x in zip(*[r["step_tokens"] for r in recs])],
+                   step_seconds=[max(x) for x in zip(*[r["step_seconds"] for r in recs])],
+                   peak_gib=max(r["peak_gib"] or 0 for r in recs))
     secs, toks = rec["step_seconds"], rec["step_tokens"]
-    timed = slice(WARMUP, None)
+    timed = slice(WARMUP if len(secs) > WARMUP else 1, None)
     row.update(rec, timed_steps=len(secs[timed]),
                tokens_per_s=sum(toks[timed]) / sum(secs[timed]) if secs[timed] else None)
     return row
 
 
+def _env() -> dict:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(PROBE_DIR), str(ROOT), os.environ.get("PYTHONPATH", "")]),
+            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "AXOLOTL_DO_NOT_TRACK": "1", "WANDB_MODE": "disabled",
+            "TOKENIZERS_PARALLELISM": "false"}
+
+
 def run(args) -> int:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(PROBE_DIR), str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "AXOLOTL_DO_NOT_TRACK": "1", "WANDB_MODE": "disabled",
-           "TOKENIZERS_PARALLELISM": "false"}
+    """The grid: one run per (model, mode, b, variant). With ``--parallel N`` the runs go N at a time, one per GPU,
+    in row order, so a row's stock, hf_lsce and Liger runs train side by side under the same host load."""
+    import queue
+    from concurrent.futures import ThreadPoolExecutor
+
+    env = _env()
     out = Path(args.out)
     rows = json.loads(out.read_text()) if out.exists() else []
-    for name in args.models.split(","):
-        model = make_model(name)
-        for mode in args.modes.split(","):
-            for b in [float(x) for x in args.b.split(",")]:
-                for variant in args.variants.split(","):
-                    row = run_one(args.framework, model, mode, variant, b, env)
-                    rows.append(row)
-                    out.write_text(json.dumps(rows, indent=1) + "\n")
-                    print(_line(row), flush=True)
+    size = dict(seq=args.seq, micro_batch=args.micro_batch, steps=args.steps, precision=args.precision)
+    jobs = [(make_model(name), mode, float(b), variant) for name in args.models.split(",")
+            for mode in args.modes.split(",") for b in args.b.split(",") for variant in args.variants.split(",")]
+    free: queue.Queue = queue.Queue()
+    for k in range(args.parallel):
+        free.put(str(k))
+
+    def one(job):
+        gpu = free.get()
+        try:
+            model, mode, b, variant = job
+            return run_one(args.framework, model, mode, variant, b, env, gpus=gpu, **size)
+        finally:
+            free.put(gpu)
+
+    with ThreadPoolExecutor(args.parallel) as pool:
+        for row in pool.map(one, jobs):
+            rows.append(row)
+            out.write_text(json.dumps(rows, indent=1) + "\n")
+            print(_line(row), flush=True)
     print(table(rows))
     return 0
+
+
+def multi(args) -> int:
+    """Several GPUs through Axolotl's own launcher against one GPU, fp32: the one-GPU run (micro-batch G x m, the rows
+    in order) with hf_lsce and with HF's LabelSmoother, then G GPUs with each engine (micro-batch m per GPU, so the
+    first global batch is the same rows). Passes when every rank's check confirmed the op with no lm_head call, and the
+    mean over ranks of each step's loss equals the one-GPU run's to MULTI_RTOL (first step; later steps reported)."""
+    env = _env()
+    out = Path(args.out)
+    model = make_model(args.model)
+    g, m, b = args.gpus, args.micro_batch, float(args.b)
+    kw = dict(seq=args.seq, steps=args.steps, precision="fp32", sequential=True)
+    rows = [run_one("axolotl", model, "full", variant, b, env, gpus="0", tag="_1gpu", micro_batch=g * m, **kw)
+            for variant in ("stock", "lsce")]
+    for engine in args.engines.split(","):
+        rows.append(run_one("axolotl", model, "full", "lsce", b, env, gpus=",".join(map(str, range(g))),
+                            tag=f"_{engine}{g}", micro_batch=m, engine=engine, **kw))
+    one_gpu = rows[1]
+    for r in rows:
+        if r.get("error") or one_gpu.get("error"):
+            r["passed"] = False
+            continue
+        errs = [abs(x - y) / abs(y) for x, y in zip(r["losses"], one_gpu["losses"])]
+        r["rel_loss_error_vs_1gpu"] = errs
+        r["passed"] = bool(errs and errs[0] < MULTI_RTOL and (r["variant"] == "stock" or (
+            r["lm_head_logit_calls"] == 0 and r["confirmed"])))
+        print(f"{r['variant']:5s} {r['gpus']} GPU {r['engine'] or '-':5s}: losses {[round(x, 6) for x in r['losses']]}"
+              f" rel. to one GPU {['%.1e' % e for e in errs]} lm_head logit calls {r['lm_head_logit_calls']}, "
+              f"ranks confirmed {r.get('ranks_confirmed', r['confirmed'])} passed={r['passed']}", flush=True)
+    out.write_text(json.dumps(rows, indent=1) + "\n")
+    return 0 if all(r["passed"] for r in rows) else 1
 
 
 def _line(r: dict) -> str:
@@ -203,7 +303,7 @@ def table(rows: list[dict]) -> str:
     for (model, mode, b), g in groups.items():
         s, o, lg = g.get("stock"), g.get("lsce"), g.get("liger")
         ok = lambda r: r is not None and not r.get("error")  # noqa: E731
-        ratio = lambda a, c, k: f"{a[k] / c[k]:.2f} x" if ok(a) and ok(c) else "-"  # noqa: E731
+        ratio = lambda a, c, k: f"{a[k] / c[k]:.2f} x" if ok(a) and ok(c) and c[k] else "-"  # noqa: E731
         err = abs(o["losses"][0] - s["losses"][0]) / abs(s["losses"][0]) if ok(o) and ok(s) else None
         first = "-" if err is None else f"{err:.1e} ({'ok' if err < FIRST_LOSS_RTOL else 'FAILED'})"
         calls = f"{s['lm_head_logit_calls'] if ok(s) else '-'}, {o['lm_head_logit_calls'] if ok(o) else '-'}"
@@ -226,6 +326,20 @@ def main(argv=None) -> int:
     r.add_argument("--variants", default="stock,lsce,liger")
     r.add_argument("--b", default="0.1")
     r.add_argument("--out", required=True)
+    for q in (r,):
+        q.add_argument("--parallel", type=int, default=1, help="runs at a time, one per GPU")
+        q.add_argument("--micro-batch", type=int, default=MICRO_BATCH)
+        q.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
+    mu = sub.add_parser("multi", help="several GPUs (ZeRO-3, FSDP2) against one, fp32")
+    mu.add_argument("--model", default="llama3.2-1b")
+    mu.add_argument("--gpus", type=int, default=4)
+    mu.add_argument("--engines", default="zero3,fsdp2")
+    mu.add_argument("--micro-batch", type=int, default=2, help="per GPU")
+    mu.add_argument("--b", default="0.1")
+    mu.add_argument("--out", required=True)
+    for q in (r, mu):
+        q.add_argument("--seq", type=int, default=SEQ)
+        q.add_argument("--steps", type=int, default=STEPS)
     t = sub.add_parser("table")
     t.add_argument("results", nargs="+")
     args = p.parse_args(argv)
@@ -234,6 +348,8 @@ def main(argv=None) -> int:
         return 0
     if args.cmd == "run":
         return run(args)
+    if args.cmd == "multi":
+        return multi(args)
     print(table([row for f in args.results for row in json.loads(Path(f).read_text())]))
     return 0
 

@@ -1,8 +1,12 @@
 """In-process probe for the framework end-to-end runs (tools/frameworks_e2e.py): on the trainer a framework builds,
 it records every training compute_loss's loss (full precision, not the 4-digit log), the lm_head calls that returned
-logits, and hf_lsce's engagement count, and writes them to $LSCE_PROBE_OUT as JSON when training ends. A test
-harness, not part of the package: the frameworks reach it through their own hooks (Axolotl: a plugin; LLaMA-Factory:
-its Trainer's train)."""
+logits, and hf_lsce's engagement count, and writes them to $LSCE_PROBE_OUT as JSON when training ends (one file per
+rank, ``$LSCE_PROBE_OUT.rankR``, when several processes train). A test harness, not part of the package: the
+frameworks reach it through their own hooks (Axolotl: a plugin; LLaMA-Factory: its Trainer's train).
+
+``LSCE_PROBE_HF_SMOOTHING=b`` (b > 0) gives the trainer transformers' own ``LabelSmoother(epsilon=b)``, which is what
+``label_smoothing_factor: b`` does in the HF Trainer (logits, then smoothing on them): the stock smoothed reference for
+a framework whose config has no such key (Axolotl drops it)."""
 from __future__ import annotations
 
 import json
@@ -72,6 +76,12 @@ def install(trainer) -> None:
                   step_seconds=[], step_tokens=[], peak_gib=None)
     timer = _Timer(record)
     trainer.add_callback(timer.callback())
+    hf_b = float(os.environ.get("LSCE_PROBE_HF_SMOOTHING") or 0)
+    if hf_b > 0:
+        from transformers.trainer_pt_utils import LabelSmoother
+
+        trainer.label_smoother = LabelSmoother(epsilon=hf_b)
+    record["hf_label_smoother"] = hf_b
     head = trainer.model.get_output_embeddings() if hasattr(trainer.model, "get_output_embeddings") else None
 
     def on_head(module, args, out):
@@ -106,7 +116,10 @@ def install(trainer) -> None:
             except ImportError:
                 pass
             record["log_history"] = trainer.state.log_history  # (what report_to and the logs were given)
-            with open(os.environ["LSCE_PROBE_OUT"], "w") as f:
+            out = os.environ["LSCE_PROBE_OUT"]
+            if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+                out, record["rank"] = f"{out}.rank{os.environ.get('RANK', '0')}", int(os.environ.get("RANK", "0"))
+            with open(out, "w") as f:
                 json.dump(record, f)
 
     trainer.train = probed_train
