@@ -1,24 +1,26 @@
-"""The frameworks on one GPU through their own entry (``axolotl train cfg.yml``), bf16, as their users launch them:
-full fine-tuning, LoRA, QLoRA and sample packing, the stock run against hf_lsce's plugin and against the
-framework's own Liger option. Axolotl (0.19 to 0.21) has no smoothing of its own: its config drops
-``label_smoothing_factor``, so the stock and Liger runs are unsmoothed whatever ``--b`` says, and only hf_lsce's plugin
-(which keeps the key since 2026-11-28) smooths; the first-loss column compares like with like at b = 0 only. Random weights of real configurations (benchmarks/bench_trainer.py's
-CONFIGS), SmolLM2's tokenizer, rows of a few hundred tokens from ../shared/data's Alpaca file.
+"""The frameworks on GPUs through their own entry (``axolotl train cfg.yml``), as their users launch them: bf16 full
+fine-tuning, LoRA, QLoRA and sample packing on one GPU, the stock run against hf_lsce's plugin and against the
+framework's own Liger option; DeepSpeed ZeRO-3 and FSDP2 on several GPUs against one (``multi``). Axolotl (0.19 to
+0.21) has no smoothing of its own (its config drops ``label_smoothing_factor``): at b > 0 the stock and Liger runs get
+transformers' ``LabelSmoother(b)`` from the probe (tools/frameworks/probe.py), what the key does in the HF Trainer.
+Random weights of real configurations (benchmarks/bench_trainer.py's CONFIGS), SmolLM2's tokenizer, rows of a few
+hundred tokens from ../shared/data's Alpaca file.
 
 Here, once (a device call carries at most 64 MiB, and the GPU machine has no registry):
     python tools/frameworks_gpu.py prepare --wheels DIR
 writes the tokenizer and the rows to .gpu/fw/ and DIR's wheels (tools/frameworks/axolotl_gpu_wheels.txt says which
-and how to download them) as one archive split into parts in .gpu/stage/. Each device call carries a part
-(``tools/gpu/gpu_stage.py put``); the last one joins them, installs the wheels into /tmp/site (``--target``, its bin/
-on PATH: ``axolotl`` starts ``accelerate launch``) and runs
-    python3 tools/frameworks_gpu.py run --framework axolotl --models gemma3-270m-config,llama3.2-1b \
-        --modes full,lora,qlora,packed --variants stock,lsce,liger --b 0.1 --out $OUT/frameworks_gpu.json
-Per run, from inside the training process (tools/frameworks/probe.py): every loss, the lm_head calls that returned
-logits, hf_lsce's per-step check, each step's wall time (the device synchronised at step boundaries) and input
-tokens, the device's peak allocated memory. Tokens/s is over the steps after the first ``--warmup``. Rows are written
-after each run, so a call stopped at its limit keeps what ran.
+and how to download them) as one archive split into parts in .gpu/stage/; .gpu/extra/ holds the wheels added since
+(python-dotenv, DeepSpeed built here as a pure-Python wheel, hjson). Then, one device call each, back to back:
+    bash tools/gpu/fw_session.sh put 0        # 1, 2: carry that part
+    bash tools/gpu/fw_session.sh go python3 tools/frameworks_gpu.py run --models gemma3-270m-config,llama3.2-1b \
+        --modes full,lora,qlora,packed --variants stock,lsce,liger --b 0.1 --parallel 4 --out $OUT/fw.json
+    bash tools/gpu/fw_session.sh go python3 tools/frameworks_gpu.py multi --gpus 4 --out $OUT/fw_multi.json
+Per run, from inside each training process (tools/frameworks/probe.py): every loss, the lm_head calls that returned
+logits, hf_lsce's per-step check, each step's wall time (the device synchronised at step boundaries), input tokens and
+scored labels, the device's peak allocated memory. Tokens/s is over the steps after the first ``WARMUP``. Rows are
+written after each run, so a call stopped at its limit keeps what ran.
     python tools/frameworks_gpu.py table RESULTS.json [...]
-prints the markdown table of docs/frameworks.md.
+prints the markdown tables of docs/frameworks.md.
 """
 from __future__ import annotations
 
@@ -165,7 +167,7 @@ def run_one(framework: str, model: Path, mode: str, variant: str, b: float, env:
     cmd = ["axolotl", "train", str(cfg)]
     if n_gpus > 1:
         port = 29500 + abs(hash(name)) % 1000
-        cmd += ["--", "--num_processes", str(n_gpus), "--main_process_port", str(port)]
+        cmd += ["--", "--multi_gpu", "--num_processes", str(n_gpus), "--main_process_port", str(port)]
     run_env = {**env, "LSCE_PROBE_OUT": str(probe), "CUDA_VISIBLE_DEVICES": gpus,
                "LSCE_PROBE_HF_SMOOTHING": str(b) if variant != "lsce" else "0",
                "HF_DATASETS_CACHE": str(WORK / f"{name}_datasets")}  # (no cache shared by runs side by side)
@@ -173,6 +175,7 @@ def run_one(framework: str, model: Path, mode: str, variant: str, b: float, env:
     with open(log, "w") as f:
         rc = subprocess.run(cmd, env=run_env, stdout=f, stderr=subprocess.STDOUT, timeout=600).returncode
     row = dict(framework=framework, model=model.name, mode=mode, variant=variant, b=b, rc=rc, gpus=n_gpus,
+               micro_batch=yaml_kw.get("micro_batch", MICRO_BATCH),
                engine=yaml_kw.get("engine"), precision=yaml_kw.get("precision", "bf16"),
                wall_s=round(time.time() - t0, 1))
     files = [probe] if n_gpus == 1 else [Path(f"{probe}.rank{r}") for r in range(n_gpus)]
@@ -192,6 +195,7 @@ def run_one(framework: str, model: Path, mode: str, variant: str, b: float, env:
         for r in recs[1:]:
             r.pop("log_history", None)
         rec = dict(rec, rank_losses=[r["losses"] for r in recs],
+                   rank_label_tokens=[r["step_label_tokens"] for r in recs],
                    losses=[sum(x) / n_gpus for x in zip(*[r["losses"] for r in recs])],
                    lm_head_logit_calls=sum(r["lm_head_logit_calls"] for r in recs),
                    confirmed=all(r["confirmed"] for r in recs), ranks_confirmed=[r["confirmed"] for r in recs],
@@ -245,34 +249,72 @@ def run(args) -> int:
 
 
 def multi(args) -> int:
-    """Several GPUs through Axolotl's own launcher against one GPU, fp32: the one-GPU run (micro-batch G x m, the rows
-    in order) with hf_lsce and with HF's LabelSmoother, then G GPUs with each engine (micro-batch m per GPU, so the
-    first global batch is the same rows). Passes when every rank's check confirmed the op with no lm_head call, and the
-    mean over ranks of each step's loss equals the one-GPU run's to MULTI_RTOL (first step; later steps reported)."""
+    """Several GPUs through Axolotl's own launcher, fp32, against HF's smoothing on the same GPUs and against one GPU.
+
+    Axolotl sets ``average_tokens_across_devices: false``: each rank's loss is the mean over its own tokens, and the
+    engines average the ranks' gradients. So per engine, stock (transformers' LabelSmoother, from the probe) and
+    hf_lsce run on G GPUs with micro-batch m each, and the one-GPU run takes micro-batch G x m with the rows in order
+    (the same global batch). Passes when every rank's check confirmed the op with no lm_head call returning logits,
+    each rank's first loss equals stock's on that rank to MULTI_RTOL, and the ranks' first losses weighted by their
+    scored tokens equal the one-GPU run's first loss to MULTI_RTOL (later steps reported)."""
     env = _env()
     out = Path(args.out)
     model = make_model(args.model)
     g, m, b = args.gpus, args.micro_batch, float(args.b)
     kw = dict(seq=args.seq, steps=args.steps, precision="fp32", sequential=True)
-    rows = [run_one("axolotl", model, "full", variant, b, env, gpus="0", tag="_1gpu", micro_batch=g * m, **kw)
-            for variant in ("stock", "lsce")]
+    rows = [run_one("axolotl", model, "full", "lsce", b, env, gpus="0", tag="_1gpu", micro_batch=g * m, **kw)]
     for engine in args.engines.split(","):
-        rows.append(run_one("axolotl", model, "full", "lsce", b, env, gpus=",".join(map(str, range(g))),
-                            tag=f"_{engine}{g}", micro_batch=m, engine=engine, **kw))
-    one_gpu = rows[1]
-    for r in rows:
-        if r.get("error") or one_gpu.get("error"):
+        for variant in ("stock", "lsce"):
+            rows.append(run_one("axolotl", model, "full", variant, b, env, gpus=",".join(map(str, range(g))),
+                                tag=f"_{engine}{g}", micro_batch=m, engine=engine, **kw))
+    judge_multi(rows)
+    out.write_text(json.dumps(rows, indent=1) + "\n")
+    print(multi_table(rows))
+    return 0 if all(r["passed"] for r in rows if r["variant"] == "lsce") else 1
+
+
+def judge_multi(rows: list[dict]) -> None:
+    """``multi``'s checks, written into its rows (rows[0]: the one-GPU run). Each G-GPU run: the ranks' first losses
+    weighted by their scored tokens against the one-GPU first loss; hf_lsce's also rank by rank against stock's on
+    the same engine (reported: under FSDP2 stock's LabelSmoother is called without the causal shift, a transformers
+    bug, docs/distributed.md), no lm_head call returning logits, every rank's check confirmed."""
+    one_gpu = rows[0]
+    ok = lambda r: not r.get("error")  # noqa: E731
+    one_gpu["passed"] = ok(one_gpu) and one_gpu["lm_head_logit_calls"] == 0 and one_gpu["confirmed"]
+    for r in rows[1:]:
+        if not (ok(r) and ok(one_gpu)):
             r["passed"] = False
             continue
-        errs = [abs(x - y) / abs(y) for x, y in zip(r["losses"], one_gpu["losses"])]
-        r["rel_loss_error_vs_1gpu"] = errs
-        r["passed"] = bool(errs and errs[0] < MULTI_RTOL and (r["variant"] == "stock" or (
-            r["lm_head_logit_calls"] == 0 and r["confirmed"])))
-        print(f"{r['variant']:5s} {r['gpus']} GPU {r['engine'] or '-':5s}: losses {[round(x, 6) for x in r['losses']]}"
-              f" rel. to one GPU {['%.1e' % e for e in errs]} lm_head logit calls {r['lm_head_logit_calls']}, "
-              f"ranks confirmed {r.get('ranks_confirmed', r['confirmed'])} passed={r['passed']}", flush=True)
-    out.write_text(json.dumps(rows, indent=1) + "\n")
-    return 0 if all(r["passed"] for r in rows) else 1
+        weighted = [sum(l[k] * n[k] for l, n in zip(r["rank_losses"], r["rank_label_tokens"]))
+                    / sum(n[k] for n in r["rank_label_tokens"]) for k in range(len(r["losses"]))]
+        r["token_weighted_losses"] = weighted
+        r["rel_error_vs_1gpu"] = [abs(x - y) / abs(y) for x, y in zip(weighted, one_gpu["losses"])]
+        stock = next((s for s in rows[1:] if s.get("engine") == r["engine"] and s["variant"] == "stock"), None)
+        if r["variant"] == "lsce" and stock is not None and ok(stock):
+            r["rel_error_vs_stock_per_rank"] = [[abs(x - y) / abs(y) for x, y in zip(a, c)]
+                                                for a, c in zip(r["rank_losses"], stock["rank_losses"])]
+        r["passed"] = bool(r["rel_error_vs_1gpu"][0] < MULTI_RTOL and (
+            r["variant"] == "stock" or (r["lm_head_logit_calls"] == 0 and r["confirmed"])))
+
+
+def multi_table(rows: list[dict]) -> str:
+    one = rows[0]
+    lines = ["| run | GPUs, micro-batch each | engine | first loss (token-weighted over ranks) | vs one GPU: steps 1, 2, 3 "
+             "| vs stock on the same ranks (largest, step 1) | lm_head calls returning logits | ranks confirmed | "
+             "passed |", "|---|---|---|---|---|---|---|---|---|"]
+    lines.append(f"| hf_lsce | 1, {one.get('micro_batch', '-')} | - | {one['losses'][0]:.6f} | - | - | "
+                 f"{one['lm_head_logit_calls']} | {one['confirmed']} | {'yes' if one['passed'] else 'NO'} |")
+    for r in rows[1:]:
+        if r.get("error"):
+            lines.append(f"| {r['variant']} | {r['gpus']} | {r['engine']} | failed: {r['error'][-1][:80]} |||||")
+            continue
+        vs = r.get("rel_error_vs_stock_per_rank")
+        lines.append(f"| {'hf_lsce' if r['variant'] == 'lsce' else 'stock (LabelSmoother)'} | {r['gpus']}, "
+                     f"{r.get('micro_batch', '-')} | {r['engine']} | {r['token_weighted_losses'][0]:.6f} | "
+                     f"{', '.join('%.1e' % e for e in r['rel_error_vs_1gpu'])} | "
+                     f"{'-' if vs is None else '%.1e' % max(e[0] for e in vs)} | {r['lm_head_logit_calls']} | "
+                     f"{sum(r['ranks_confirmed'])} of {r['gpus']} | {'yes' if r['passed'] else 'NO'} |")
+    return "\n".join(lines)
 
 
 def _line(r: dict) -> str:
@@ -350,7 +392,12 @@ def main(argv=None) -> int:
         return run(args)
     if args.cmd == "multi":
         return multi(args)
-    print(table([row for f in args.results for row in json.loads(Path(f).read_text())]))
+    rows = [row for f in args.results for row in json.loads(Path(f).read_text())]
+    if any(r.get("engine") for r in rows):  # multi's rows
+        judge_multi(rows)
+        print(multi_table(rows))
+        return 0
+    print(table(rows))
     return 0
 
 

@@ -73,7 +73,7 @@ class _Timer:
 
 def install(trainer) -> None:
     record = dict(losses=[], lm_head_logit_calls=0, fused_calls=None, patched=False, confirmed=False,
-                  step_seconds=[], step_tokens=[], peak_gib=None)
+                  step_seconds=[], step_tokens=[], step_label_tokens=[], peak_gib=None)
     timer = _Timer(record)
     trainer.add_callback(timer.callback())
     hf_b = float(os.environ.get("LSCE_PROBE_HF_SMOOTHING") or 0)
@@ -85,7 +85,10 @@ def install(trainer) -> None:
     head = trainer.model.get_output_embeddings() if hasattr(trainer.model, "get_output_embeddings") else None
 
     def on_head(module, args, out):
-        if torch.is_tensor(out):
+        # logits: a tensor whose last dimension is the vocabulary (under ZeRO-3 and FSDP2 the patch runs the op as
+        # the head's own forward, so that the engine gathers the weight: that call returns the loss, not logits)
+        vocab = getattr(module, "out_features", None)
+        if torch.is_tensor(out) and out.dim() >= 2 and (vocab is None or out.shape[-1] == vocab):
             record["lm_head_logit_calls"] += 1
 
     if head is not None:
@@ -95,6 +98,9 @@ def install(trainer) -> None:
     def probed(model, inputs, *args, **kwargs):
         if model.training:
             timer.count(inputs)
+            labels = inputs.get("labels") if hasattr(inputs, "get") else None
+            if torch.is_tensor(labels):  # the labels the shifted loss scores (each rank's own count)
+                record["step_label_tokens"].append(int((labels[..., 1:] != -100).sum()))
         out = compute_loss(model, inputs, *args, **kwargs)
         loss = out[0] if isinstance(out, tuple) else out
         if model.training:
