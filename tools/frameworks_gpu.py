@@ -56,7 +56,7 @@ MULTI_RTOL = 1e-5
 FIRST_LOSS_RTOL = 1e-4
 
 
-def prepare(wheels: str | None) -> None:
+def prepare(wheels: str | None, archive_name: str = "fw_wheels.tar") -> None:
     """The tokenizer, the rows (several Alpaca answers per row: 300-700 tokens) and the wheels' archive parts."""
     from transformers import AutoTokenizer
 
@@ -79,7 +79,7 @@ def prepare(wheels: str | None) -> None:
             f.write(json.dumps(r) + "\n")
     (FW / "data" / "dataset_info.json").write_text(json.dumps({"long_rows": {"file_name": "train.jsonl"}}))
     if wheels:
-        archive = ROOT / ".gpu" / "fw_wheels.tar"
+        archive = ROOT / ".gpu" / archive_name
         with tarfile.open(archive, "w") as t:
             for w in sorted(Path(wheels).glob("*.whl")):
                 t.add(w, arcname=f"whl/{w.name}")
@@ -152,24 +152,65 @@ def axolotl_yaml(model: Path, out: Path, mode: str, variant: str, b: float, *, s
     return "\n".join(lines) + "\n"
 
 
+def llamafactory_yaml(model: Path, out: Path, mode: str, variant: str, b: float, *, seq: int = SEQ,
+                      micro_batch: int = MICRO_BATCH, steps: int = STEPS, precision: str = "bf16",
+                      engine: str | None = None, sequential: bool = False) -> str:
+    """LLaMA-Factory's YAML of the same run. Its Trainer smooths by itself (``label_smoothing_factor``), so stock
+    needs no help; Liger is its ``enable_liger_kernel``; ``engine``: None or "zero3" (the same DeepSpeed config);
+    ``sequential``: ``disable_shuffling``."""
+    lines = [f"model_name_or_path: {model}", "stage: sft", "do_train: true",
+             f"finetuning_type: {'full' if mode == 'full' else 'lora'}", "dataset: long_rows",
+             f"dataset_dir: {FW / 'data'}", "template: default", f"cutoff_len: {seq}", "overwrite_cache: true",
+             "preprocessing_num_workers: 4", f"output_dir: {out}", "overwrite_output_dir: true",
+             f"per_device_train_batch_size: {micro_batch}", "gradient_accumulation_steps: 1", f"max_steps: {steps}",
+             "learning_rate: 1.0e-5", "lr_scheduler_type: constant", "optim: adamw_torch_fused", "logging_steps: 1",
+             "save_strategy: 'no'", "report_to: none", "seed: 0", "dataloader_num_workers: 2", "flash_attn: sdpa",
+             *(["bf16: true"] if precision == "bf16" else ["bf16: false", "fp16: false", "tf32: false"]),
+             f"label_smoothing_factor: {b}"]
+    if sequential:
+        lines += ["disable_shuffling: true"]
+    if engine == "zero3":
+        lines += [f"deepspeed: {ZERO3}"]
+    elif engine is not None:
+        raise ValueError(f"LLaMA-Factory runs here: engine None or 'zero3', not {engine!r}")
+    if variant == "liger":
+        lines += ["enable_liger_kernel: true"]
+    if mode != "full":
+        lines += ["lora_target: all", "lora_rank: 16", "lora_alpha: 32", "lora_dropout: 0.0"]
+    if mode == "qlora":
+        lines += ["quantization_bit: 4"]
+    if mode == "packed":
+        lines += ["packing: true"]
+    return "\n".join(lines) + "\n"
+
+
 def run_one(framework: str, model: Path, mode: str, variant: str, b: float, env: dict, *, gpus: str = "0",
             tag: str = "", **yaml_kw) -> dict:
-    """One ``axolotl train`` on the GPUs ``gpus`` (CUDA_VISIBLE_DEVICES; several: one process each, through Axolotl's
-    accelerate launcher). The stock and Liger variants at b > 0 get transformers' LabelSmoother from the probe: the HF
-    Trainer's own smoothing, which Axolotl's config cannot ask for."""
+    """One run on the GPUs ``gpus`` (CUDA_VISIBLE_DEVICES; several: one process each). Axolotl: ``axolotl train``
+    (through its accelerate launcher); the stock and Liger variants at b > 0 get transformers' LabelSmoother from the
+    probe, the HF Trainer's own smoothing, which Axolotl's config cannot ask for. LLaMA-Factory: its training entry
+    (stock, Liger) or ``hf-lsce llamafactory train`` (hf_lsce), under ``torchrun`` on several GPUs, as its users
+    launch the route (tools/frameworks/lf_probe_run.py)."""
     name = f"{framework}_{model.name}_{mode}_{variant}_b{b:g}{tag}"
     WORK.mkdir(parents=True, exist_ok=True)
     cfg, log, probe = WORK / f"{name}.yml", WORK / f"{name}.log", WORK / f"{name}.json"
-    cfg.write_text(axolotl_yaml(model, WORK / name, mode, variant, b, **yaml_kw))
+    make_yaml = axolotl_yaml if framework == "axolotl" else llamafactory_yaml
+    cfg.write_text(make_yaml(model, WORK / name, mode, variant, b, **yaml_kw))
     for old in WORK.glob(f"{name}.json*"):
         old.unlink()
     n_gpus = len(gpus.split(","))
-    cmd = ["axolotl", "train", str(cfg)]
-    if n_gpus > 1:
-        port = 29500 + abs(hash(name)) % 1000
-        cmd += ["--", "--multi_gpu", "--num_processes", str(n_gpus), "--main_process_port", str(port)]
+    port = str(29500 + abs(hash(name)) % 1000)
+    if framework == "axolotl":
+        cmd = ["axolotl", "train", str(cfg)]
+        if n_gpus > 1:
+            cmd += ["--", "--multi_gpu", "--num_processes", str(n_gpus), "--main_process_port", port]
+    else:
+        entry = [str(PROBE_DIR / "lf_probe_run.py"), "lsce" if variant == "lsce" else "stock", str(cfg)]
+        cmd = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n_gpus), "--master-port",
+                port, *entry] if n_gpus > 1 else [sys.executable, *entry])
+    hf_b = b if framework == "axolotl" and variant != "lsce" else 0.0  # (LLaMA-Factory's Trainer smooths itself)
     run_env = {**env, "LSCE_PROBE_OUT": str(probe), "CUDA_VISIBLE_DEVICES": gpus,
-               "LSCE_PROBE_HF_SMOOTHING": str(b) if variant != "lsce" else "0",
+               "LSCE_PROBE_HF_SMOOTHING": str(hf_b),
                "HF_DATASETS_CACHE": str(WORK / f"{name}_datasets")}  # (no cache shared by runs side by side)
     t0 = time.time()
     with open(log, "w") as f:
@@ -249,23 +290,20 @@ def run(args) -> int:
 
 
 def multi(args) -> int:
-    """Several GPUs through Axolotl's own launcher, fp32, against HF's smoothing on the same GPUs and against one GPU.
-
-    Axolotl sets ``average_tokens_across_devices: false``: each rank's loss is the mean over its own tokens, and the
-    engines average the ranks' gradients. So per engine, stock (transformers' LabelSmoother, from the probe) and
-    hf_lsce run on G GPUs with micro-batch m each, and the one-GPU run takes micro-batch G x m with the rows in order
-    (the same global batch). Passes when every rank's check confirmed the op with no lm_head call returning logits,
-    each rank's first loss equals stock's on that rank to MULTI_RTOL, and the ranks' first losses weighted by their
-    scored tokens equal the one-GPU run's first loss to MULTI_RTOL (later steps reported)."""
+    """Several GPUs through the framework's own launcher, fp32, against HF's smoothing on the same GPUs and against
+    one GPU: per engine, stock and hf_lsce on G GPUs with micro-batch m each; the one-GPU run takes micro-batch
+    G x m with the rows in order (the same global batch). Passes when every rank's check confirmed the op with no
+    lm_head call returning logits and the global first loss equals the one-GPU run's to MULTI_RTOL (``judge_multi``;
+    each rank against stock's and later steps reported)."""
     env = _env()
     out = Path(args.out)
     model = make_model(args.model)
     g, m, b = args.gpus, args.micro_batch, float(args.b)
     kw = dict(seq=args.seq, steps=args.steps, precision="fp32", sequential=True)
-    rows = [run_one("axolotl", model, "full", "lsce", b, env, gpus="0", tag="_1gpu", micro_batch=g * m, **kw)]
+    rows = [run_one(args.framework, model, "full", "lsce", b, env, gpus="0", tag="_1gpu", micro_batch=g * m, **kw)]
     for engine in args.engines.split(","):
         for variant in ("stock", "lsce"):
-            rows.append(run_one("axolotl", model, "full", variant, b, env, gpus=",".join(map(str, range(g))),
+            rows.append(run_one(args.framework, model, "full", variant, b, env, gpus=",".join(map(str, range(g))),
                                 tag=f"_{engine}{g}", micro_batch=m, engine=engine, **kw))
     judge_multi(rows)
     out.write_text(json.dumps(rows, indent=1) + "\n")
@@ -274,10 +312,13 @@ def multi(args) -> int:
 
 
 def judge_multi(rows: list[dict]) -> None:
-    """``multi``'s checks, written into its rows (rows[0]: the one-GPU run). Each G-GPU run: the ranks' first losses
-    weighted by their scored tokens against the one-GPU first loss; hf_lsce's also rank by rank against stock's on
-    the same engine (reported: under FSDP2 stock's LabelSmoother is called without the causal shift, a transformers
-    bug, docs/distributed.md), no lm_head call returning logits, every rank's check confirmed."""
+    """``multi``'s checks, written into its rows (rows[0]: the one-GPU run). Each G-GPU run's global loss against the
+    one-GPU loss: with the Trainer's ``average_tokens_across_devices`` (LLaMA-Factory) each rank returns its token
+    sum over the global count times G, so the global loss is the ranks' mean; Axolotl turns it off, each rank
+    returns its own token mean, and the global loss is the ranks' losses weighted by their scored tokens. hf_lsce's
+    runs also rank by rank against stock's on the same engine (reported: under FSDP2 stock's LabelSmoother is called
+    without the causal shift, a transformers bug, docs/distributed.md), no lm_head call returning logits, every
+    rank's check confirmed."""
     one_gpu = rows[0]
     ok = lambda r: not r.get("error")  # noqa: E731
     one_gpu["passed"] = ok(one_gpu) and one_gpu["lm_head_logit_calls"] == 0 and one_gpu["confirmed"]
@@ -285,8 +326,11 @@ def judge_multi(rows: list[dict]) -> None:
         if not (ok(r) and ok(one_gpu)):
             r["passed"] = False
             continue
-        weighted = [sum(l[k] * n[k] for l, n in zip(r["rank_losses"], r["rank_label_tokens"]))
-                    / sum(n[k] for n in r["rank_label_tokens"]) for k in range(len(r["losses"]))]
+        if r.get("average_tokens_across_devices"):
+            weighted = list(r["losses"])  # (the ranks' mean)
+        else:
+            weighted = [sum(x[k] * n[k] for x, n in zip(r["rank_losses"], r["rank_label_tokens"]))
+                        / sum(n[k] for n in r["rank_label_tokens"]) for k in range(len(r["losses"]))]
         r["token_weighted_losses"] = weighted
         r["rel_error_vs_1gpu"] = [abs(x - y) / abs(y) for x, y in zip(weighted, one_gpu["losses"])]
         stock = next((s for s in rows[1:] if s.get("engine") == r["engine"] and s["variant"] == "stock"), None)
@@ -299,7 +343,7 @@ def judge_multi(rows: list[dict]) -> None:
 
 def multi_table(rows: list[dict]) -> str:
     one = rows[0]
-    lines = ["| run | GPUs, micro-batch each | engine | first loss (token-weighted over ranks) | vs one GPU: steps 1, 2, 3 "
+    lines = ["| run | GPUs, micro-batch each | engine | first loss (global) | vs one GPU: steps 1, 2, 3 "
              "| vs stock on the same ranks (largest, step 1) | lm_head calls returning logits | ranks confirmed | "
              "passed |", "|---|---|---|---|---|---|---|---|---|"]
     lines.append(f"| hf_lsce | 1, {one.get('micro_batch', '-')} | - | {one['losses'][0]:.6f} | - | - | "
@@ -321,7 +365,7 @@ def _line(r: dict) -> str:
     if r.get("error"):
         return f"{r['model']} {r['mode']} {r['variant']} b={r['b']}: FAILED rc={r['rc']} {r['error']}"
     return (f"{r['model']} {r['mode']} {r['variant']} b={r['b']}: loss0 {r['losses'][0]:.6f} "
-            f"{r['tokens_per_s']:.0f} tok/s peak {r['peak_gib']:.2f} GiB, lm_head logit calls "
+            f"{r['tokens_per_s']:.0f} tok/s peak {r['peak_gib'] or 0:.2f} GiB, lm_head logit calls "
             f"{r['lm_head_logit_calls']}, confirmed {r['confirmed']}, {r['wall_s']} s")
 
 
@@ -340,12 +384,12 @@ def table(rows: list[dict]) -> str:
             return "-"
         if r.get("error"):
             return "failed: " + str(r["error"][-1])[:80]
-        return f"{r['tokens_per_s']:,.0f}, {r['peak_gib']:.1f}"
+        return f"{r['tokens_per_s']:,.0f}, {r['peak_gib'] or 0:.1f}"
 
     for (model, mode, b), g in groups.items():
         s, o, lg = g.get("stock"), g.get("lsce"), g.get("liger")
         ok = lambda r: r is not None and not r.get("error")  # noqa: E731
-        ratio = lambda a, c, k: f"{a[k] / c[k]:.2f} x" if ok(a) and ok(c) and c[k] else "-"  # noqa: E731
+        ratio = lambda a, c, k: f"{a[k] / c[k]:.2f} x" if ok(a) and ok(c) and a[k] and c[k] else "-"  # noqa: E731
         err = abs(o["losses"][0] - s["losses"][0]) / abs(s["losses"][0]) if ok(o) and ok(s) else None
         first = "-" if err is None else f"{err:.1e} ({'ok' if err < FIRST_LOSS_RTOL else 'FAILED'})"
         calls = f"{s['lm_head_logit_calls'] if ok(s) else '-'}, {o['lm_head_logit_calls'] if ok(o) else '-'}"
@@ -361,8 +405,10 @@ def main(argv=None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     pr = sub.add_parser("prepare")
     pr.add_argument("--wheels", help="a folder of wheels to stage for the device calls")
+    pr.add_argument("--archive", default="fw_wheels.tar",
+                    help="the staged archive's name: fw_wheels.tar (Axolotl's wheels), lf_wheels.tar (LLaMA-Factory's)")
     r = sub.add_parser("run")
-    r.add_argument("--framework", default="axolotl", choices=["axolotl"])
+    r.add_argument("--framework", default="axolotl", choices=["axolotl", "llamafactory"])
     r.add_argument("--models", default="gemma3-270m-config,llama3.2-1b")
     r.add_argument("--modes", default="full,lora,qlora,packed")
     r.add_argument("--variants", default="stock,lsce,liger")
@@ -373,6 +419,7 @@ def main(argv=None) -> int:
         q.add_argument("--micro-batch", type=int, default=MICRO_BATCH)
         q.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
     mu = sub.add_parser("multi", help="several GPUs (ZeRO-3, FSDP2) against one, fp32")
+    mu.add_argument("--framework", default="axolotl", choices=["axolotl", "llamafactory"])
     mu.add_argument("--model", default="llama3.2-1b")
     mu.add_argument("--gpus", type=int, default=4)
     mu.add_argument("--engines", default="zero3,fsdp2")
@@ -386,7 +433,7 @@ def main(argv=None) -> int:
     t.add_argument("results", nargs="+")
     args = p.parse_args(argv)
     if args.cmd == "prepare":
-        prepare(args.wheels)
+        prepare(args.wheels, args.archive)
         return 0
     if args.cmd == "run":
         return run(args)

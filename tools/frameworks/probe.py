@@ -82,6 +82,8 @@ def install(trainer) -> None:
 
         trainer.label_smoother = LabelSmoother(epsilon=hf_b)
     record["hf_label_smoother"] = hf_b
+    # (how the Trainer normalises each rank's loss: tools/frameworks_gpu.py's judge_multi)
+    record["average_tokens_across_devices"] = getattr(trainer.args, "average_tokens_across_devices", None)
     head = trainer.model.get_output_embeddings() if hasattr(trainer.model, "get_output_embeddings") else None
 
     def on_head(module, args, out):
