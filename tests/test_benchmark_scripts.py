@@ -146,3 +146,34 @@ def test_table1_answer_prior_table():
     rows = table1.prior_table(runs, probs)
     assert rows[-1] == "| m.gguf | alpaca | 2e-05 | 1 | yes 0.80 -> no 0.80 (gold: no 0.40, yes 0.60) |"
     assert table1.prior_table(runs, {}) == []
+
+
+@pytest.mark.parametrize("average_across_devices", [True, False])
+def test_multi_gpu_judge_recovers_the_one_gpu_loss_under_both_token_averagings(average_across_devices):
+    """tools/frameworks_gpu.py's several-GPU check: from each rank's loss as the Trainer returns it (LLaMA-Factory
+    keeps ``average_tokens_across_devices``: world x its token sum over the global count; Axolotl turns it off: its own
+    token mean) it rebuilds the global token mean of the same tokens, computed here directly in fp64."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import frameworks_gpu
+
+    g = torch.Generator().manual_seed(0)
+    world, steps = 4, 3
+    counts = [[int(torch.randint(50, 400, (), generator=g)) for _ in range(steps)] for _ in range(world)]
+    tokens = [[torch.rand(n, generator=g, dtype=torch.float64) * 12 for n in rank] for rank in counts]
+    total = [sum(counts[r][k] for r in range(world)) for k in range(steps)]
+    one_gpu = [float(torch.cat([tokens[r][k] for r in range(world)]).mean()) for k in range(steps)]
+    if average_across_devices:
+        rank_losses = [[float(tokens[r][k].sum()) / total[k] * world for k in range(steps)] for r in range(world)]
+    else:
+        rank_losses = [[float(tokens[r][k].mean()) for k in range(steps)] for r in range(world)]
+    multi = dict(variant="lsce", engine="zero3", gpus=world, rank_losses=rank_losses, rank_label_tokens=counts,
+                 losses=[sum(x) / world for x in zip(*rank_losses)], lm_head_logit_calls=0, confirmed=True,
+                 ranks_confirmed=[True] * world, average_tokens_across_devices=average_across_devices)
+    rows = [dict(variant="lsce", losses=one_gpu, lm_head_logit_calls=0, confirmed=True), multi]
+    frameworks_gpu.judge_multi(rows)
+    assert max(rows[1]["rel_error_vs_1gpu"]) < 1e-12 and rows[1]["passed"]
+    # the other convention's reading of the same ranks is not the global mean: the check can fail
+    wrong = dict(multi, average_tokens_across_devices=not average_across_devices)
+    rows = [rows[0], wrong]
+    frameworks_gpu.judge_multi(rows)
+    assert rows[1]["rel_error_vs_1gpu"][0] > 1e-4 and not rows[1]["passed"]
