@@ -59,7 +59,8 @@ def validate_lsce_keys(data: dict) -> None:
 class LsceArgs(BaseModel):
     """hf_lsce's keys in an Axolotl YAML.
 
-    ``lsce``: the fused label-smoothed loss on (the default once the plugin is listed) or off.
+    ``lsce``: the fused label-smoothed loss on (the default once the plugin is listed) or off; off, a smoothing
+    factor above 0 is refused (nothing else in Axolotl would apply it).
     ``lsce_label_smoothing``: fixes b; unset, the YAML's ``label_smoothing_factor`` drives it.
     ``label_smoothing_factor``: declared here because Axolotl's own config (0.19 to 0.21) has no such key and drops it
     before the Trainer is built: without this field a YAML's ``label_smoothing_factor: 0.1`` trained at b = 0, with
