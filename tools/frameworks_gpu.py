@@ -88,11 +88,22 @@ def prepare(wheels: str | None, archive_name: str = "fw_wheels.tar") -> None:
     print(f"{len(out)} rows in {FW / 'data'}")
 
 
-def make_model(name: str) -> Path:
-    """bench_trainer's configuration ``name``, random weights (seed 0) in bf16, with the carried tokenizer."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+def make_model(name: str, precision: str = "bf16") -> Path:
+    """bench_trainer's configuration ``name``, random weights (seed 0) saved in bf16, or, for ``precision="fp32"``,
+    the same weights saved in fp32 (LLaMA-Factory loads a checkpoint in its config's dtype and upcasts only trainable
+    parameters: a bf16 checkpoint would leave LoRA's base in bf16), with the carried tokenizer."""
+    if precision == "fp32":
+        import torch
+        from transformers import AutoModelForCausalLM
 
+        path = MODEL_DIR / f"{name}-fp32"
+        if not (path / "config.json").exists():
+            bf16 = make_model(name)
+            AutoModelForCausalLM.from_pretrained(bf16, dtype=torch.float32).save_pretrained(path)
+            from transformers import AutoTokenizer
+
+            AutoTokenizer.from_pretrained(bf16).save_pretrained(path)
+        return path
     path = MODEL_DIR / name
     if (path / "config.json").exists():
         return path
@@ -266,7 +277,7 @@ def run(args) -> int:
     out = Path(args.out)
     rows = json.loads(out.read_text()) if out.exists() else []
     size = dict(seq=args.seq, micro_batch=args.micro_batch, steps=args.steps, precision=args.precision)
-    jobs = [(make_model(name), mode, float(b), variant) for name in args.models.split(",")
+    jobs = [(make_model(name, args.precision), mode, float(b), variant) for name in args.models.split(",")
             for mode in args.modes.split(",") for b in args.b.split(",") for variant in args.variants.split(",")]
     free: queue.Queue = queue.Queue()
     for k in range(args.parallel):
@@ -297,7 +308,7 @@ def multi(args) -> int:
     each rank against stock's and later steps reported)."""
     env = _env()
     out = Path(args.out)
-    model = make_model(args.model)
+    model = make_model(args.model, "fp32")
     g, m, b = args.gpus, args.micro_batch, float(args.b)
     kw = dict(seq=args.seq, steps=args.steps, precision="fp32", sequential=True)
     rows = [run_one(args.framework, model, "full", "lsce", b, env, gpus="0", tag="_1gpu", micro_batch=g * m, **kw)]
