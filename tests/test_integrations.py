@@ -393,3 +393,13 @@ def test_the_example_yamls_pass_their_frameworks_checks():
     lf = yaml.safe_load((root / "llamafactory" / "lsce_llama_lora_sft.yaml").read_text())
     check_config(lf, "llama")
     assert lf["lsce_calibration_tasks"] == "arc_easy,mmlu"
+    lf_qlora = yaml.safe_load((root / "llamafactory" / "lsce_gemma3_qlora_sft.yaml").read_text())
+    if versions.quantization_problem("quantization_bit: 4") is not None:  # (no bitsandbytes or GPU: refused first)
+        with pytest.raises(ValueError, match="^quantization_bit: 4 loads the base model through bitsandbytes"):
+            check_config(lf_qlora, "gemma3_text")
+        lf_qlora = {k: v for k, v in lf_qlora.items() if k != "quantization_bit"}
+    check_config(lf_qlora, "gemma3_text")
+    assert lf_qlora["label_smoothing_factor"] == 0.1
+    lf_zero3 = yaml.safe_load((root / "llamafactory" / "lsce_llama3_8b_zero3.yaml").read_text())
+    check_config(lf_zero3, "llama")
+    assert (root.parent / lf_zero3["deepspeed"]).is_file() and lf_zero3["finetuning_type"] == "full"
