@@ -15,6 +15,10 @@ and how to download them) as one archive split into parts in .gpu/stage/; .gpu/e
     bash tools/gpu/fw_session.sh go python3 tools/frameworks_gpu.py run --models gemma3-270m-config,llama3.2-1b \
         --modes full,lora,qlora,packed --variants stock,lsce,liger --b 0.1 --parallel 4 --out $OUT/fw.json
     bash tools/gpu/fw_session.sh go python3 tools/frameworks_gpu.py multi --gpus 4 --out $OUT/fw_multi.json
+    bash tools/gpu/fw_session.sh go python3 tools/frameworks_gpu.py largest --gpus 4 --out $OUT/fw_8b.json
+(``largest``: Llama-3-8B's configuration, FSDP2, sequence 8,192, the largest micro-batch of stock and hf_lsce.)
+LLaMA-Factory: the same with ``FW_ARCHIVE=lf_wheels.tar`` and ``--framework llamafactory`` (``run``; ``multi
+--engines zero3``).
 Per run, from inside each training process (tools/frameworks/probe.py): every loss, the lm_head calls that returned
 logits, hf_lsce's per-step check, each step's wall time (the device synchronised at step boundaries), input tokens and
 scored labels, the device's peak allocated memory. Tokens/s is over the steps after the first ``WARMUP``. Rows are
@@ -126,14 +130,14 @@ def make_model(name: str, precision: str = "bf16") -> Path:
 
 def axolotl_yaml(model: Path, out: Path, mode: str, variant: str, b: float, *, seq: int = SEQ,
                  micro_batch: int = MICRO_BATCH, steps: int = STEPS, precision: str = "bf16", engine: str | None = None,
-                 sequential: bool = False) -> str:
+                 sequential: bool = False, checkpointing: bool = False, data: Path | None = None) -> str:
     """The YAML of one run. ``engine``: None (one process), "zero3" (the shipped ZeRO-3 example's DeepSpeed config)
     or "fsdp2"; ``sequential``: Axolotl's ``curriculum_sampling`` (the rows in order, so that N GPUs' first step
     trains on the one-GPU run's first batch); ``precision``: "bf16" or "fp32" (tf32 off)."""
-    packed = mode == "packed"
+    packed = mode in ("packed", "full_packed")
     plugins = {"stock": [], "lsce": ["hf_lsce.integrations.axolotl.LscePlugin"],
                "liger": ["axolotl.integrations.liger.LigerPlugin"]}[variant] + ["probe.ProbePlugin"]
-    lines = [f"base_model: {model}", "datasets:", f"  - path: {FW / 'data' / 'train.jsonl'}", "    ds_type: json",
+    lines = [f"base_model: {model}", "datasets:", f"  - path: {data or FW / 'data' / 'train.jsonl'}", "    ds_type: json",
              "    type: alpaca", f"sequence_len: {seq}", f"sample_packing: {str(packed).lower()}",
              f"pad_to_sequence_len: {str(packed).lower()}", f"micro_batch_size: {micro_batch}",
              "gradient_accumulation_steps: 1", f"max_steps: {steps}", "num_epochs: 1", "learning_rate: 0.00001",
@@ -145,6 +149,8 @@ def axolotl_yaml(model: Path, out: Path, mode: str, variant: str, b: float, *, s
              f"dataset_prepared_path: {out}_prepared", "plugins:", *[f"  - {p}" for p in plugins]]
     if sequential:
         lines += ["curriculum_sampling: true"]
+    if checkpointing:
+        lines += ["gradient_checkpointing: true"]
     if engine == "zero3":
         lines += [f"deepspeed: {ZERO3}"]
     elif engine == "fsdp2":
@@ -229,7 +235,7 @@ def run_one(framework: str, model: Path, mode: str, variant: str, b: float, env:
     row = dict(framework=framework, model=model.name, mode=mode, variant=variant, b=b, rc=rc, gpus=n_gpus,
                micro_batch=yaml_kw.get("micro_batch", MICRO_BATCH),
                engine=yaml_kw.get("engine"), precision=yaml_kw.get("precision", "bf16"),
-               wall_s=round(time.time() - t0, 1))
+               wall_s=round(time.time() - t0, 1), log=str(log))
     files = [probe] if n_gpus == 1 else [Path(f"{probe}.rank{r}") for r in range(n_gpus)]
     if rc != 0 or not all(f.exists() for f in files):
         lines = [x for x in log.read_text(errors="replace").splitlines() if x.strip()]
@@ -372,6 +378,42 @@ def multi_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def largest(args) -> int:
+    """The largest micro-batch each of stock (LabelSmoother) and hf_lsce fits, and tokens/s at each size, on G GPUs
+    through Axolotl's launcher: the issue's Llama-3-8B case (its configuration with random weights, bf16, packed rows
+    of ``--seq`` tokens, gradient checkpointing, AdamW, FSDP2 or ZeRO-3). Sizes go up until a run fails; a failed
+    run's log says whether it ran out of memory. Rows are written after each run."""
+    env = _env()
+    out = Path(args.out)
+    rows = json.loads(out.read_text()) if out.exists() else []
+    model = make_model(args.model)
+    gpus = ",".join(map(str, range(args.gpus)))
+    # enough packed rows for every step at the largest size: the 512 rows repeated
+    need = max(int(x) for x in args.micro_batches.split(",")) * args.gpus * args.steps * args.seq
+    rows_text = (FW / "data" / "train.jsonl").read_text()
+    data = WORK / "train_repeated.jsonl"
+    WORK.mkdir(parents=True, exist_ok=True)
+    data.write_text(rows_text * (need // (512 * 300) + 1))  # (rows of 300 tokens or more)
+    for variant in args.variants.split(","):
+        for m in [int(x) for x in args.micro_batches.split(",")]:
+            row = run_one("axolotl", model, "full_packed", variant, float(args.b), env, gpus=gpus,
+                          tag=f"_{args.engine}{args.gpus}_mb{m}", micro_batch=m, seq=args.seq, steps=args.steps,
+                          engine=args.engine, checkpointing=True, data=data)
+            if row.get("error"):
+                log = Path(row["log"])
+                row["out_of_memory"] = "OutOfMemoryError" in log.read_text(errors="replace") if log.exists() else None
+            row["tokens_per_gpu"] = m * args.seq
+            rows.append(row)
+            out.write_text(json.dumps(rows, indent=1) + "\n")
+            print(f"{variant} micro-batch {m} ({m * args.seq:,} tokens per GPU): "
+                  + (f"FAILED (out of memory: {row['out_of_memory']})" if row.get("error") else
+                     f"{row['tokens_per_s']:,.0f} tok/s, peak {row['peak_gib']:.1f} GiB, logit calls "
+                     f"{row['lm_head_logit_calls']}, confirmed {row['confirmed']}"), flush=True)
+            if row.get("error"):
+                break
+    return 0
+
+
 def _line(r: dict) -> str:
     if r.get("error"):
         return f"{r['model']} {r['mode']} {r['variant']} b={r['b']}: FAILED rc={r['rc']} {r['error']}"
@@ -440,6 +482,16 @@ def main(argv=None) -> int:
     for q in (r, mu):
         q.add_argument("--seq", type=int, default=SEQ)
         q.add_argument("--steps", type=int, default=STEPS)
+    lg = sub.add_parser("largest", help="the largest micro-batch of stock and hf_lsce on several GPUs (Llama-3-8B)")
+    lg.add_argument("--model", default="llama3-8b")
+    lg.add_argument("--gpus", type=int, default=4)
+    lg.add_argument("--engine", choices=["fsdp2", "zero3"], default="fsdp2")
+    lg.add_argument("--micro-batches", default="4,8,16", help="per GPU, ascending")
+    lg.add_argument("--variants", default="stock,lsce")
+    lg.add_argument("--seq", type=int, default=8192)
+    lg.add_argument("--steps", type=int, default=8)
+    lg.add_argument("--b", default="0.1")
+    lg.add_argument("--out", required=True)
     t = sub.add_parser("table")
     t.add_argument("results", nargs="+")
     args = p.parse_args(argv)
@@ -450,6 +502,8 @@ def main(argv=None) -> int:
         return run(args)
     if args.cmd == "multi":
         return multi(args)
+    if args.cmd == "largest":
+        return largest(args)
     rows = [row for f in args.results for row in json.loads(Path(f).read_text())]
     if any(r.get("engine") for r in rows):  # multi's rows
         judge_multi(rows)
