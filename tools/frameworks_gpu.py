@@ -96,16 +96,14 @@ def make_model(name: str, precision: str = "bf16") -> Path:
     """bench_trainer's configuration ``name``, random weights (seed 0) saved in bf16, or, for ``precision="fp32"``,
     the same weights saved in fp32 (LLaMA-Factory loads a checkpoint in its config's dtype and upcasts only trainable
     parameters: a bf16 checkpoint would leave LoRA's base in bf16), with the carried tokenizer."""
-    if precision == "fp32":
-        import torch
-        from transformers import AutoModelForCausalLM
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    if precision == "fp32":
         path = MODEL_DIR / f"{name}-fp32"
         if not (path / "config.json").exists():
             bf16 = make_model(name)
             AutoModelForCausalLM.from_pretrained(bf16, dtype=torch.float32).save_pretrained(path)
-            from transformers import AutoTokenizer
-
             AutoTokenizer.from_pretrained(bf16).save_pretrained(path)
         return path
     path = MODEL_DIR / name
@@ -154,9 +152,7 @@ def axolotl_yaml(model: Path, out: Path, mode: str, variant: str, b: float, *, s
     if engine == "zero3":
         lines += [f"deepspeed: {ZERO3}"]
     elif engine == "fsdp2":
-        import json as _json
-
-        layer = LAYER_CLASS[_json.loads((model / "config.json").read_text())["model_type"]]
+        layer = LAYER_CLASS[json.loads((model / "config.json").read_text())["model_type"]]
         lines += [x.format(layer=layer) for x in FSDP2]
     if variant == "liger":  # only the loss: Liger's other kernels off, as hf_lsce changes only the loss
         lines += ["liger_fused_linear_cross_entropy: true", "liger_rope: false", "liger_rms_norm: false",
@@ -399,17 +395,16 @@ def largest(args) -> int:
             row = run_one("axolotl", model, "full_packed", variant, float(args.b), env, gpus=gpus,
                           tag=f"_{args.engine}{args.gpus}_mb{m}", micro_batch=m, seq=args.seq, steps=args.steps,
                           engine=args.engine, checkpointing=True, data=data)
-            if row.get("error"):
+            row["tokens_per_gpu"] = m * args.seq
+            failed = bool(row.get("error"))
+            if failed:
                 log = Path(row["log"])
                 row["out_of_memory"] = "OutOfMemoryError" in log.read_text(errors="replace") if log.exists() else None
-            row["tokens_per_gpu"] = m * args.seq
             rows.append(row)
             out.write_text(json.dumps(rows, indent=1) + "\n")
-            print(f"{variant} micro-batch {m} ({m * args.seq:,} tokens per GPU): "
-                  + (f"FAILED (out of memory: {row['out_of_memory']})" if row.get("error") else
-                     f"{row['tokens_per_s']:,.0f} tok/s, peak {row['peak_gib']:.1f} GiB, logit calls "
-                     f"{row['lm_head_logit_calls']}, confirmed {row['confirmed']}"), flush=True)
-            if row.get("error"):
+            print(f"micro-batch {m} ({m * args.seq:,} tokens per GPU"
+                  + (f", out of memory: {row['out_of_memory']}" if failed else "") + f"): {_line(row)}", flush=True)
+            if failed:
                 break
     return 0
 
