@@ -94,10 +94,10 @@ class LscePlugin(BasePlugin):
 
         # Axolotl hands no label_smoothing_factor to the Trainer (its config has no such key; LsceArgs keeps it):
         # the YAML's value reaches the op here, as the model's own b
-        b = cfg.lsce_label_smoothing if cfg.lsce_label_smoothing is not None else cfg.label_smoothing_factor
+        key = "lsce_label_smoothing" if cfg.lsce_label_smoothing is not None else "label_smoothing_factor"
+        b = cfg.get(key)
         apply_lsce_patch(model, label_smoothing=b, fused_eval_loss=bool(cfg.lsce_fused_eval_loss))
-        source = (f"lsce_label_smoothing={cfg.lsce_label_smoothing}" if cfg.lsce_label_smoothing is not None
-                  else f"label_smoothing_factor={cfg.label_smoothing_factor or 0.0}")
+        source = f"{key}={b or 0.0}"
         logger.info("hf_lsce: %s patched; %s drives the fused op", type(model).__name__, source)
 
     def add_callbacks_post_trainer(self, cfg, trainer):

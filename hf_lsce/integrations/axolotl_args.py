@@ -43,12 +43,11 @@ def validate_lsce_keys(data: dict) -> None:
         raise ValueError("lsce_calibration_tasks scores the model at each evaluation, and this config has none: set "
                          "val_set_size (or test_datasets) and eval_steps, or remove lsce_calibration_tasks.")
     if data.get("lsce") is False:
-        b = data.get("lsce_label_smoothing") or data.get("label_smoothing_factor")
-        if b:  # Axolotl alone would drop the key and train at b = 0 without a word
-            key = "lsce_label_smoothing" if data.get("lsce_label_smoothing") else "label_smoothing_factor"
-            raise ValueError(f"{key}: {b} with lsce: false would train unsmoothed: Axolotl has no label smoothing of "
-                             "its own (its config drops label_smoothing_factor), only hf_lsce's op reads it. Set lsce: "
-                             f"true, or remove {key} to train at b = 0.")
+        key = next((k for k in ("lsce_label_smoothing", "label_smoothing_factor") if data.get(k)), None)
+        if key:  # Axolotl alone would drop the key and train at b = 0 without a word
+            raise ValueError(f"{key}: {data[key]} with lsce: false would train unsmoothed: Axolotl has no label "
+                             "smoothing of its own (its config drops label_smoothing_factor), only hf_lsce's op reads "
+                             f"it. Set lsce: true, or remove {key} to train at b = 0.")
         return
     for key, name in CONFLICTS.items():
         if data.get(key):
