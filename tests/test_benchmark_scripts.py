@@ -177,3 +177,29 @@ def test_multi_gpu_judge_recovers_the_one_gpu_loss_under_both_token_averagings(a
     rows = [rows[0], wrong]
     frameworks_gpu.judge_multi(rows)
     assert rows[1]["rel_error_vs_1gpu"][0] > 1e-4 and not rows[1]["passed"]
+
+
+def test_framework_tables_read_stalls_and_out_of_memory_as_the_docs_say():
+    """tools/frameworks_gpu.py's tables, which docs/frameworks.md quotes: ``median_tps`` is the median of the timed
+    steps' tokens/s (one stalled step leaves it where the other steps put it, where the total over the time falls), and
+    ``largest_table`` names an out-of-memory size and the largest size each variant fit."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import frameworks_gpu
+
+    warm = frameworks_gpu.WARMUP
+    secs = [9.0] * warm + [0.5, 0.4, 5.0, 0.5, 0.25]  # one stall of 5 s among the timed steps
+    toks = [1000] * warm + [1000, 1000, 1000, 1000, 500]
+    row = {"step_seconds": secs, "step_tokens": toks}
+    assert frameworks_gpu.median_tps(row) == pytest.approx(2000.0)  # 2000, 2500, 200, 2000, 2000
+    assert sum(toks[warm:]) / sum(secs[warm:]) < 700  # what the stall does to the total-over-time figure
+
+    def fit(variant, m, tps):
+        return {"variant": variant, "micro_batch": m, "tokens_per_gpu": m * 8192, "tokens_per_s": tps,
+                "peak_gib": 50.0, "timed_steps": 2, "lm_head_logit_calls": 0, "confirmed": True}
+
+    oom = {"variant": "stock", "micro_batch": 16, "tokens_per_gpu": 16 * 8192, "error": ["OutOfMemoryError"],
+           "out_of_memory": True}
+    text = frameworks_gpu.largest_table([fit("stock", 8, 100.0), oom, fit("lsce", 8, 101.0), fit("lsce", 16, 102.0)])
+    assert "| stock (LabelSmoother) | 16 (131,072) | no: out of memory |" in text
+    assert text.splitlines()[-1] == ("Largest that fit: stock (LabelSmoother) 65,536 tokens per GPU at 100 tok/s; "
+                                     "hf_lsce 131,072 tokens per GPU at 102 tok/s")

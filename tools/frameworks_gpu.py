@@ -409,6 +409,27 @@ def largest(args) -> int:
     return 0
 
 
+def largest_table(rows: list[dict]) -> str:
+    """``largest``'s rows: per variant and micro-batch, whether it fit, tokens/s and peak memory; then each variant's
+    largest micro-batch that fit."""
+    lines = [("| run | micro-batch per GPU (tokens) | fits | tok/s (all GPUs) | peak GiB (rank 0) | timed steps | "
+              "lm_head calls returning logits | per-step check |"), "|---|---|---|---|---|---|---|---|"]
+    best: dict = {}
+    for r in rows:
+        name = "hf_lsce" if r["variant"] == "lsce" else "stock (LabelSmoother)"
+        size = f"{r['micro_batch']} ({r['tokens_per_gpu']:,})"
+        if r.get("error"):
+            why = "out of memory" if r.get("out_of_memory") else "failed: " + str(r["error"][-1])[:60]
+            lines.append(f"| {name} | {size} | no: {why} | - | - | - | - | - |")
+            continue
+        best[name] = max(best.get(name, (0, 0)), (r["tokens_per_gpu"], r["tokens_per_s"]))
+        lines.append(f"| {name} | {size} | yes | {r['tokens_per_s']:,.0f} | {r['peak_gib'] or 0:.1f} | "
+                     f"{r['timed_steps']} | {r['lm_head_logit_calls']} | {r['confirmed']} |")
+    lines += ["", "Largest that fit: " + "; ".join(f"{k} {t:,} tokens per GPU at {v:,.0f} tok/s"
+                                                   for k, (t, v) in best.items())]
+    return "\n".join(lines)
+
+
 def _line(r: dict) -> str:
     if r.get("error"):
         return f"{r['model']} {r['mode']} {r['variant']} b={r['b']}: FAILED rc={r['rc']} {r['error']}"
@@ -417,15 +438,25 @@ def _line(r: dict) -> str:
             f"{r['lm_head_logit_calls']}, confirmed {r['confirmed']}, {r['wall_s']} s")
 
 
+def median_tps(r: dict) -> float:
+    """The median over the timed steps of each step's tokens/s: unlike ``tokens_per_s`` (their total over their
+    time), not moved by one stalled step (a data-loader refill, a neighbour on the shared host)."""
+    import statistics
+
+    secs, toks = r["step_seconds"], r["step_tokens"]
+    start = WARMUP if len(secs) > WARMUP else 1
+    return statistics.median(t / s for t, s in zip(toks[start:], secs[start:]))
+
+
 def table(rows: list[dict]) -> str:
-    """One line per (model, mode, b): stock, hf_lsce and Liger's tokens/s and peak memory, hf_lsce's ratios, the
-    first losses' relative difference, lm_head calls."""
+    """One line per (model, mode, b): stock, hf_lsce and Liger's tokens/s and peak memory, hf_lsce's ratios (over the
+    timed steps' total, and of ``median_tps``), the first losses' relative difference, lm_head calls."""
     groups: dict = {}
     for r in rows:
         groups.setdefault((r["model"], r["mode"], r["b"]), {})[r["variant"]] = r
     lines = ["| model | mode | b | stock tok/s, GiB | hf_lsce tok/s, GiB | Liger tok/s, GiB | hf_lsce / stock tok/s | "
-             "hf_lsce / Liger tok/s | hf_lsce / stock memory | first loss vs stock | lm_head logit calls (stock, "
-             "hf_lsce) | per-step check |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "hf_lsce / Liger tok/s | the same, median steps | hf_lsce / stock memory | first loss vs stock | lm_head "
+             "logit calls (stock, hf_lsce) | per-step check |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def cell(r):
         if r is None:
@@ -434,15 +465,22 @@ def table(rows: list[dict]) -> str:
             return "failed: " + str(r["error"][-1])[:80]
         return f"{r['tokens_per_s']:,.0f}, {r['peak_gib'] or 0:.1f}"
 
+    def ok(r):
+        return r is not None and not r.get("error")
+
+    def ratio(a, c, k):
+        return f"{a[k] / c[k]:.2f} x" if ok(a) and ok(c) and a[k] and c[k] else "-"
+
+    def med(a, c):
+        return f"{median_tps(a) / median_tps(c):.2f}" if ok(a) and ok(c) else "-"
+
     for (model, mode, b), g in groups.items():
         s, o, lg = g.get("stock"), g.get("lsce"), g.get("liger")
-        ok = lambda r: r is not None and not r.get("error")  # noqa: E731
-        ratio = lambda a, c, k: f"{a[k] / c[k]:.2f} x" if ok(a) and ok(c) and a[k] and c[k] else "-"  # noqa: E731
         err = abs(o["losses"][0] - s["losses"][0]) / abs(s["losses"][0]) if ok(o) and ok(s) else None
         first = "-" if err is None else f"{err:.1e} ({'ok' if err < FIRST_LOSS_RTOL else 'FAILED'})"
         calls = f"{s['lm_head_logit_calls'] if ok(s) else '-'}, {o['lm_head_logit_calls'] if ok(o) else '-'}"
         lines.append(f"| {model} | {mode} | {b:g} | {cell(s)} | {cell(o)} | {cell(lg)} | "
-                     f"{ratio(o, s, 'tokens_per_s')} | {ratio(o, lg, 'tokens_per_s')} | "
+                     f"{ratio(o, s, 'tokens_per_s')} | {ratio(o, lg, 'tokens_per_s')} | {med(o, s)}, {med(o, lg)} | "
                      f"{ratio(o, s, 'peak_gib')} | {first} | {calls} | "
                      f"{o['confirmed'] if ok(o) else '-'} |")
     return "\n".join(lines)
@@ -500,6 +538,9 @@ def main(argv=None) -> int:
     if args.cmd == "largest":
         return largest(args)
     rows = [row for f in args.results for row in json.loads(Path(f).read_text())]
+    if any("tokens_per_gpu" in r for r in rows):  # largest's rows
+        print(largest_table(rows))
+        return 0
     if any(r.get("engine") for r in rows):  # multi's rows
         judge_multi(rows)
         print(multi_table(rows))
