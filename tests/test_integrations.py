@@ -295,6 +295,49 @@ def test_label_smoothing_factor_in_the_yaml_reaches_the_op():
         revert_lsce_patch(model)
 
 
+@pytest.mark.parametrize("mode,variant,engine", [
+    ("full", "lsce", None), ("lora", "lsce", None), ("qlora", "lsce", None), ("packed", "lsce", None),
+    ("packed", "liger", None), ("full", "lsce", "zero3"), ("full", "lsce", "fsdp2"), ("full_packed", "lsce", "fsdp2")])
+def test_the_gpu_runs_yamls_pass_axolotls_validation_with_b_kept(tmp_path, mode, variant, engine):
+    """tools/frameworks_gpu.py's Axolotl YAMLs (the GPU tables of docs/frameworks.md, and the same runs for the next
+    Axolotl version) pass the installed Axolotl's own validation with their plugins registered, and keep b: a YAML the
+    framework rejects, or one whose b it drops, would cost a GPU session to find. (Stock's and Liger's b comes from
+    the probe's LabelSmoother: Axolotl's config has no such key.)"""
+    _axolotl()
+    import sys
+
+    import yaml
+    from axolotl.integrations.base import PluginManager
+    from axolotl.utils.config import validate_config
+    from axolotl.utils.dict import DictDefault
+    from transformers import LlamaConfig
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path[:0] = [str(root / "tools"), str(root / "tools" / "frameworks")]
+    import frameworks_gpu
+
+    model = tmp_path / "model"
+    LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2).save_pretrained(model)
+    kw = {"engine": engine, "precision": "fp32", "sequential": True} if engine else {}
+    if mode == "full_packed":
+        kw.update(checkpointing=True, seq=8192)
+    raw = yaml.safe_load(frameworks_gpu.axolotl_yaml(model, tmp_path / "out", mode, variant, 0.1, **kw))
+    manager = PluginManager.get_instance()
+    before = dict(manager.plugins)
+    for name in raw["plugins"]:
+        manager.register(name)
+    try:
+        cfg = validate_config(DictDefault(raw))
+    finally:
+        manager.plugins.clear()
+        manager.plugins.update(before)
+    # with hf_lsce's plugin b stays; without it Axolotl drops the key, and the probe gives stock and Liger their b
+    assert cfg.label_smoothing_factor == (0.1 if variant == "lsce" else None)
+    assert cfg.get("adapter") == ({"lora": "lora", "packed": "lora", "qlora": "qlora"}.get(mode))
+    assert bool(cfg.sample_packing) == (mode in ("packed", "full_packed"))
+
+
 def test_plugin_refuses_a_family_outside_the_table_and_patches_the_built_model():
     plugin = _axolotl()
     from axolotl.utils.dict import DictDefault
