@@ -203,3 +203,27 @@ def test_framework_tables_read_stalls_and_out_of_memory_as_the_docs_say():
     assert "| stock (LabelSmoother) | 16 (131,072) | no: out of memory |" in text
     assert text.splitlines()[-1] == ("Largest that fit: stock (LabelSmoother) 65,536 tokens per GPU at 100 tok/s; "
                                      "hf_lsce 131,072 tokens per GPU at 102 tok/s")
+
+
+def test_framework_table_takes_the_median_of_repeated_runs():
+    """``run --repeats``: each variant's runs become one row of the table (``aggregate``): the median of their
+    tokens/s, their spread, a failed run counted apart and not averaged in, every check required."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import frameworks_gpu
+
+    warm = frameworks_gpu.WARMUP
+
+    def run(variant, step_s, confirmed=True):
+        return {"model": "m", "mode": "lora", "b": 0.1, "variant": variant, "losses": [2.0, 1.9],
+                "step_seconds": [1.0] * warm + [step_s] * 4, "step_tokens": [100] * (warm + 4),
+                "tokens_per_s": 100 / step_s, "peak_gib": 1.0, "lm_head_logit_calls": 0, "confirmed": confirmed}
+
+    ours = [run("lsce", 0.5), run("lsce", 0.25), run("lsce", 1.0), dict(run("lsce", 0.1), error=["OOM"])]
+    row = frameworks_gpu.aggregate(ours)
+    assert row["median_tps"] == pytest.approx(200.0) and row["tokens_per_s"] == pytest.approx(200.0)
+    assert (row["runs"], row["failed_runs"]) == (3, 1) and row["spread"] == pytest.approx((400 - 100) / 200)
+    assert not frameworks_gpu.aggregate([run("lsce", 0.5), run("lsce", 0.5, confirmed=False)])["confirmed"]
+    stock = [dict(run("stock", 0.5), lm_head_logit_calls=12), dict(run("stock", 1.0), lm_head_logit_calls=12)]
+    line = frameworks_gpu.table(ours + stock).splitlines()[-1]
+    # hf_lsce 200 tok/s against stock's median of 200 and 100: 150
+    assert "| 1.33 x |" in line and "| 1.33, - |" in line and line.endswith("| True | 2, 150% (1 failed) |")

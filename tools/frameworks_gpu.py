@@ -270,8 +270,9 @@ def _env() -> dict:
 
 
 def run(args) -> int:
-    """The grid: one run per (model, mode, b, variant). With ``--parallel N`` the runs go N at a time, one per GPU,
-    in row order, so a row's stock, hf_lsce and Liger runs train side by side under the same host load."""
+    """The grid: one run per (model, mode, b, variant), ``--repeats`` times. With ``--parallel N`` the runs go N at a
+    time, one per GPU, in row order, so a row's stock, hf_lsce and Liger runs train side by side under the same host
+    load; each repeat runs the whole grid again with the variants' order rotated (another GPU each time)."""
     import queue
     from concurrent.futures import ThreadPoolExecutor
 
@@ -279,8 +280,11 @@ def run(args) -> int:
     out = Path(args.out)
     rows = json.loads(out.read_text()) if out.exists() else []
     size = dict(seq=args.seq, micro_batch=args.micro_batch, steps=args.steps, precision=args.precision)
-    jobs = [(make_model(name, args.precision), mode, float(b), variant) for name in args.models.split(",")
-            for mode in args.modes.split(",") for b in args.b.split(",") for variant in args.variants.split(",")]
+    variants = args.variants.split(",")
+    models = {name: make_model(name, args.precision) for name in args.models.split(",")}
+    jobs = [(models[name], mode, float(b), variant, rep) for rep in range(args.repeats) for name in models
+            for mode in args.modes.split(",") for b in args.b.split(",")
+            for variant in variants[rep % len(variants):] + variants[:rep % len(variants)]]
     free: queue.Queue = queue.Queue()
     for k in range(args.parallel):
         free.put(str(k))
@@ -288,8 +292,10 @@ def run(args) -> int:
     def one(job):
         gpu = free.get()
         try:
-            model, mode, b, variant = job
-            return run_one(args.framework, model, mode, variant, b, env, gpus=gpu, **size)
+            model, mode, b, variant, rep = job
+            row = run_one(args.framework, model, mode, variant, b, env, gpus=gpu,
+                          tag=f"_r{rep}" if args.repeats > 1 else "", **size)
+            return dict(row, repeat=rep, gpu=int(gpu))
         finally:
             free.put(gpu)
 
@@ -448,15 +454,34 @@ def median_tps(r: dict) -> float:
     return statistics.median(t / s for t, s in zip(toks[start:], secs[start:]))
 
 
+def aggregate(runs: list[dict]) -> dict:
+    """One (model, mode, b, variant)'s runs as one row: the median over its successful runs of ``tokens_per_s`` and of
+    ``median_tps``, the largest peak and logit-call count, every check, the first run's losses, how many runs and the
+    spread of their median tokens/s ((max - min) / median); the first failure where none succeeded."""
+    import statistics
+
+    good = [r for r in runs if not r.get("error")]
+    if not good:
+        return runs[0]
+    tps = [median_tps(r) for r in good]
+    return dict(good[0], tokens_per_s=statistics.median(r["tokens_per_s"] for r in good),
+                median_tps=statistics.median(tps), peak_gib=max(r["peak_gib"] or 0 for r in good),
+                lm_head_logit_calls=max(r["lm_head_logit_calls"] for r in good),
+                confirmed=all(r["confirmed"] for r in good), runs=len(good), failed_runs=len(runs) - len(good),
+                spread=(max(tps) - min(tps)) / statistics.median(tps))
+
+
 def table(rows: list[dict]) -> str:
     """One line per (model, mode, b): stock, hf_lsce and Liger's tokens/s and peak memory, hf_lsce's ratios (over the
-    timed steps' total, and of ``median_tps``), the first losses' relative difference, lm_head calls."""
+    timed steps' total, and of ``median_tps``), the first losses' relative difference, lm_head calls; repeated runs
+    (``run --repeats``) as ``aggregate`` makes them one, with their count and the largest spread of the row."""
     groups: dict = {}
     for r in rows:
-        groups.setdefault((r["model"], r["mode"], r["b"]), {})[r["variant"]] = r
+        groups.setdefault((r["model"], r["mode"], r["b"]), {}).setdefault(r["variant"], []).append(r)
     lines = ["| model | mode | b | stock tok/s, GiB | hf_lsce tok/s, GiB | Liger tok/s, GiB | hf_lsce / stock tok/s | "
              "hf_lsce / Liger tok/s | the same, median steps | hf_lsce / stock memory | first loss vs stock | lm_head "
-             "logit calls (stock, hf_lsce) | per-step check |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "logit calls (stock, hf_lsce) | per-step check | runs, spread |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def cell(r):
         if r is None:
@@ -472,17 +497,21 @@ def table(rows: list[dict]) -> str:
         return f"{a[k] / c[k]:.2f} x" if ok(a) and ok(c) and a[k] and c[k] else "-"
 
     def med(a, c):
-        return f"{median_tps(a) / median_tps(c):.2f}" if ok(a) and ok(c) else "-"
+        return f"{a['median_tps'] / c['median_tps']:.2f}" if ok(a) and ok(c) else "-"
 
     for (model, mode, b), g in groups.items():
-        s, o, lg = g.get("stock"), g.get("lsce"), g.get("liger")
+        s, o, lg = (aggregate(g[v]) if v in g else None for v in ("stock", "lsce", "liger"))
         err = abs(o["losses"][0] - s["losses"][0]) / abs(s["losses"][0]) if ok(o) and ok(s) else None
         first = "-" if err is None else f"{err:.1e} ({'ok' if err < FIRST_LOSS_RTOL else 'FAILED'})"
         calls = f"{s['lm_head_logit_calls'] if ok(s) else '-'}, {o['lm_head_logit_calls'] if ok(o) else '-'}"
+        done = [x for x in (s, o, lg) if ok(x)]
+        runs = (f"{min(x['runs'] for x in done)}, {max(x['spread'] for x in done):.0%}"
+                + (f" ({sum(x['failed_runs'] for x in done)} failed)" if any(x["failed_runs"] for x in done) else "")
+                if done else "-")
         lines.append(f"| {model} | {mode} | {b:g} | {cell(s)} | {cell(o)} | {cell(lg)} | "
                      f"{ratio(o, s, 'tokens_per_s')} | {ratio(o, lg, 'tokens_per_s')} | {med(o, s)}, {med(o, lg)} | "
                      f"{ratio(o, s, 'peak_gib')} | {first} | {calls} | "
-                     f"{o['confirmed'] if ok(o) else '-'} |")
+                     f"{o['confirmed'] if ok(o) else '-'} | {runs} |")
     return "\n".join(lines)
 
 
@@ -502,6 +531,7 @@ def main(argv=None) -> int:
     r.add_argument("--out", required=True)
     for q in (r,):
         q.add_argument("--parallel", type=int, default=1, help="runs at a time, one per GPU")
+        q.add_argument("--repeats", type=int, default=1, help="the grid this many times (the table: medians)")
         q.add_argument("--micro-batch", type=int, default=MICRO_BATCH)
         q.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
     mu = sub.add_parser("multi", help="several GPUs (ZeRO-3, FSDP2) against one, fp32")
