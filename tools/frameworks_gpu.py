@@ -18,7 +18,7 @@ and how to download them) as one archive split into parts in .gpu/stage/; .gpu/e
     bash tools/gpu/fw_session.sh go python3 tools/frameworks_gpu.py largest --gpus 4 --out $OUT/fw_8b.json
 (``largest``: Llama-3-8B's configuration, FSDP2, sequence 8,192, the largest micro-batch of stock and hf_lsce.)
 LLaMA-Factory: the same with ``FW_ARCHIVE=lf_wheels.tar`` and ``--framework llamafactory`` (``run``; ``multi
---engines zero3``).
+--engines zero3``; ``largest --engine zero3``).
 Per run, from inside each training process (tools/frameworks/probe.py): every loss, the lm_head calls that returned
 logits, hf_lsce's per-step check, each step's wall time (the device synchronised at step boundaries), input tokens and
 scored labels, the device's peak allocated memory. Tokens/s is over the steps after the first ``WARMUP``. Rows are
@@ -167,13 +167,18 @@ def axolotl_yaml(model: Path, out: Path, mode: str, variant: str, b: float, *, s
 
 def llamafactory_yaml(model: Path, out: Path, mode: str, variant: str, b: float, *, seq: int = SEQ,
                       micro_batch: int = MICRO_BATCH, steps: int = STEPS, precision: str = "bf16",
-                      engine: str | None = None, sequential: bool = False) -> str:
+                      engine: str | None = None, sequential: bool = False, checkpointing: bool = True,
+                      data: Path | None = None) -> str:
     """LLaMA-Factory's YAML of the same run. Its Trainer smooths by itself (``label_smoothing_factor``), so stock
     needs no help; Liger is its ``enable_liger_kernel``; ``engine``: None or "zero3" (the same DeepSpeed config);
-    ``sequential``: ``disable_shuffling``."""
+    ``sequential``: ``disable_shuffling``; ``checkpointing``: LLaMA-Factory's default, on (False writes
+    ``disable_gradient_checkpointing``); ``data``: a rows file with a ``dataset_info.json`` beside it naming it by its
+    stem (``largest`` writes both), else the prepared rows."""
+    full = mode in ("full", "full_packed")
     lines = [f"model_name_or_path: {model}", "stage: sft", "do_train: true",
-             f"finetuning_type: {'full' if mode == 'full' else 'lora'}", "dataset: long_rows",
-             f"dataset_dir: {FW / 'data'}", "template: default", f"cutoff_len: {seq}", "overwrite_cache: true",
+             f"finetuning_type: {'full' if full else 'lora'}", f"dataset: {data.stem if data else 'long_rows'}",
+             f"dataset_dir: {data.parent if data else FW / 'data'}", "template: default", f"cutoff_len: {seq}",
+             "overwrite_cache: true",
              "preprocessing_num_workers: 4", f"output_dir: {out}", "overwrite_output_dir: true",
              f"per_device_train_batch_size: {micro_batch}", "gradient_accumulation_steps: 1", f"max_steps: {steps}",
              "learning_rate: 1.0e-5", "lr_scheduler_type: constant", "optim: adamw_torch_fused", "logging_steps: 1",
@@ -182,17 +187,19 @@ def llamafactory_yaml(model: Path, out: Path, mode: str, variant: str, b: float,
              f"label_smoothing_factor: {b}"]
     if sequential:
         lines += ["disable_shuffling: true"]
+    if not checkpointing:
+        lines += ["disable_gradient_checkpointing: true"]
     if engine == "zero3":
         lines += [f"deepspeed: {ZERO3}"]
     elif engine is not None:
         raise ValueError(f"LLaMA-Factory runs here: engine None or 'zero3', not {engine!r}")
     if variant == "liger":
         lines += ["enable_liger_kernel: true"]
-    if mode != "full":
+    if not full:
         lines += ["lora_target: all", "lora_rank: 16", "lora_alpha: 32", "lora_dropout: 0.0"]
     if mode == "qlora":
         lines += ["quantization_bit: 4"]
-    if mode == "packed":
+    if mode in ("packed", "full_packed"):
         lines += ["packing: true"]
     return "\n".join(lines) + "\n"
 
@@ -382,9 +389,12 @@ def multi_table(rows: list[dict]) -> str:
 
 def largest(args) -> int:
     """The largest micro-batch each of stock (LabelSmoother) and hf_lsce fits, and tokens/s at each size, on G GPUs
-    through Axolotl's launcher: the issue's Llama-3-8B case (its configuration with random weights, bf16, packed rows
-    of ``--seq`` tokens, gradient checkpointing, AdamW, FSDP2 or ZeRO-3). Sizes go up until a run fails; a failed
-    run's log says whether it ran out of memory. Rows are written after each run."""
+    through the framework's launcher: the issue's Llama-3-8B case (its configuration with random weights, bf16, packed
+    rows of ``--seq`` tokens, gradient checkpointing, AdamW; Axolotl with FSDP2 or ZeRO-3, LLaMA-Factory under
+    ``torchrun`` with ZeRO-3). Sizes go up until a run fails; a failed run's log says whether it ran out of memory.
+    Rows are written after each run."""
+    if args.framework == "llamafactory" and args.engine != "zero3":
+        raise SystemExit("largest --framework llamafactory runs DeepSpeed ZeRO-3 only: add --engine zero3")
     env = _env()
     out = Path(args.out)
     rows = json.loads(out.read_text()) if out.exists() else []
@@ -396,9 +406,10 @@ def largest(args) -> int:
     data = WORK / "train_repeated.jsonl"
     WORK.mkdir(parents=True, exist_ok=True)
     data.write_text(rows_text * (need // (512 * 300) + 1))  # (rows of 300 tokens or more)
+    (WORK / "dataset_info.json").write_text(json.dumps({data.stem: {"file_name": data.name}}))  # (LLaMA-Factory's)
     for variant in args.variants.split(","):
         for m in [int(x) for x in args.micro_batches.split(",")]:
-            row = run_one("axolotl", model, "full_packed", variant, float(args.b), env, gpus=gpus,
+            row = run_one(args.framework, model, "full_packed", variant, float(args.b), env, gpus=gpus,
                           tag=f"_{args.engine}{args.gpus}_mb{m}", micro_batch=m, seq=args.seq, steps=args.steps,
                           engine=args.engine, checkpointing=True, data=data)
             row["tokens_per_gpu"] = m * args.seq
@@ -546,6 +557,7 @@ def main(argv=None) -> int:
         q.add_argument("--seq", type=int, default=SEQ)
         q.add_argument("--steps", type=int, default=STEPS)
     lg = sub.add_parser("largest", help="the largest micro-batch of stock and hf_lsce on several GPUs (Llama-3-8B)")
+    lg.add_argument("--framework", default="axolotl", choices=["axolotl", "llamafactory"])
     lg.add_argument("--model", default="llama3-8b")
     lg.add_argument("--gpus", type=int, default=4)
     lg.add_argument("--engine", choices=["fsdp2", "zero3"], default="fsdp2")
