@@ -338,6 +338,45 @@ def test_the_gpu_runs_yamls_pass_axolotls_validation_with_b_kept(tmp_path, mode,
     assert bool(cfg.sample_packing) == (mode in ("packed", "full_packed"))
 
 
+@pytest.mark.parametrize("mode,variant", [("full", "lsce"), ("lora", "stock"), ("qlora", "lsce"),
+                                          ("full_packed", "lsce")])
+def test_the_gpu_runs_llamafactory_yamls_pass_its_parser_with_b_kept(tmp_path, mode, variant):
+    """tools/frameworks_gpu.py's LLaMA-Factory YAMLs (the GPU grid; full_packed: ``largest``'s Llama-3-8B run, its rows
+    file named through a dataset_info.json beside it) pass LLaMA-Factory's own argument parser and keep b, the
+    adapter, 4-bit loading, packing and the dataset. bf16 is turned off (the CPU), and the DeepSpeed key of
+    ``largest``'s YAML is left out: LLaMA-Factory accepts it only under a distributed launch (the several-process
+    CPU run in docs/frameworks.md covers that launch)."""
+    pytest.importorskip("llamafactory", reason="LLaMA-Factory is not installed (tools/version_matrix.py runs these)")
+    import sys
+
+    import yaml
+    from llamafactory.hparams import get_train_args
+    from transformers import LlamaConfig
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "tools"))
+    import frameworks_gpu
+
+    model = tmp_path / "model"
+    LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2).save_pretrained(model)
+    kw = {}
+    if mode == "full_packed":
+        data = tmp_path / "rows" / "train_repeated.jsonl"
+        data.parent.mkdir()
+        data.write_text('{"instruction": "a", "input": "", "output": "b"}\n')
+        (data.parent / "dataset_info.json").write_text('{"train_repeated": {"file_name": "train_repeated.jsonl"}}')
+        kw = {"engine": "zero3", "seq": 8192, "data": data}
+    raw = yaml.safe_load(frameworks_gpu.llamafactory_yaml(model, tmp_path / "out", mode, variant, 0.1, **kw))
+    assert raw.pop("bf16") is True and (raw.pop("deepspeed", None) is not None) == (mode == "full_packed")
+    model_args, data_args, training_args, finetuning_args, _ = get_train_args(raw)
+    assert training_args.label_smoothing_factor == 0.1
+    assert finetuning_args.finetuning_type == ("full" if mode.startswith("full") else "lora")
+    assert model_args.quantization_bit == (4 if mode == "qlora" else None)
+    assert bool(data_args.packing) == (mode == "full_packed") and not model_args.disable_gradient_checkpointing
+    assert data_args.dataset == (["train_repeated"] if mode == "full_packed" else ["long_rows"])
+
+
 def test_plugin_refuses_a_family_outside_the_table_and_patches_the_built_model():
     plugin = _axolotl()
     from axolotl.utils.dict import DictDefault
