@@ -398,7 +398,7 @@ def largest(args) -> int:
     env = _env()
     out = Path(args.out)
     rows = json.loads(out.read_text()) if out.exists() else []
-    model = make_model(args.model)
+    model = make_model(args.model, args.precision)
     gpus = ",".join(map(str, range(args.gpus)))
     # enough packed rows for every step at the largest size: the 512 rows repeated
     need = max(int(x) for x in args.micro_batches.split(",")) * args.gpus * args.steps * args.seq
@@ -411,7 +411,7 @@ def largest(args) -> int:
         for m in [int(x) for x in args.micro_batches.split(",")]:
             row = run_one(args.framework, model, "full_packed", variant, float(args.b), env, gpus=gpus,
                           tag=f"_{args.engine}{args.gpus}_mb{m}", micro_batch=m, seq=args.seq, steps=args.steps,
-                          engine=args.engine, checkpointing=True, data=data)
+                          engine=args.engine, checkpointing=True, data=data, precision=args.precision)
             row["tokens_per_gpu"] = m * args.seq
             failed = bool(row.get("error"))
             if failed:
@@ -566,6 +566,7 @@ def main(argv=None) -> int:
     lg.add_argument("--seq", type=int, default=8192)
     lg.add_argument("--steps", type=int, default=8)
     lg.add_argument("--b", default="0.1")
+    lg.add_argument("--precision", choices=["bf16", "fp32"], default="bf16", help="fp32: a dry run on the CPU")
     lg.add_argument("--out", required=True)
     t = sub.add_parser("table")
     t.add_argument("results", nargs="+")
