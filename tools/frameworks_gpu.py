@@ -429,8 +429,8 @@ def largest(args) -> int:
 def largest_table(rows: list[dict]) -> str:
     """``largest``'s rows: per variant and micro-batch, whether it fit, tokens/s and peak memory; then each variant's
     largest micro-batch that fit."""
-    lines = [("| run | micro-batch per GPU (tokens) | fits | tok/s (all GPUs) | peak GiB (rank 0) | timed steps | "
-              "lm_head calls returning logits | per-step check |"), "|---|---|---|---|---|---|---|---|"]
+    lines = [("| run | micro-batch per GPU (tokens) | fits | tok/s (all GPUs) | peak GiB (largest rank) | "
+              "timed steps | lm_head calls returning logits | per-step check |"), "|---|---|---|---|---|---|---|---|"]
     best: dict = {}
     for r in rows:
         name = "hf_lsce" if r["variant"] == "lsce" else "stock (LabelSmoother)"
