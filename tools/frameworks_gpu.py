@@ -52,8 +52,8 @@ FSDP2 = ["fsdp_version: 2", "fsdp_config:", "  offload_params: false", "  cpu_ra
          "  auto_wrap_policy: TRANSFORMER_BASED_WRAP", "  transformer_layer_cls_to_wrap: {layer}",
          "  state_dict_type: FULL_STATE_DICT", "  reshard_after_forward: true"]
 LAYER_CLASS = {"llama": "LlamaDecoderLayer", "gemma3_text": "Gemma3DecoderLayer"}
-# several GPUs against one: the mean over ranks of each step's loss (each rank's loss is its token sum over the global
-# token count, times the world size) against the one-GPU run of the same global batch, both fp32
+# several GPUs against one: each step's global loss rebuilt from the ranks' (judge_multi) against the one-GPU run of
+# the same global batch, both fp32
 MULTI_RTOL = 1e-5
 # the first loss against stock smoothing's, relative: bf16 weights, the same batch; stock takes bf16 logits' fp32 upcast,
 # the op sums in fp32 in another order
@@ -263,11 +263,14 @@ def run_one(framework: str, model: Path, mode: str, variant: str, b: float, env:
                    step_tokens=[sum(x) for x in zip(*[r["step_tokens"] for r in recs])],
                    step_seconds=[max(x) for x in zip(*[r["step_seconds"] for r in recs])],
                    peak_gib=max(r["peak_gib"] or 0 for r in recs))
-    secs, toks = rec["step_seconds"], rec["step_tokens"]
-    timed = slice(WARMUP if len(secs) > WARMUP else 1, None)
-    row.update(rec, timed_steps=len(secs[timed]),
-               tokens_per_s=sum(toks[timed]) / sum(secs[timed]) if secs[timed] else None)
+    secs, toks = _timed(rec["step_seconds"]), _timed(rec["step_tokens"])
+    row.update(rec, timed_steps=len(secs), tokens_per_s=sum(toks) / sum(secs) if secs else None)
     return row
+
+
+def _timed(per_step: list) -> list:
+    """The timed steps' values: those after the first ``WARMUP`` (after the first only, in a run that short)."""
+    return per_step[WARMUP if len(per_step) > WARMUP else 1:]
 
 
 def _env() -> dict:
@@ -460,9 +463,7 @@ def median_tps(r: dict) -> float:
     time), not moved by one stalled step (a data-loader refill, a neighbour on the shared host)."""
     import statistics
 
-    secs, toks = r["step_seconds"], r["step_tokens"]
-    start = WARMUP if len(secs) > WARMUP else 1
-    return statistics.median(t / s for t, s in zip(toks[start:], secs[start:]))
+    return statistics.median(t / s for t, s in zip(_timed(r["step_tokens"]), _timed(r["step_seconds"])))
 
 
 def aggregate(runs: list[dict]) -> dict:
@@ -540,11 +541,10 @@ def main(argv=None) -> int:
     r.add_argument("--variants", default="stock,lsce,liger")
     r.add_argument("--b", default="0.1")
     r.add_argument("--out", required=True)
-    for q in (r,):
-        q.add_argument("--parallel", type=int, default=1, help="runs at a time, one per GPU")
-        q.add_argument("--repeats", type=int, default=1, help="the grid this many times (the table: medians)")
-        q.add_argument("--micro-batch", type=int, default=MICRO_BATCH)
-        q.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
+    r.add_argument("--parallel", type=int, default=1, help="runs at a time, one per GPU")
+    r.add_argument("--repeats", type=int, default=1, help="the grid this many times (the table: medians)")
+    r.add_argument("--micro-batch", type=int, default=MICRO_BATCH)
+    r.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
     mu = sub.add_parser("multi", help="several GPUs (ZeRO-3, FSDP2) against one, fp32")
     mu.add_argument("--framework", default="axolotl", choices=["axolotl", "llamafactory"])
     mu.add_argument("--model", default="llama3.2-1b")
