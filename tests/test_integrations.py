@@ -310,15 +310,14 @@ def test_the_gpu_runs_yamls_pass_axolotls_validation_with_b_kept(tmp_path, mode,
     from axolotl.integrations.base import PluginManager
     from axolotl.utils.config import validate_config
     from axolotl.utils.dict import DictDefault
-    from transformers import LlamaConfig
+    from tiny_models import tiny_config
 
     root = Path(__file__).resolve().parents[1]
     sys.path[:0] = [str(root / "tools"), str(root / "tools" / "frameworks")]
     import frameworks_gpu
 
     model = tmp_path / "model"
-    LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                num_key_value_heads=2).save_pretrained(model)
+    tiny_config("llama").save_pretrained(model)
     kw = {"engine": engine, "precision": "fp32", "sequential": True} if engine else {}
     if mode == "full_packed":
         kw.update(checkpointing=True, seq=8192)
@@ -351,15 +350,14 @@ def test_the_gpu_runs_llamafactory_yamls_pass_its_parser_with_b_kept(tmp_path, m
 
     import yaml
     from llamafactory.hparams import get_train_args
-    from transformers import LlamaConfig
+    from tiny_models import tiny_config
 
     root = Path(__file__).resolve().parents[1]
     sys.path.insert(0, str(root / "tools"))
     import frameworks_gpu
 
     model = tmp_path / "model"
-    LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                num_key_value_heads=2).save_pretrained(model)
+    tiny_config("llama").save_pretrained(model)
     kw = {}
     if mode == "full_packed":
         data = tmp_path / "rows" / "train_repeated.jsonl"
