@@ -21,7 +21,8 @@ LLaMA-Factory: the same with ``FW_ARCHIVE=lf_wheels.tar`` and ``--framework llam
 --engines zero3``; ``largest --engine zero3``).
 Per run, from inside each training process (tools/frameworks/probe.py): every loss, the lm_head calls that returned
 logits, hf_lsce's per-step check, each step's wall time (the device synchronised at step boundaries), input tokens and
-scored labels, the device's peak allocated memory. Tokens/s is over the steps after the first ``WARMUP``. Rows are
+scored labels, the device's peak allocated memory (``run --profile``: where three steps' time goes, by operator).
+Tokens/s is over the steps after the first ``WARMUP``. Rows are
 written after each run, so a call stopped at its limit keeps what ran.
     python tools/frameworks_gpu.py table RESULTS.json [...]
 prints the markdown tables of docs/frameworks.md.
@@ -232,6 +233,8 @@ def run_one(framework: str, model: Path, mode: str, variant: str, b: float, env:
     run_env = {**env, "LSCE_PROBE_OUT": str(probe), "CUDA_VISIBLE_DEVICES": gpus,
                "LSCE_PROBE_HF_SMOOTHING": str(hf_b),
                "HF_DATASETS_CACHE": str(WORK / f"{name}_datasets")}  # (no cache shared by runs side by side)
+    if env.get("LSCE_PROBE_PROFILE_DIR"):  # run --profile: the probe's profile of three steps, beside the results
+        run_env["LSCE_PROBE_PROFILE"] = str(Path(env["LSCE_PROBE_PROFILE_DIR"]) / f"{name}.prof.txt")
     t0 = time.time()
     with open(log, "w") as f:
         rc = subprocess.run(cmd, env=run_env, stdout=f, stderr=subprocess.STDOUT, timeout=600).returncode
@@ -288,6 +291,10 @@ def run(args) -> int:
 
     env = _env()
     out = Path(args.out)
+    if args.profile:
+        env["LSCE_PROBE_PROFILE_DIR"] = str(out.resolve().parent)
+    if args.no_cudnn_attention:
+        env["LSCE_PROBE_NO_CUDNN_ATTENTION"] = "1"
     rows = json.loads(out.read_text()) if out.exists() else []
     size = dict(seq=args.seq, micro_batch=args.micro_batch, steps=args.steps, precision=args.precision)
     variants = args.variants.split(",")
@@ -545,6 +552,10 @@ def main(argv=None) -> int:
     r.add_argument("--repeats", type=int, default=1, help="the grid this many times (the table: medians)")
     r.add_argument("--micro-batch", type=int, default=MICRO_BATCH)
     r.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
+    r.add_argument("--profile", action="store_true",
+                   help="profile steps 7-9 of each run (torch.profiler): NAME.prof.txt beside --out")
+    r.add_argument("--no-cudnn-attention", action="store_true",
+                   help="every variant without cuDNN's SDPA (its per-shape graph builds stall steps on the host)")
     mu = sub.add_parser("multi", help="several GPUs (ZeRO-3, FSDP2) against one, fp32")
     mu.add_argument("--framework", default="axolotl", choices=["axolotl", "llamafactory"])
     mu.add_argument("--model", default="llama3.2-1b")

@@ -6,7 +6,17 @@ frameworks reach it through their own hooks (Axolotl: a plugin; LLaMA-Factory: i
 
 ``LSCE_PROBE_HF_SMOOTHING=b`` (b > 0) gives the trainer transformers' own ``LabelSmoother(epsilon=b)``, which is what
 ``label_smoothing_factor: b`` does in the HF Trainer (logits, then smoothing on them): the stock smoothed reference for
-a framework whose config has no such key (Axolotl drops it)."""
+a framework whose config has no such key (Axolotl drops it).
+
+``LSCE_PROBE_PROFILE=FILE`` profiles optimizer steps 7 to 9 (torch.profiler, CPU and CUDA) and writes FILE: the
+profiled steps' wall time, the device's busy time, the kernels launched, and the operators by self CPU time and by self
+CUDA time (where a host-bound step's time goes).
+
+``LSCE_PROBE_NO_CUDNN_ATTENTION=1`` turns off cuDNN's scaled-dot-product attention (``torch.backends.cuda.
+enable_cudnn_sdp(False)``; SDPA then takes its flash or memory-efficient kernels) for every variant alike: on the GPU
+image's torch it builds a graph for each new sequence length on the host, which stalled single steps for 1 to 5 s
+(profiled: ``aten::_cudnn_attention_forward``, 3.4 s of host time in three steps), first in whichever process met
+the shape first."""
 from __future__ import annotations
 
 import json
@@ -15,6 +25,33 @@ import time
 
 import torch
 from transformers import Trainer
+
+
+PROFILE_STEPS = (6, 9)  # profiled: from the start of the step after global step 6 to the end of step 9 (3 steps)
+
+
+def _start_profiler():
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    prof = profile(activities=acts)
+    prof.__enter__()
+    return prof
+
+
+def _write_profile(prof, wall_s: float, out: str) -> None:
+    prof.__exit__(None, None, None)
+    ev = prof.key_averages()
+    steps = PROFILE_STEPS[1] - PROFILE_STEPS[0]
+    cuda_us = sum(getattr(e, "self_device_time_total", 0) or 0 for e in ev)
+    launches = sum(e.count for e in ev if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC",
+                                                     "cuLaunchKernelEx"))
+    head = (f"{steps} steps: wall {wall_s / steps * 1e3:.1f} ms/step, device busy {cuda_us / steps / 1e3:.1f} ms/step "
+            f"(self CUDA time summed), kernel launches {launches / steps:.0f}/step\n\n")
+    by_cpu = ev.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70)
+    by_cuda = ev.table(sort_by="self_device_time_total", row_limit=20, max_name_column_width=70)
+    with open(out, "w") as f:
+        f.write(head + "By self CPU time:\n" + by_cpu + "\nBy self CUDA time:\n" + by_cuda)
 
 
 class _Timer:
@@ -26,6 +63,8 @@ class _Timer:
         self.record = record
         self.t0 = None
         self.tokens = 0
+        self.profile_out = os.environ.get("LSCE_PROBE_PROFILE")
+        self.prof = self.prof_t0 = None
 
     def _sync(self):
         if torch.cuda.is_available():
@@ -51,6 +90,9 @@ class _Timer:
 
             def on_step_begin(self, args, state, control, **kw):
                 timer._sync()
+                if timer.profile_out and state.global_step == PROFILE_STEPS[0] and timer.prof is None:
+                    timer.prof = _start_profiler()
+                    timer.prof_t0 = time.perf_counter()
                 timer.t0, timer.tokens = time.perf_counter(), 0
 
             def on_step_end(self, args, state, control, **kw):
@@ -60,6 +102,9 @@ class _Timer:
                 if torch.cuda.is_available():  # (a framework may reset the peak during training: the largest seen)
                     timer.record["peak_gib"] = max(timer.record["peak_gib"] or 0.0,
                                                    torch.cuda.max_memory_allocated() / 2**30)
+                if timer.prof is not None and state.global_step == PROFILE_STEPS[1]:
+                    _write_profile(timer.prof, time.perf_counter() - timer.prof_t0, timer.profile_out)
+                    timer.prof = None
 
             def on_train_end(self, args, state, control, **kw):
                 if torch.cuda.is_available():
@@ -75,6 +120,9 @@ def install(trainer) -> None:
     record = dict(losses=[], lm_head_logit_calls=0, fused_calls=None, patched=False, confirmed=False,
                   step_seconds=[], step_tokens=[], step_label_tokens=[], peak_gib=None)
     timer = _Timer(record)
+    if os.environ.get("LSCE_PROBE_NO_CUDNN_ATTENTION") == "1":
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    record["cudnn_attention"] = torch.backends.cuda.cudnn_sdp_enabled()
     trainer.add_callback(timer.callback())
     hf_b = float(os.environ.get("LSCE_PROBE_HF_SMOOTHING") or 0)
     if hf_b > 0:
