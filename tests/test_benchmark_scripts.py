@@ -227,3 +227,39 @@ def test_framework_table_takes_the_median_of_repeated_runs():
     line = frameworks_gpu.table(ours + stock).splitlines()[-1]
     # hf_lsce 200 tok/s against stock's median of 200 and 100: 150
     assert "| 1.33 x |" in line and "| 1.33, - |" in line and line.endswith("| True | 2, 150% (1 failed) |")
+
+
+def test_framework_probe_profiles_three_steps_and_can_turn_cudnn_attention_off(tmp_path, monkeypatch):
+    """tools/frameworks/probe.py's ``run --profile`` and ``--no-cudnn-attention`` (docs/frameworks.md quotes both): on
+    a Trainer it probes, the profile covers exactly three optimizer steps, and cuDNN's attention is off for that run
+    and on again for the rest of the suite (the flag is process-wide)."""
+    from transformers import Trainer, TrainingArguments
+
+    from tiny_models import tiny_model
+
+    sys.path.insert(0, str(ROOT / "tools" / "frameworks"))
+    import probe
+
+    out, prof = tmp_path / "probe.json", tmp_path / "run.prof.txt"
+    monkeypatch.setenv("LSCE_PROBE_OUT", str(out))
+    monkeypatch.setenv("LSCE_PROBE_PROFILE", str(prof))
+    monkeypatch.setenv("LSCE_PROBE_NO_CUDNN_ATTENTION", "1")
+    was = torch.backends.cuda.cudnn_sdp_enabled()
+    g = torch.Generator().manual_seed(0)
+    rows = [{"input_ids": torch.randint(0, 64, (16,), generator=g)} for _ in range(24)]
+    for r in rows:
+        r["labels"] = r["input_ids"].clone()
+    args = TrainingArguments(str(tmp_path / "o"), max_steps=12, per_device_train_batch_size=2, report_to=[],
+                             use_cpu=True, save_strategy="no", disable_tqdm=True)
+    trainer = Trainer(tiny_model(vocab_size=64), args, train_dataset=rows)
+    try:
+        probe.install(trainer)
+        trainer.train()
+        record = json.loads(out.read_text())
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(was)
+    assert record["cudnn_attention"] is False and len(record["losses"]) == 12
+    text = prof.read_text()
+    assert text.startswith("3 steps: wall ")
+    step_line = next(x for x in text.splitlines() if "Optimizer.step#AdamW.step" in x)
+    assert step_line.split()[-1] == "3"  # the operator table's last column: its number of calls
