@@ -205,9 +205,10 @@ def test_framework_tables_read_stalls_and_out_of_memory_as_the_docs_say():
                                      "hf_lsce 131,072 tokens per GPU at 102 tok/s")
 
 
-def test_framework_table_takes_the_median_of_repeated_runs():
+def test_framework_table_takes_the_median_of_repeated_runs(tmp_path):
     """``run --repeats``: each variant's runs become one row of the table (``aggregate``): the median of their
-    tokens/s, their spread, a failed run counted apart and not averaged in, every check required."""
+    tokens/s, their spread, a failed run counted apart and not averaged in, every check required; ``plot`` draws
+    the same rows."""
     sys.path.insert(0, str(ROOT / "tools"))
     import frameworks_gpu
 
@@ -227,6 +228,8 @@ def test_framework_table_takes_the_median_of_repeated_runs():
     line = frameworks_gpu.table(ours + stock).splitlines()[-1]
     # hf_lsce 200 tok/s against stock's median of 200 and 100: 150
     assert "| 1.33 x |" in line and "| 1.33, - |" in line and line.endswith("| True | 2, 150% (1 failed) |")
+    frameworks_gpu.plot(ours + stock, str(tmp_path / "grid.png"), "t")
+    assert (tmp_path / "grid.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_framework_probe_profiles_three_steps_and_can_turn_cudnn_attention_off(tmp_path, monkeypatch):

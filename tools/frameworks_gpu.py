@@ -534,6 +534,44 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def plot(rows: list[dict], out: str, title: str = "") -> None:
+    """The grid as a picture: per (model, set-up, b), each variant's peak memory (left) and its median per-step
+    tokens/s relative to stock's (right, ``median_tps``; 1 = stock), repeated runs aggregated as in ``table``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault((r["model"], r["mode"], r["b"]), {}).setdefault(r["variant"], []).append(r)
+    names = {"stock": "stock", "lsce": "hf_lsce", "liger": "Liger"}
+    colors = {"stock": "#7f7f7f", "lsce": "#1f77b4", "liger": "#ff7f0e"}
+    keys = list(groups)
+    labels = [f"{m.replace('-config', '')} {mode} b={b:g}" for m, mode, b in keys]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 0.42 * len(keys) + 1.6), sharey=True)
+    height = 0.27
+    for k, v in enumerate(("stock", "lsce", "liger")):
+        agg = [aggregate(groups[g][v]) if v in groups[g] else None for g in keys]
+        ys = [i + (k - 1) * height for i in range(len(keys))]
+        peak = [a["peak_gib"] if a and not a.get("error") else 0 for a in agg]
+        left.barh(ys, peak, height, color=colors[v], label=names[v])
+        stock = [aggregate(groups[g]["stock"]) if "stock" in groups[g] else None for g in keys]
+        rel = [a["median_tps"] / s["median_tps"] if a and s and not a.get("error") and not s.get("error") else 0
+               for a, s in zip(agg, stock)]
+        right.barh(ys, rel, height, color=colors[v], label=names[v])
+    left.set_xlabel("peak allocated memory (GiB)")
+    right.set_xlabel("median per-step tokens/s relative to stock")
+    right.axvline(1.0, color="black", linewidth=0.8)
+    left.set_yticks(range(len(keys)), labels)
+    left.invert_yaxis()
+    left.legend(loc="lower right")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -581,6 +619,10 @@ def main(argv=None) -> int:
     lg.add_argument("--out", required=True)
     t = sub.add_parser("table")
     t.add_argument("results", nargs="+")
+    pl = sub.add_parser("plot", help="run's grid as a PNG: peak memory and tokens/s relative to stock per row")
+    pl.add_argument("results", nargs="+")
+    pl.add_argument("--out", required=True)
+    pl.add_argument("--title", default="")
     args = p.parse_args(argv)
     if args.cmd == "prepare":
         prepare(args.wheels, args.archive)
@@ -592,6 +634,9 @@ def main(argv=None) -> int:
     if args.cmd == "largest":
         return largest(args)
     rows = [row for f in args.results for row in json.loads(Path(f).read_text())]
+    if args.cmd == "plot":
+        plot(rows, args.out, args.title)
+        return 0
     if any("tokens_per_gpu" in r for r in rows):  # largest's rows
         print(largest_table(rows))
         return 0
