@@ -490,13 +490,19 @@ def aggregate(runs: list[dict]) -> dict:
                 spread=(max(tps) - min(tps)) / statistics.median(tps))
 
 
+def _grid(rows: list[dict]) -> dict:
+    """{(model, mode, b): {variant: [runs]}}, in the rows' order: the grid's rows as ``table`` and ``plot`` show them."""
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault((r["model"], r["mode"], r["b"]), {}).setdefault(r["variant"], []).append(r)
+    return groups
+
+
 def table(rows: list[dict]) -> str:
     """One line per (model, mode, b): stock, hf_lsce and Liger's tokens/s and peak memory, hf_lsce's ratios (over the
     timed steps' total, and of ``median_tps``), the first losses' relative difference, lm_head calls; repeated runs
     (``run --repeats``) as ``aggregate`` makes them one, with their count and the largest spread of the row."""
-    groups: dict = {}
-    for r in rows:
-        groups.setdefault((r["model"], r["mode"], r["b"]), {}).setdefault(r["variant"], []).append(r)
+    groups = _grid(rows)
     lines = ["| model | mode | b | stock tok/s, GiB | hf_lsce tok/s, GiB | Liger tok/s, GiB | hf_lsce / stock tok/s | "
              "hf_lsce / Liger tok/s | the same, median steps | hf_lsce / stock memory | first loss vs stock | lm_head "
              "logit calls (stock, hf_lsce) | per-step check | runs, spread |",
@@ -542,9 +548,7 @@ def plot(rows: list[dict], out: str, title: str = "") -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups: dict = {}
-    for r in rows:
-        groups.setdefault((r["model"], r["mode"], r["b"]), {}).setdefault(r["variant"], []).append(r)
+    groups = _grid(rows)
     names = {"stock": "stock", "lsce": "hf_lsce", "liger": "Liger"}
     colors = {"stock": "#7f7f7f", "lsce": "#1f77b4", "liger": "#ff7f0e"}
     keys = list(groups)
