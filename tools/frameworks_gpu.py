@@ -490,6 +490,11 @@ def aggregate(runs: list[dict]) -> dict:
                 spread=(max(tps) - min(tps)) / statistics.median(tps))
 
 
+def _ok(r: dict | None) -> bool:
+    """A run (or aggregate) that trained: present and without an error."""
+    return r is not None and not r.get("error")
+
+
 def _grid(rows: list[dict]) -> dict:
     """{(model, mode, b): {variant: [runs]}}, in the rows' order: the grid's rows as ``table`` and ``plot`` show them."""
     groups: dict = {}
@@ -515,28 +520,25 @@ def table(rows: list[dict]) -> str:
             return "failed: " + str(r["error"][-1])[:80]
         return f"{r['tokens_per_s']:,.0f}, {r['peak_gib'] or 0:.1f}"
 
-    def ok(r):
-        return r is not None and not r.get("error")
-
     def ratio(a, c, k):
-        return f"{a[k] / c[k]:.2f} x" if ok(a) and ok(c) and a[k] and c[k] else "-"
+        return f"{a[k] / c[k]:.2f} x" if _ok(a) and _ok(c) and a[k] and c[k] else "-"
 
     def med(a, c):
-        return f"{a['median_tps'] / c['median_tps']:.2f}" if ok(a) and ok(c) else "-"
+        return f"{a['median_tps'] / c['median_tps']:.2f}" if _ok(a) and _ok(c) else "-"
 
     for (model, mode, b), g in groups.items():
         s, o, lg = (aggregate(g[v]) if v in g else None for v in ("stock", "lsce", "liger"))
-        err = abs(o["losses"][0] - s["losses"][0]) / abs(s["losses"][0]) if ok(o) and ok(s) else None
+        err = abs(o["losses"][0] - s["losses"][0]) / abs(s["losses"][0]) if _ok(o) and _ok(s) else None
         first = "-" if err is None else f"{err:.1e} ({'ok' if err < FIRST_LOSS_RTOL else 'FAILED'})"
-        calls = f"{s['lm_head_logit_calls'] if ok(s) else '-'}, {o['lm_head_logit_calls'] if ok(o) else '-'}"
-        done = [x for x in (s, o, lg) if ok(x)]
+        calls = f"{s['lm_head_logit_calls'] if _ok(s) else '-'}, {o['lm_head_logit_calls'] if _ok(o) else '-'}"
+        done = [x for x in (s, o, lg) if _ok(x)]
         runs = (f"{min(x['runs'] for x in done)}, {max(x['spread'] for x in done):.0%}"
                 + (f" ({sum(x['failed_runs'] for x in done)} failed)" if any(x["failed_runs"] for x in done) else "")
                 if done else "-")
         lines.append(f"| {model} | {mode} | {b:g} | {cell(s)} | {cell(o)} | {cell(lg)} | "
                      f"{ratio(o, s, 'tokens_per_s')} | {ratio(o, lg, 'tokens_per_s')} | {med(o, s)}, {med(o, lg)} | "
                      f"{ratio(o, s, 'peak_gib')} | {first} | {calls} | "
-                     f"{o['confirmed'] if ok(o) else '-'} | {runs} |")
+                     f"{o['confirmed'] if _ok(o) else '-'} | {runs} |")
     return "\n".join(lines)
 
 
@@ -555,14 +557,11 @@ def plot(rows: list[dict], out: str, title: str = "") -> None:
     labels = [f"{m.replace('-config', '')} {mode} b={b:g}" for m, mode, b in keys]
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 0.42 * len(keys) + 1.6), sharey=True)
     height = 0.27
-    for k, v in enumerate(("stock", "lsce", "liger")):
-        agg = [aggregate(groups[g][v]) if v in groups[g] else None for g in keys]
+    aggs = {v: [aggregate(groups[g][v]) if v in groups[g] else None for g in keys] for v in names}
+    for k, v in enumerate(names):
         ys = [i + (k - 1) * height for i in range(len(keys))]
-        peak = [a["peak_gib"] if a and not a.get("error") else 0 for a in agg]
-        left.barh(ys, peak, height, color=colors[v], label=names[v])
-        stock = [aggregate(groups[g]["stock"]) if "stock" in groups[g] else None for g in keys]
-        rel = [a["median_tps"] / s["median_tps"] if a and s and not a.get("error") and not s.get("error") else 0
-               for a, s in zip(agg, stock)]
+        left.barh(ys, [a["peak_gib"] if _ok(a) else 0 for a in aggs[v]], height, color=colors[v], label=names[v])
+        rel = [a["median_tps"] / s["median_tps"] if _ok(a) and _ok(s) else 0 for a, s in zip(aggs[v], aggs["stock"])]
         right.barh(ys, rel, height, color=colors[v], label=names[v])
     left.set_xlabel("peak allocated memory (GiB)")
     right.set_xlabel("median per-step tokens/s relative to stock")

@@ -35,12 +35,12 @@ def _start_profiler():
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     prof = profile(activities=acts)
-    prof.__enter__()
+    prof.start()
     return prof
 
 
 def _write_profile(prof, wall_s: float, out: str) -> None:
-    prof.__exit__(None, None, None)
+    prof.stop()
     ev = prof.key_averages()
     steps = PROFILE_STEPS[1] - PROFILE_STEPS[0]
     cuda_us = sum(getattr(e, "self_device_time_total", 0) or 0 for e in ev)

@@ -14,6 +14,7 @@ archive="${FW_ARCHIVE:-fw_wheels.tar}"
 name="${archive%.tar}"
 skip="${FW_SKIP:-}"
 site="/tmp/site_${name}${skip:+_without_${skip// /_}}"
+dist() { basename "$1" | cut -d- -f1 | tr 'A-Z' 'a-z'; }   # a wheel's distribution name, lower case
 case "$1" in
   put)
     python3 tools/gpu/gpu_stage.py put ".gpu/stage/${archive}.part$(printf %02d "$2")" --to /tmp/stage ;;
@@ -26,15 +27,13 @@ case "$1" in
         rm -rf "$wheels" && mkdir -p "$wheels"
         tar -xf "$tar_file" -C "$wheels"
       fi
-      held=$(ls "$wheels"/whl | cut -d- -f1 | tr 'A-Z' 'a-z')
+      held=$(for w in "$wheels"/whl/*.whl; do dist "$w"; done)
       install=()
       for w in "$wheels"/whl/*.whl; do
-        n=$(basename "$w" | cut -d- -f1 | tr 'A-Z' 'a-z')
-        [[ " $skip " == *" $n "* ]] || install+=("$w")
+        [[ " $skip " == *" $(dist "$w") "* ]] || install+=("$w")
       done
       for w in .gpu/extra/*.whl $(ls .gpu/extra_"$name"/*.whl 2>/dev/null); do
-        n=$(basename "$w" | cut -d- -f1 | tr 'A-Z' 'a-z')
-        grep -qx "$n" <<< "$held" || install+=("$w")
+        grep -qx "$(dist "$w")" <<< "$held" || install+=("$w")
       done
       python3 -m pip install -q --no-deps --target "$site" "${install[@]}"
       touch "$site/.installed"
