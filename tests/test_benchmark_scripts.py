@@ -262,6 +262,7 @@ def test_framework_probe_profiles_three_steps_and_can_turn_cudnn_attention_off(t
     finally:
         torch.backends.cuda.enable_cudnn_sdp(was)
     assert record["cudnn_attention"] is False and len(record["losses"]) == 10
+    assert record["versions"]["torch"] == torch.__version__  # (what ran is in every record)
     text = prof.read_text()
     assert text.startswith("3 steps: wall ")
     step_line = next(x for x in text.splitlines() if "Optimizer.step#AdamW.step" in x)

@@ -27,6 +27,9 @@ import torch
 from transformers import Trainer
 
 
+# the distributions whose versions each record names (what ran where: docs/frameworks.md's versions table)
+VERSIONED = ("torch", "triton", "transformers", "accelerate", "peft", "trl", "bitsandbytes", "liger-kernel",
+             "deepspeed", "axolotl", "llamafactory", "hf-lsce")
 PROFILE_STEPS = (6, 9)  # profiled: from the start of the step after global step 6 to the end of step 9 (3 steps)
 
 
@@ -116,8 +119,23 @@ class _Timer:
         return StepTimer()
 
 
+def versions() -> dict:
+    """The installed version of each of VERSIONED that is installed, and the NCCL torch loaded (on a GPU)."""
+    from importlib import metadata
+
+    out = {}
+    for name in VERSIONED:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    if torch.cuda.is_available():
+        out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    return out
+
+
 def install(trainer) -> None:
-    record = dict(losses=[], lm_head_logit_calls=0, fused_calls=None, patched=False, confirmed=False,
+    record = dict(versions=versions(), losses=[], lm_head_logit_calls=0, fused_calls=None, patched=False, confirmed=False,
                   step_seconds=[], step_tokens=[], step_label_tokens=[], peak_gib=None)
     timer = _Timer(record)
     if os.environ.get("LSCE_PROBE_NO_CUDNN_ATTENTION") == "1":

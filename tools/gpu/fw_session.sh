@@ -4,7 +4,9 @@
 # the default), lf_wheels.tar (LLaMA-Factory's) or ax21_wheels.tar (Axolotl 0.21's, with torch 2.13 and Triton 3.7);
 # each installs into its own folder, /tmp/site_<name>, with the wheels of .gpu/extra and of .gpu/extra_<name> if there
 # is one (carry them) that the archive does not hold itself. FW_SKIP="torch triton" installs the archive without those
-# distributions (another folder: the image's own torch then serves).
+# distributions (another folder: the image's own torch then serves; skipping torch skips the archive's nvidia_*
+# wheels too, torch's own CUDA libraries: Axolotl 0.21's archive holds NCCL 2.29.7, which torch 2.13 needs and the
+# image lacks).
 #   bash tools/gpu/fw_session.sh put K        # call K (0, 1, ...): one part of .gpu/stage/$FW_ARCHIVE (carry it)
 #   bash tools/gpu/fw_session.sh go CMD ...   # join the parts, install the wheels (once per warm machine), then CMD
 #                                             # with that folder first on PATH and PYTHONPATH (axolotl starts
@@ -30,7 +32,8 @@ case "$1" in
       held=$(for w in "$wheels"/whl/*.whl; do dist "$w"; done)
       install=()
       for w in "$wheels"/whl/*.whl; do
-        [[ " $skip " == *" $(dist "$w") "* ]] || install+=("$w")
+        d=$(dist "$w")
+        [[ " $skip " == *" $d "* || ( " $skip " == *" torch "* && $d == nvidia_* ) ]] || install+=("$w")
       done
       for w in .gpu/extra/*.whl $(ls .gpu/extra_"$name"/*.whl 2>/dev/null); do
         grep -qx "$(dist "$w")" <<< "$held" || install+=("$w")
