@@ -4,9 +4,9 @@
 # the default), lf_wheels.tar (LLaMA-Factory's) or ax21_wheels.tar (Axolotl 0.21's, with torch 2.13 and Triton 3.7);
 # each installs into its own folder, /tmp/site_<name>, with the wheels of .gpu/extra and of .gpu/extra_<name> if there
 # is one (carry them) that the archive does not hold itself. FW_SKIP="torch triton" installs the archive without those
-# distributions (another folder: the image's own torch then serves; skipping torch skips the archive's nvidia_*
-# wheels too, torch's own CUDA libraries: Axolotl 0.21's archive holds NCCL 2.29.7, which torch 2.13 needs and the
-# image lacks).
+# distributions (another folder: the image's own torch then serves; skipping torch skips the nvidia_* and torchvision
+# wheels too, which go with a torch: Axolotl 0.21's hold NCCL 2.29.7, which torch 2.13 needs and the image lacks,
+# and torchvision 0.28, since transformers imports the image's torchvision, built for the image's torch).
 #   bash tools/gpu/fw_session.sh put K        # call K (0, 1, ...): one part of .gpu/stage/$FW_ARCHIVE (carry it)
 #   bash tools/gpu/fw_session.sh go CMD ...   # join the parts, install the wheels (once per warm machine), then CMD
 #                                             # with that folder first on PATH and PYTHONPATH (axolotl starts
@@ -17,6 +17,8 @@ name="${archive%.tar}"
 skip="${FW_SKIP:-}"
 site="/tmp/site_${name}${skip:+_without_${skip// /_}}"
 dist() { basename "$1" | cut -d- -f1 | tr 'A-Z' 'a-z'; }   # a wheel's distribution name, lower case
+# true for a distribution that goes with torch (its CUDA libraries, torchvision) when FW_SKIP leaves torch out
+with_torch() { [[ " $skip " == *" torch "* && ( $1 == nvidia_* || $1 == torchvision ) ]]; }
 case "$1" in
   put)
     python3 tools/gpu/gpu_stage.py put ".gpu/stage/${archive}.part$(printf %02d "$2")" --to /tmp/stage ;;
@@ -32,11 +34,10 @@ case "$1" in
       held=$(for w in "$wheels"/whl/*.whl; do dist "$w"; done)
       install=()
       for w in "$wheels"/whl/*.whl; do
-        d=$(dist "$w")
-        [[ " $skip " == *" $d "* || ( " $skip " == *" torch "* && $d == nvidia_* ) ]] || install+=("$w")
+        [[ " $skip " == *" $(dist "$w") "* ]] || with_torch "$(dist "$w")" || install+=("$w")
       done
       for w in .gpu/extra/*.whl $(ls .gpu/extra_"$name"/*.whl 2>/dev/null); do
-        grep -qx "$(dist "$w")" <<< "$held" || install+=("$w")
+        grep -qx "$(dist "$w")" <<< "$held" || with_torch "$(dist "$w")" || install+=("$w")
       done
       python3 -m pip install -q --no-deps --target "$site" "${install[@]}"
       touch "$site/.installed"
