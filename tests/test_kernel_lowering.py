@@ -73,3 +73,32 @@ def test_each_gpus_pointer_tiles_fit_its_shared_memory(lowered):
     assert all(row["shared"] <= row["smem"] for row in cards), cards
     # the A100 and the 99 KiB cards take the tiles measured on the H100's pointer loads: 128 x 256 x 64, 3 stages
     assert all(row["tiles"] == [128, 256, 64, 3] for row in cards), cards
+
+
+# The integer arguments that change from batch to batch (row counts, the sequence length, split and block counts, a
+# chunk's first column, a number of items): Triton would compile a kernel again for each new divisibility by 16 of
+# one (and for a value of 1), inside a training step: docs/benchmarks.md#new-batch-lengths-one-compiled-kernel-for-all.
+PER_BATCH = {"n", "N", "seq", "splits", "NUM_SPLITS", "blocks", "blocks_x", "col0", "items_value"}
+
+
+def test_no_kernel_specialises_on_an_argument_that_changes_with_the_batch():
+    """Every launched kernel of hf_lsce.ops (``*_kernel``) lists each per-batch integer argument it takes in
+    ``do_not_specialize``, so one compiled kernel serves every batch length."""
+    import importlib
+    import pkgutil
+
+    import hf_lsce.ops as ops
+
+    checked, missing = [], []
+    for info in pkgutil.iter_modules(ops.__path__):
+        module = importlib.import_module(f"hf_lsce.ops.{info.name}")
+        for name, fn in vars(module).items():
+            if not (name.endswith("_kernel") and hasattr(fn, "arg_names")):
+                continue
+            # (the interpreter keeps the decorator's arguments in .kwargs; Triton's JIT as names or positions)
+            kept = getattr(fn, "kwargs", {}).get("do_not_specialize") or getattr(fn, "do_not_specialize", ()) or ()
+            kept = {fn.arg_names[a] if isinstance(a, int) else a for a in kept}
+            checked.append(name)
+            missing += [f"{info.name}.{name}: {a}" for a in fn.arg_names if a in PER_BATCH and a not in kept]
+    assert len(checked) >= 12, checked
+    assert not missing, missing

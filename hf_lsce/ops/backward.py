@@ -51,7 +51,7 @@ def _row_terms(Y, LSE, GRAD, SMOOTH, EXTRA, offs_n, mask_n, inv_v, HAS_EXTRA: tl
     return y, lse2, p_mult, uniform, (1.0 - b) * grad
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])  # (batch-dependent counts: one variant for all)
 def _lce_grad_logits_kernel(
     H, W, B, Y, LSE, GRAD, SMOOTH, EXTRA, G,
     N, V, D,
@@ -71,7 +71,7 @@ def _lce_grad_logits_kernel(
     _grad_tile(G, stride_gn, z, t, offs_n, offs_v, mask_n, mask_v, y, lse2, p_mult, uniform, on_target, SOFTCAP)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "NUM_SPLITS"])  # (batch-dependent counts: one variant for all)
 def _lce_grad_logits_tma_kernel(
     h_desc, w_desc, B, Y, LSE, GRAD, SMOOTH, EXTRA, G,
     N, V, D, NUM_SPLITS, stride_gn,

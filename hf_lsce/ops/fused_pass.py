@@ -134,7 +134,7 @@ def _exp_epilogue(acc, v0, v_end, B, R, stride_rn, offs_n, mask_n, c, c2, m, s, 
     return m, s, t_acc, sz, am
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "NUM_SPLITS"])  # (batch-dependent counts: one variant for all)
 def _exp_tiles_kernel(
     H, W, R, B, C, MT,
     S_OUT, T_OUT, M_OUT, AM_OUT, SZ_OUT,
@@ -267,7 +267,7 @@ def fused_splits(config, rows: int, v: int) -> int:
     return max(1, min(triton.cdiv(v, config.block_v), max(config.min_splits, config.min_programs // blocks)))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])  # (batch-dependent counts: one variant for all)
 def _offsets_kernel(H, W, COLSUM, BIAS, BSUM, Y, C, SZ, ZY, n, V, D, stride_h, stride_w, shift, softcap,
                     HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     """Per row, from dot products of length D: the sum of logits ``sz = h . colsum(W) (+ sum of the bias)``, the
@@ -352,7 +352,7 @@ def _merge_splits(S, T, M, AM, rows, mask_r, n, splits, STATS: tl.constexpr, BLO
     return s, t_acc, m, am
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "splits", "col0"])  # (batch-dependent counts: one variant for all)
 def _merge_columns_kernel(S, T, M, AM, C, S_RUN, T_RUN, M_RUN, AM_RUN, ACC, n, splits, D, stride_acc, col0,
                           r_exp_max, STATS: tl.constexpr, HAS_ACC: tl.constexpr, BLOCK_R: tl.constexpr,
                           BLOCK_D: tl.constexpr):
@@ -392,7 +392,7 @@ def _zloss_factor(lse, z_loss):
     return tl.where(tl.abs(k) < 9.5367431640625e-07, 9.5367431640625e-07, k)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "splits"])  # (batch-dependent counts: one variant for all)
 def _finish_rows_kernel(
     S, T, M, AM, SZS, C, ZY, SZ, Y, SMOOTH, SCALE, H, R, HS,
     LSE_OUT, ENT_OUT, AM_OUT, A_OUT, U_OUT, LOSS_OUT, NLL_OUT,
@@ -455,7 +455,7 @@ def _finish_rows_kernel(
                          (h.to(tl.float32) * a[:, None]).to(HS.dtype.element_ty), mask=m2)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])  # (batch-dependent counts: one variant for all)
 def _dh_rows_kernel(T, A, U, COLSUM, DH, Y, W, SCALE, SMOOTH, n, D, stride_t, stride_dh, stride_w,
                     TARGET: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     """dh = a o (R' W) - u colsum(W), in dh's dtype (one rounding); TARGET (R without the target entry's change,
@@ -481,7 +481,7 @@ def _dh_rows_kernel(T, A, U, COLSUM, DH, Y, W, SCALE, SMOOTH, n, D, stride_t, st
         tl.store(DH + rows[:, None].to(tl.int64) * stride_dh + cols[None, :], g.to(DH.dtype.element_ty), mask=m2)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])  # (batch-dependent counts: one variant for all)
 def _softcap_grad_kernel(R, A, U, SCALE, SMOOTH, Y, n, V, stride_r, softcap, BLOCK_R: tl.constexpr,
                          BLOCK_V: tl.constexpr):
     """G over R in place (the input dtype) for soft-capped logits: ``(a R - u - w (1 - b) [v = y]) (1 - t^2)``, the
@@ -503,7 +503,7 @@ def _softcap_grad_kernel(R, A, U, SCALE, SMOOTH, Y, n, V, stride_r, softcap, BLO
     tl.store(at, (g * (-q * (2.0 + q))).to(R.dtype.element_ty), mask=m2)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])  # (batch-dependent counts: one variant for all)
 def _normalize_kernel(R, MT, LSE, ZY, SMOOTH, Y, n, V, stride_r, stride_mt, z_loss, BLOCK_R: tl.constexpr,
                       BLOCK_V: tl.constexpr):
     """fp16 (``online``): R, relative to the running max its tile's column of MT records, made the probabilities
@@ -591,10 +591,10 @@ class _ExactBf16Reduction:
         m.allow_bf16_reduced_precision_reduction, m.allow_fp16_reduced_precision_reduction = self.saved
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])  # (batch-dependent counts: one variant for all)
 def _rank_one_rows_kernel(U, H, HI, LO, n, D, stride_h, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     """The rows HI and LO (hs's rows n and n + 1): the hi and lo halves, in hs's dtype, of ``-sum_r u_r h_r`` (fp32,
-    rows in order). (Row pointers from the host: an int argument of 1, such as n, is a compile-time constant.)"""
+    rows in order). (Row pointers from the host: Triton makes a specialised int argument of 1 a compile-time constant.)"""
     cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask_d = cols < D
     acc = tl.zeros((BLOCK_D,), dtype=tl.float32)

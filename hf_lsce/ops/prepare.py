@@ -23,7 +23,7 @@ from .checks import SUMMARY_SIZE
 from .config import interpreting
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "seq", "items_value"])  # (batch-dependent counts: one variant for all)
 def _prepare_kernel(
     Y, B, ITEMS, T1, B1, TW, DEN, OUT, BAD,
     n, seq, ignore_index, vocab, b_value, items_value,

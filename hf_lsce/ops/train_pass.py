@@ -272,7 +272,7 @@ def triton_train_pass(hidden, weight, bias, targets, smoothing, scale, softcap,
     return (lse, zy, sz, am.long(), ent), dh, dw, db, gamma
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["blocks_x", "blocks"])  # (batch-dependent counts: one variant for all)
 def _scale_kernel(X, Y, XO, YO, C, nx, ny, blocks_x, blocks, CAST: tl.constexpr, BLOCK: tl.constexpr):
     """XO = X * C[0] and YO = Y * C[0] (in place where XO is X), ``BLOCK`` elements at a time (blocks below
     ``blocks_x`` in X, the rest in Y) with a stride of the grid over them. Unless CAST (outputs of their own, another
