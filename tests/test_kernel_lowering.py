@@ -95,8 +95,10 @@ def test_no_kernel_specialises_on_an_argument_that_changes_with_the_batch():
         for name, fn in vars(module).items():
             if not (name.endswith("_kernel") and hasattr(fn, "arg_names")):
                 continue
-            # (the interpreter keeps the decorator's arguments in .kwargs; Triton's JIT as names or positions)
-            kept = getattr(fn, "kwargs", {}).get("do_not_specialize") or getattr(fn, "do_not_specialize", ()) or ()
+            # (the interpreter keeps the decorator's arguments in .kwargs, or before Triton 3.4 in .rewriter.kwargs;
+            # Triton's JIT as names or positions)
+            given = getattr(fn, "kwargs", None) or getattr(getattr(fn, "rewriter", None), "kwargs", None) or {}
+            kept = given.get("do_not_specialize") or getattr(fn, "do_not_specialize", ()) or ()
             kept = {fn.arg_names[a] if isinstance(a, int) else a for a in kept}
             checked.append(name)
             missing += [f"{info.name}.{name}: {a}" for a in fn.arg_names if a in PER_BATCH and a not in kept]
