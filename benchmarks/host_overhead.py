@@ -11,17 +11,6 @@ many forward+backward iterations (one synchronisation at the end) is the host's 
 Writes $OUT/host_overhead.json and prints a table (ms of host time per iteration, median of 5 blocks).
 
     python benchmarks/host_overhead.py [--device cuda]
-
-``--lengths L1,L2,...`` asks another question: what does a batch of a length not met before cost the host? (A
-framework that pads each batch to its longest row, as LLaMA-Factory does, meets new lengths for many steps.) For each
-length in turn, one forward and one backward of the op at Gemma-3-270m's head (8 rows, D = 640, V = 262,144, bf16; a
-frozen head, as LoRA's, and a trainable one; b = 0 and 0.1), each call started from an idle GPU: the host time of
-each, and the Triton kernels it compiled (Triton's compile hook: one entry per new specialisation; Triton specialises
-an integer argument on its divisibility by 16 and on being 1). Triton's cache starts empty (a fresh
-``TRITON_CACHE_DIR``), as in a new environment; a kernel compiled once is then in the disk cache for later processes.
-Writes $OUT/host_overhead_lengths.json.
-
-    python benchmarks/host_overhead.py --lengths 640,641,650,651,700,703,640,641
 """
 from __future__ import annotations
 
@@ -154,59 +143,6 @@ def whole_step(device, b, iters):
     return res
 
 
-def new_lengths(device, lengths, batch=8, dim=640, vocab=262144):
-    """Rows (head, b, call k, length, host ms of the forward and of the backward, kernels each compiled) of the op's
-    calls over batches of ``lengths``, each from an idle GPU (see the module's docstring)."""
-    import triton
-
-    from hf_lsce import linear_cross_entropy
-
-    compiled: list[str] = []
-
-    def hook(*args, **kwargs):  # Triton calls it before each compile; False: compile as usual
-        fn = kwargs.get("fn")
-        compiled.append(getattr(fn, "name", None) or str(fn))
-        return False
-
-    knobs = triton.knobs.runtime
-    before, knobs.jit_cache_hook = knobs.jit_cache_hook, hook
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    dt = torch.bfloat16 if device == "cuda" else torch.float32
-    g = torch.Generator(device="cpu").manual_seed(0)
-    rows = []
-    try:
-        for frozen in (True, False):
-            w = (torch.randn(vocab, dim, generator=g) * 0.02).to(device, dt).requires_grad_(not frozen)
-            for b in (0.0, 0.1):
-                for k, length in enumerate(lengths):
-                    h = (torch.randn(batch, length, dim, generator=g) * 0.5).to(device, dt).requires_grad_()
-                    y = torch.randint(0, vocab, (batch, length), generator=g).to(device)
-                    sync()
-                    c0, t0 = len(compiled), time.perf_counter()
-                    loss = linear_cross_entropy(h, w, y, label_smoothing=b, shift=True)
-                    c1, t1 = len(compiled), time.perf_counter()
-                    loss.backward()
-                    c2, t2 = len(compiled), time.perf_counter()
-                    sync()
-                    rows.append(dict(head="frozen" if frozen else "trainable", b=b, call=k, length=length,
-                                     tokens=batch * length, forward_ms=(t1 - t0) * 1e3, backward_ms=(t2 - t1) * 1e3,
-                                     forward_compiled=compiled[c0:c1], backward_compiled=compiled[c1:c2]))
-                    print(json.dumps(rows[-1]), flush=True)
-    finally:
-        knobs.jit_cache_hook = before
-    return rows
-
-
-def lengths_table(rows) -> str:
-    lines = ["| head | b | call | length (rows x length tokens) | forward host ms | kernels compiled | backward host ms "
-             "| kernels compiled |", "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['head']} | {r['b']:g} | {r['call']} | {r['length']} ({r['tokens']}) | {r['forward_ms']:.2f} "
-                     f"| {', '.join(r['forward_compiled']) or '-'} | {r['backward_ms']:.2f} | "
-                     f"{', '.join(r['backward_compiled']) or '-'} |")
-    return "\n".join(lines)
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -217,23 +153,7 @@ def main():
     ap.add_argument("--tokens", type=int, default=256, help="tokens of the cProfile'd loop")
     ap.add_argument("--paths", default="", help="training paths to force in the cProfile'd loop, comma-separated "
                     "(fused, two-pass, one-pass; default: the op's own choice)")
-    ap.add_argument("--lengths", default="",
-                    help="comma-separated batch lengths: the host cost of each new length (see the docstring); "
-                         "only this is measured")
     args = ap.parse_args()
-    out = os.environ.get("OUT", ".")
-    os.makedirs(out, exist_ok=True)
-    if args.lengths:
-        import tempfile
-
-        os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton_cache_")  # (read at each compile)
-        rows = new_lengths(args.device, [int(x) for x in args.lengths.split(",")])
-        print(lengths_table(rows))
-        with open(os.path.join(out, "host_overhead_lengths.json"), "w") as f:
-            json.dump({"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-                       "torch": torch.__version__, "triton": __import__("triton").__version__, "rows": rows}, f,
-                      indent=1)
-        return
     paths = [p or None for p in args.paths.split(",")]
     if args.cprofile_only:
         profile_op(args.device, args.iters, args.tokens, paths)
@@ -251,6 +171,8 @@ def main():
     lines += [f"| {r['what']} | {r['b']} | {r['hf']:.3f} | {r['hf_lsce']:.3f} | {r['hf_lsce'] - r['hf']:+.3f} |"
               for r in rows]
     print("\n".join(lines))
+    out = os.environ.get("OUT", ".")
+    os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "host_overhead.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                    "torch": torch.__version__, "rows": rows}, f, indent=1)
