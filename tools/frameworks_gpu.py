@@ -539,6 +539,14 @@ def table(rows: list[dict]) -> str:
                      f"{ratio(o, s, 'tokens_per_s')} | {ratio(o, lg, 'tokens_per_s')} | {med(o, s)}, {med(o, lg)} | "
                      f"{ratio(o, s, 'peak_gib')} | {first} | {calls} | "
                      f"{o['confirmed'] if _ok(o) else '-'} | {runs} |")
+    # what ran, from the records that name it (the probe's ``versions``): one line per distinct set, so that a grid
+    # made of runs on two installations says so
+    sets: dict[str, int] = {}
+    for r in rows:
+        if r.get("versions"):
+            key = ", ".join(f"{k} {v}" for k, v in r["versions"].items())
+            sets[key] = sets.get(key, 0) + 1
+    lines += [""] * bool(sets) + [f"Versions ({n} runs): {key}" for key, n in sets.items()]
     return "\n".join(lines)
 
 
