@@ -34,10 +34,12 @@ case "$1" in
       held=$(for w in "$wheels"/whl/*.whl; do dist "$w"; done)
       install=()
       for w in "$wheels"/whl/*.whl; do
-        [[ " $skip " == *" $(dist "$w") "* ]] || with_torch "$(dist "$w")" || install+=("$w")
+        d=$(dist "$w")
+        [[ " $skip " == *" $d "* ]] || with_torch "$d" || install+=("$w")
       done
       for w in .gpu/extra/*.whl $(ls .gpu/extra_"$name"/*.whl 2>/dev/null); do
-        grep -qx "$(dist "$w")" <<< "$held" || with_torch "$(dist "$w")" || install+=("$w")
+        d=$(dist "$w")
+        grep -qx "$d" <<< "$held" || with_torch "$d" || install+=("$w")
       done
       python3 -m pip install -q --no-deps --target "$site" "${install[@]}"
       touch "$site/.installed"
