@@ -228,6 +228,10 @@ def test_framework_table_takes_the_median_of_repeated_runs(tmp_path):
     line = frameworks_gpu.table(ours + stock).splitlines()[-1]
     # hf_lsce 200 tok/s against stock's median of 200 and 100: 150
     assert "| 1.33 x |" in line and "| 1.33, - |" in line and line.endswith("| True | 2, 150% (1 failed) |")
+    # table --ours lsce_liger: that variant (LLaMA-Factory's route with Liger's other kernels) in hf_lsce's columns
+    both = ours + stock + [dict(run("lsce_liger", 0.125), losses=[2.00002, 1.9])]
+    line = frameworks_gpu.table(both, ours="lsce_liger").splitlines()[-1]
+    assert "| 800, 1.0 |" in line and "| 5.33 x |" in line and "| 1.0e-05 (ok) |" in line
     v = {"torch": "2.13.0", "triton": "3.7.1"}
     text = frameworks_gpu.table([dict(r, versions=v) for r in ours] + [dict(stock[0], versions=dict(v, torch="2.11.0"))])
     assert text.splitlines()[-2:] == ["Versions (4 runs): torch 2.13.0, triton 3.7.1",

@@ -72,13 +72,27 @@ def test_axolotl_keys_accepted():
     (dict(stage="dpo"), None, "stage: 'dpo'"),
     (dict(label_smoothing_factor=2), None, "label_smoothing_factor must be None or a float in \\[0, 1\\], got 2"),
     (dict(label_smoothing_factor="0.1"), None, "label_smoothing_factor must be None or a float .* \\(str\\)"),
-    (dict(enable_liger_kernel=True), None, "enable_liger_kernel: true replaces the training loss"),
     (dict(use_asft_loss=True), None, "use_asft_loss: true"),
     (dict(stage="sft"), "bert", "model type 'bert' .* is not in hf_lsce's table"),
 ])
 def test_llamafactory_config_refused(cfg, model_type, match):
     with pytest.raises(ValueError, match=match):
         check_config(cfg, model_type)
+
+
+def test_llamafactory_liger_kernels_need_liger_installed(monkeypatch):
+    """enable_liger_kernel: true is taken (Liger's other kernels, hf_lsce's loss) where liger-kernel is installed, and
+    refused in one line naming the key where it is not."""
+    from hf_lsce.patching import versions
+
+    real = versions.installed_version
+    monkeypatch.setattr(versions, "installed_version", lambda name: "0.8.1" if name == "liger-kernel" else real(name))
+    check_config(dict(enable_liger_kernel=True), "llama")
+    monkeypatch.setattr(versions, "installed_version", lambda name: None if name == "liger-kernel" else real(name))
+    with pytest.raises(ValueError, match="^enable_liger_kernel: true asks for Liger-Kernel's kernels, and liger-kernel "
+                                         "is not installed: pip install liger-kernel") as e:
+        check_config(dict(enable_liger_kernel=True), "llama")
+    assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("cfg, match", [

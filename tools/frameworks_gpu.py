@@ -171,10 +171,12 @@ def llamafactory_yaml(model: Path, out: Path, mode: str, variant: str, b: float,
                       engine: str | None = None, sequential: bool = False, checkpointing: bool = True,
                       data: Path | None = None) -> str:
     """LLaMA-Factory's YAML of the same run. Its Trainer smooths by itself (``label_smoothing_factor``), so stock
-    needs no help; Liger is its ``enable_liger_kernel``; ``engine``: None or "zero3" (the same DeepSpeed config);
-    ``sequential``: ``disable_shuffling``; ``checkpointing``: LLaMA-Factory's default, on (False writes
-    ``disable_gradient_checkpointing``); ``data``: a rows file with a ``dataset_info.json`` beside it naming it by its
-    stem (``largest`` writes both), else the prepared rows."""
+    needs no help; Liger is its ``enable_liger_kernel`` (all of Liger's kernels for the model, its fused loss among
+    them); ``lsce_liger``: the route with ``enable_liger_kernel`` (Liger's other kernels, hf_lsce's loss);
+    ``engine``: None or "zero3" (the same DeepSpeed config); ``sequential``: ``disable_shuffling``;
+    ``checkpointing``: LLaMA-Factory's default, on (False writes ``disable_gradient_checkpointing``); ``data``: a rows
+    file with a ``dataset_info.json`` beside it naming it by its stem (``largest`` writes both), else the prepared
+    rows."""
     full = mode in ("full", "full_packed")
     lines = [f"model_name_or_path: {model}", "stage: sft", "do_train: true",
              f"finetuning_type: {'full' if full else 'lora'}", f"dataset: {data.stem if data else 'long_rows'}",
@@ -194,7 +196,7 @@ def llamafactory_yaml(model: Path, out: Path, mode: str, variant: str, b: float,
         lines += [f"deepspeed: {ZERO3}"]
     elif engine is not None:
         raise ValueError(f"LLaMA-Factory runs here: engine None or 'zero3', not {engine!r}")
-    if variant == "liger":
+    if variant in ("liger", "lsce_liger"):
         lines += ["enable_liger_kernel: true"]
     if not full:
         lines += ["lora_target: all", "lora_rank: 16", "lora_alpha: 32", "lora_dropout: 0.0"]
@@ -215,6 +217,9 @@ def run_one(framework: str, model: Path, mode: str, variant: str, b: float, env:
     name = f"{framework}_{model.name}_{mode}_{variant}_b{b:g}{tag}"
     WORK.mkdir(parents=True, exist_ok=True)
     cfg, log, probe = WORK / f"{name}.yml", WORK / f"{name}.log", WORK / f"{name}.json"
+    if framework == "axolotl" and variant == "lsce_liger":
+        raise ValueError("variant lsce_liger is LLaMA-Factory's (the route with enable_liger_kernel); Axolotl's Liger "
+                         "variant is its loss alone")
     make_yaml = axolotl_yaml if framework == "axolotl" else llamafactory_yaml
     cfg.write_text(make_yaml(model, WORK / name, mode, variant, b, **yaml_kw))
     for old in WORK.glob(f"{name}.json*"):
@@ -226,7 +231,7 @@ def run_one(framework: str, model: Path, mode: str, variant: str, b: float, env:
         if n_gpus > 1:
             cmd += ["--", "--multi_gpu", "--num_processes", str(n_gpus), "--main_process_port", port]
     else:
-        entry = [str(PROBE_DIR / "lf_probe_run.py"), "lsce" if variant == "lsce" else "stock", str(cfg)]
+        entry = [str(PROBE_DIR / "lf_probe_run.py"), "stock" if variant in ("stock", "liger") else "lsce", str(cfg)]
         cmd = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n_gpus), "--master-port",
                 port, *entry] if n_gpus > 1 else [sys.executable, *entry])
     hf_b = b if framework == "axolotl" and variant != "lsce" else 0.0  # (LLaMA-Factory's Trainer smooths itself)
@@ -503,10 +508,11 @@ def _grid(rows: list[dict]) -> dict:
     return groups
 
 
-def table(rows: list[dict]) -> str:
+def table(rows: list[dict], ours: str = "lsce") -> str:
     """One line per (model, mode, b): stock, hf_lsce and Liger's tokens/s and peak memory, hf_lsce's ratios (over the
     timed steps' total, and of ``median_tps``), the first losses' relative difference, lm_head calls; repeated runs
-    (``run --repeats``) as ``aggregate`` makes them one, with their count and the largest spread of the row."""
+    (``run --repeats``) as ``aggregate`` makes them one, with their count and the largest spread of the row.
+    ``ours``: the variant in hf_lsce's columns (``lsce_liger``: LLaMA-Factory's route with Liger's other kernels)."""
     groups = _grid(rows)
     lines = ["| model | mode | b | stock tok/s, GiB | hf_lsce tok/s, GiB | Liger tok/s, GiB | hf_lsce / stock tok/s | "
              "hf_lsce / Liger tok/s | the same, median steps | hf_lsce / stock memory | first loss vs stock | lm_head "
@@ -527,7 +533,7 @@ def table(rows: list[dict]) -> str:
         return f"{a['median_tps'] / c['median_tps']:.2f}" if _ok(a) and _ok(c) else "-"
 
     for (model, mode, b), g in groups.items():
-        s, o, lg = (aggregate(g[v]) if v in g else None for v in ("stock", "lsce", "liger"))
+        s, o, lg = (aggregate(g[v]) if v in g else None for v in ("stock", ours, "liger"))
         err = abs(o["losses"][0] - s["losses"][0]) / abs(s["losses"][0]) if _ok(o) and _ok(s) else None
         first = "-" if err is None else f"{err:.1e} ({'ok' if err < FIRST_LOSS_RTOL else 'FAILED'})"
         calls = f"{s['lm_head_logit_calls'] if _ok(s) else '-'}, {o['lm_head_logit_calls'] if _ok(o) else '-'}"
@@ -630,6 +636,7 @@ def main(argv=None) -> int:
     lg.add_argument("--out", required=True)
     t = sub.add_parser("table")
     t.add_argument("results", nargs="+")
+    t.add_argument("--ours", default="lsce", choices=["lsce", "lsce_liger"], help="the variant in hf_lsce's columns")
     pl = sub.add_parser("plot", help="run's grid as a PNG: peak memory and tokens/s relative to stock per row")
     pl.add_argument("results", nargs="+")
     pl.add_argument("--out", required=True)
@@ -655,7 +662,7 @@ def main(argv=None) -> int:
         judge_multi(rows)
         print(multi_table(rows))
         return 0
-    print(table(rows))
+    print(table(rows, args.ours))
     return 0
 
 

@@ -5,16 +5,20 @@
 
 LLaMA-Factory's YAML takes ``label_smoothing_factor`` (a ``Seq2SeqTrainingArguments`` key) and hands it to its
 Trainer. This route checks the YAML first (LLaMA-Factory's version, the smoothing's value, a model family in hf_lsce's
-table, no ``enable_liger_kernel`` and no ``use_asft_loss`` beside it: each a one-line error before anything loads),
-then patches every supported model class (as ``hf-lsce run`` does) and runs LLaMA-Factory's own training entry
+table, no ``use_asft_loss`` beside it: each a one-line error before anything loads), then patches every supported
+model class (as ``hf-lsce run`` does) and runs LLaMA-Factory's own training entry
 (``run_exp``, what ``llamafactory.launcher`` runs) in this process. The ``lsce_calibration_*`` keys
 (``calibration_keys``) attach ``CalibrationCallback``; they are taken out of the configuration handed to
-LLaMA-Factory, whose parser refuses keys it does not know. ``llamafactory-cli train`` itself would start ``torchrun``
+LLaMA-Factory, whose parser refuses keys it does not know. ``enable_liger_kernel: true`` keeps Liger-Kernel's other
+kernels (RMSNorm, RoPE, SwiGLU, ...) and leaves the loss to hf_lsce (``liger_kernels_without_its_loss``).
+``llamafactory-cli train`` itself would start ``torchrun``
 children on a machine with several GPUs, which a patch in this process does not reach; launched by ``torchrun`` as
 above, each rank runs this module and patches itself. The YAML is read, never written.
 """
 from __future__ import annotations
 
+import inspect
+import logging
 import os
 import sys
 
@@ -38,9 +42,10 @@ def _config(argv: list[str]) -> dict:
 
 def check_config(cfg: dict, model_type: str | None = None) -> None:
     """Raise ValueError (one line, naming the key) for what the route cannot train: a stage other than ``sft`` or
-    ``pt``, a ``label_smoothing_factor`` outside [0, 1], another loss replacement (``enable_liger_kernel``,
-    ``use_asft_loss``), a calibration key that is wrong or has no evaluation to run at (``calibration_keys``), or a
-    model type outside hf_lsce's table (``model_type``: the config's, when known)."""
+    ``pt``, a ``label_smoothing_factor`` outside [0, 1], another loss replacement (``use_asft_loss``),
+    ``enable_liger_kernel`` without Liger-Kernel installed, a calibration key that is wrong or has no evaluation to
+    run at (``calibration_keys``), or a model type outside hf_lsce's table (``model_type``: the config's, when
+    known)."""
     from ..patching import MODEL_TABLE, validate_smoothing
 
     validate_calibration_keys(cfg)
@@ -59,10 +64,15 @@ def check_config(cfg: dict, model_type: str | None = None) -> None:
         validate_smoothing(cfg.get("label_smoothing_factor"), "label_smoothing_factor")
     except TypeError as e:
         raise ValueError(str(e)) from None
-    for key, what in (("enable_liger_kernel", "Liger-Kernel's fused loss"), ("use_asft_loss", "the ASFT loss")):
-        if cfg.get(key):
-            raise ValueError(f"{key}: true replaces the training loss with {what}, as hf_lsce does; keep one: remove "
-                             f"{key} or train with llamafactory-cli train.")
+    if cfg.get("use_asft_loss"):
+        raise ValueError("use_asft_loss: true replaces the training loss with the ASFT loss, as hf_lsce does; keep "
+                         "one: remove use_asft_loss or train with llamafactory-cli train.")
+    if cfg.get("enable_liger_kernel"):
+        from ..patching.versions import installed_version
+
+        if installed_version("liger-kernel") is None:
+            raise ValueError("enable_liger_kernel: true asks for Liger-Kernel's kernels, and liger-kernel is not "
+                             "installed: pip install liger-kernel, or remove enable_liger_kernel.")
     if cfg.get("quantization_bit") is not None and cfg.get("quantization_method", "bnb") == "bnb":
         from ..patching.versions import quantization_problem
 
@@ -72,6 +82,26 @@ def check_config(cfg: dict, model_type: str | None = None) -> None:
     if model_type is not None and model_type not in MODEL_TABLE:
         raise ValueError(f"model type {model_type!r} (model_name_or_path) is not in hf_lsce's table "
                          f"({', '.join(sorted(MODEL_TABLE))}); train it with llamafactory-cli train.")
+
+
+def liger_kernels_without_its_loss(model_type: str | None) -> None:
+    """``enable_liger_kernel: true`` under the route: Liger-Kernel's kernels for ``model_type`` (RMSNorm, RoPE,
+    SwiGLU / GeGLU, ...), put in place before the model loads, as LLaMA-Factory does it, but with Liger's two loss
+    kernels off, so that the model's forward stays the one hf_lsce patches. LLaMA-Factory is then handed the config
+    without the key: its own call turns Liger's fused loss on, which would take the forward from hf_lsce."""
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+
+    log = logging.getLogger("hf_lsce")
+    apply = MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_type)
+    if apply is None:  # (LLaMA-Factory, too, only warns and trains without them)
+        log.warning("enable_liger_kernel: Liger-Kernel has no kernels for model type %r; training without them",
+                    model_type)
+        return
+    params = inspect.signature(apply).parameters
+    off = {k: False for k in ("fused_linear_cross_entropy", "cross_entropy") if k in params}
+    apply(**off)
+    log.info("enable_liger_kernel: Liger-Kernel's kernels for %s, its loss kernels off (%s); hf_lsce computes the "
+             "loss", model_type, ", ".join(f"{k}=False" for k in off))
 
 
 def _model_type(cfg: dict) -> str | None:
@@ -102,7 +132,8 @@ def main(argv: list[str] | None = None) -> None:
     cfg = _config(argv[1:])
     try:
         check_config(cfg)
-        check_config(cfg, _model_type(cfg))
+        model_type = _model_type(cfg)
+        check_config(cfg, model_type)
         callback = calibration_callback({k: cfg.get(k) for k in KEYS})  # (its sets load now, before the model)
     except ValueError as e:
         raise SystemExit(f"hf-lsce llamafactory: {e}") from None
@@ -110,9 +141,13 @@ def main(argv: list[str] | None = None) -> None:
     from llamafactory.train.tuner import run_exp
 
     patch_classes("hf-lsce llamafactory")
+    if cfg.get("enable_liger_kernel"):
+        liger_kernels_without_its_loss(model_type)
     # LLaMA-Factory's own training entry (what its launcher runs), with the configuration it would read, less the
-    # route's keys (its parser refuses keys it does not know); the callback is bound to the trainer at train()
-    run_exp(args={k: v for k, v in cfg.items() if k not in KEYS}, callbacks=[callback] if callback else None)
+    # route's keys (its parser refuses keys it does not know) and enable_liger_kernel (applied above without the
+    # loss); the callback is bound to the trainer at train()
+    run_exp(args={k: v for k, v in cfg.items() if k not in KEYS and k != "enable_liger_kernel"},
+            callbacks=[callback] if callback else None)
 
 
 if __name__ == "__main__":
