@@ -11,9 +11,9 @@ model class (as ``hf-lsce run`` does) and runs LLaMA-Factory's own training entr
 (``calibration_keys``) attach ``CalibrationCallback``; they are taken out of the configuration handed to
 LLaMA-Factory, whose parser refuses keys it does not know. ``enable_liger_kernel: true`` keeps Liger-Kernel's other
 kernels (RMSNorm, RoPE, SwiGLU, ...) and leaves the loss to hf_lsce (``liger_kernels_without_its_loss``).
-``llamafactory-cli train`` itself would start ``torchrun``
-children on a machine with several GPUs, which a patch in this process does not reach; launched by ``torchrun`` as
-above, each rank runs this module and patches itself. The YAML is read, never written.
+``llamafactory-cli train`` itself would start ``torchrun`` children on a machine with several GPUs, which a patch in
+this process does not reach; launched by ``torchrun`` as above, each rank runs this module and patches itself. The
+YAML is read, never written.
 """
 from __future__ import annotations
 
