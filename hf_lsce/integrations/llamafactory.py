@@ -47,6 +47,7 @@ def check_config(cfg: dict, model_type: str | None = None) -> None:
     run at (``calibration_keys``), or a model type outside hf_lsce's table (``model_type``: the config's, when
     known)."""
     from ..patching import MODEL_TABLE, validate_smoothing
+    from ..patching.versions import installed_version, quantization_problem
 
     validate_calibration_keys(cfg)
     if cfg.get("lsce_calibration_tasks") is not None and (
@@ -67,15 +68,10 @@ def check_config(cfg: dict, model_type: str | None = None) -> None:
     if cfg.get("use_asft_loss"):
         raise ValueError("use_asft_loss: true replaces the training loss with the ASFT loss, as hf_lsce does; keep "
                          "one: remove use_asft_loss or train with llamafactory-cli train.")
-    if cfg.get("enable_liger_kernel"):
-        from ..patching.versions import installed_version
-
-        if installed_version("liger-kernel") is None:
-            raise ValueError("enable_liger_kernel: true asks for Liger-Kernel's kernels, and liger-kernel is not "
-                             "installed: pip install liger-kernel, or remove enable_liger_kernel.")
+    if cfg.get("enable_liger_kernel") and installed_version("liger-kernel") is None:
+        raise ValueError("enable_liger_kernel: true asks for Liger-Kernel's kernels, and liger-kernel is not "
+                         "installed: pip install liger-kernel, or remove enable_liger_kernel.")
     if cfg.get("quantization_bit") is not None and cfg.get("quantization_method", "bnb") == "bnb":
-        from ..patching.versions import quantization_problem
-
         problem = quantization_problem(f"quantization_bit: {cfg['quantization_bit']}")
         if problem is not None:
             raise ValueError(problem)
@@ -141,13 +137,11 @@ def main(argv: list[str] | None = None) -> None:
     from llamafactory.train.tuner import run_exp
 
     patch_classes("hf-lsce llamafactory")
-    if cfg.get("enable_liger_kernel"):
+    if cfg.pop("enable_liger_kernel", False):  # (not handed on: LLaMA-Factory's own call would fuse Liger's loss)
         liger_kernels_without_its_loss(model_type)
     # LLaMA-Factory's own training entry (what its launcher runs), with the configuration it would read, less the
-    # route's keys (its parser refuses keys it does not know) and enable_liger_kernel (applied above without the
-    # loss); the callback is bound to the trainer at train()
-    run_exp(args={k: v for k, v in cfg.items() if k not in KEYS and k != "enable_liger_kernel"},
-            callbacks=[callback] if callback else None)
+    # route's keys (its parser refuses keys it does not know); the callback is bound to the trainer at train()
+    run_exp(args={k: v for k, v in cfg.items() if k not in KEYS}, callbacks=[callback] if callback else None)
 
 
 if __name__ == "__main__":
