@@ -199,10 +199,14 @@ def test_framework_tables_read_stalls_and_out_of_memory_as_the_docs_say():
 
     oom = {"variant": "stock", "micro_batch": 16, "tokens_per_gpu": 16 * 8192, "error": ["OutOfMemoryError"],
            "out_of_memory": True}
-    text = frameworks_gpu.largest_table([fit("stock", 8, 100.0), oom, fit("lsce", 8, 101.0), fit("lsce", 16, 102.0)])
+    expandable = dict(fit("lsce", 32, 103.0), alloc_conf="expandable_segments:True")
+    text = frameworks_gpu.largest_table([fit("stock", 8, 100.0), oom, fit("lsce", 8, 101.0), fit("lsce", 16, 102.0),
+                                         expandable])
     assert "| stock (LabelSmoother) | 16 (131,072) | no: out of memory |" in text
+    assert "| hf_lsce, expandable_segments:True | 32 (262,144) | yes | 103 |" in text
     assert text.splitlines()[-1] == ("Largest that fit: stock (LabelSmoother) 65,536 tokens per GPU at 100 tok/s; "
-                                     "hf_lsce 131,072 tokens per GPU at 102 tok/s")
+                                     "hf_lsce 131,072 tokens per GPU at 102 tok/s; "
+                                     "hf_lsce, expandable_segments:True 262,144 tokens per GPU at 103 tok/s")
 
 
 def test_framework_table_takes_the_median_of_repeated_runs(tmp_path):

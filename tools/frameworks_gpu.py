@@ -428,6 +428,8 @@ def largest(args) -> int:
                           tag=f"_{args.engine}{args.gpus}_mb{m}", micro_batch=m, seq=args.seq, steps=args.steps,
                           engine=args.engine, checkpointing=True, data=data, precision=args.precision)
             row["tokens_per_gpu"] = m * args.seq
+            # the allocator's settings decide where a size fits (expandable segments strand no reserved memory)
+            row["alloc_conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or None
             failed = bool(row.get("error"))
             if failed:
                 log = Path(row["log"])
@@ -443,12 +445,13 @@ def largest(args) -> int:
 
 def largest_table(rows: list[dict]) -> str:
     """``largest``'s rows: per variant and micro-batch, whether it fit, tokens/s and peak memory; then each variant's
-    largest micro-batch that fit."""
+    largest micro-batch that fit. Runs under another allocator setting (``PYTORCH_CUDA_ALLOC_CONF``) are named apart."""
     lines = [("| run | micro-batch per GPU (tokens) | fits | tok/s (all GPUs) | peak GiB (largest rank) | "
               "timed steps | lm_head calls returning logits | per-step check |"), "|---|---|---|---|---|---|---|---|"]
     best: dict = {}
     for r in rows:
-        name = "hf_lsce" if r["variant"] == "lsce" else "stock (LabelSmoother)"
+        name = ("hf_lsce" if r["variant"] == "lsce" else "stock (LabelSmoother)") + (
+            f", {r['alloc_conf']}" if r.get("alloc_conf") else "")
         size = f"{r['micro_batch']} ({r['tokens_per_gpu']:,})"
         if r.get("error"):
             why = "out of memory" if r.get("out_of_memory") else "failed: " + str(r["error"][-1])[:60]
