@@ -242,6 +242,10 @@ def test_framework_table_takes_the_median_of_repeated_runs(tmp_path):
                                       "Versions (1 runs): torch 2.11.0, triton 3.7.1"]
     frameworks_gpu.plot(ours + stock, str(tmp_path / "grid.png"), "t")
     assert (tmp_path / "grid.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the picture draws every variant the rows hold, lsce_liger too, against stock's median
+    keys, series = frameworks_gpu.plot_series(both)
+    assert keys == [("m", "lora", 0.1)] and list(series) == ["stock", "lsce", "lsce_liger"]
+    assert series["lsce_liger"][1] == [pytest.approx(800 / 150)] and series["lsce"][1] == [pytest.approx(200 / 150)]
 
 
 def test_framework_probe_profiles_three_steps_and_can_turn_cudnn_attention_off(tmp_path, monkeypatch):

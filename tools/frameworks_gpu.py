@@ -559,27 +559,42 @@ def table(rows: list[dict], ours: str = "lsce") -> str:
     return "\n".join(lines)
 
 
+PLOT_VARIANTS = {"stock": ("stock", "#7f7f7f"), "lsce": ("hf_lsce", "#1f77b4"),
+                 "lsce_liger": ("hf_lsce + Liger's other kernels", "#17becf"), "liger": ("Liger", "#ff7f0e")}
+
+
+def plot_series(rows: list[dict]) -> tuple[list[tuple], dict]:
+    """What ``plot`` draws: the grid's (model, set-up, b) keys and, for each variant the rows hold (in
+    ``PLOT_VARIANTS``' order), each key's peak GiB and median per-step tokens/s over stock's (0 where either failed or
+    did not run), repeated runs aggregated as in ``table``."""
+    groups = _grid(rows)
+    keys = list(groups)
+    present = [v for v in PLOT_VARIANTS if any(v in groups[g] for g in keys)]
+    aggs = {v: [aggregate(groups[g][v]) if v in groups[g] else None for g in keys] for v in present}
+    stock = aggs.get("stock", [None] * len(keys))
+    series = {v: ([a["peak_gib"] if _ok(a) else 0 for a in aggs[v]],
+                  [a["median_tps"] / s["median_tps"] if _ok(a) and _ok(s) else 0 for a, s in zip(aggs[v], stock)])
+              for v in present}
+    return keys, series
+
+
 def plot(rows: list[dict], out: str, title: str = "") -> None:
     """The grid as a picture: per (model, set-up, b), each variant's peak memory (left) and its median per-step
-    tokens/s relative to stock's (right, ``median_tps``; 1 = stock), repeated runs aggregated as in ``table``."""
+    tokens/s relative to stock's (right, ``median_tps``; 1 = stock): ``plot_series``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = _grid(rows)
-    names = {"stock": "stock", "lsce": "hf_lsce", "liger": "Liger"}
-    colors = {"stock": "#7f7f7f", "lsce": "#1f77b4", "liger": "#ff7f0e"}
-    keys = list(groups)
+    keys, series = plot_series(rows)
     labels = [f"{m.replace('-config', '')} {mode} b={b:g}" for m, mode, b in keys]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 0.42 * len(keys) + 1.6), sharey=True)
-    height = 0.27
-    aggs = {v: [aggregate(groups[g][v]) if v in groups[g] else None for g in keys] for v in names}
-    for k, v in enumerate(names):
-        ys = [i + (k - 1) * height for i in range(len(keys))]
-        left.barh(ys, [a["peak_gib"] if _ok(a) else 0 for a in aggs[v]], height, color=colors[v], label=names[v])
-        rel = [a["median_tps"] / s["median_tps"] if _ok(a) and _ok(s) else 0 for a, s in zip(aggs[v], aggs["stock"])]
-        right.barh(ys, rel, height, color=colors[v], label=names[v])
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 0.14 * len(series) * len(keys) + 1.6), sharey=True)
+    height = 0.8 / len(series)
+    for k, (v, (peaks, rel)) in enumerate(series.items()):
+        ys = [i + (k - (len(series) - 1) / 2) * height for i in range(len(keys))]
+        name, color = PLOT_VARIANTS[v]
+        left.barh(ys, peaks, height, color=color, label=name)
+        right.barh(ys, rel, height, color=color, label=name)
     left.set_xlabel("peak allocated memory (GiB)")
     right.set_xlabel("median per-step tokens/s relative to stock")
     right.axvline(1.0, color="black", linewidth=0.8)
