@@ -283,3 +283,14 @@ def test_framework_probe_profiles_three_steps_and_can_turn_cudnn_attention_off(t
     assert text.startswith("3 steps: wall ")
     step_line = next(x for x in text.splitlines() if "Optimizer.step#AdamW.step" in x)
     assert step_line.split()[-1] == "3"  # the operator table's last column: its number of calls
+    # ``largest --profile``: another span of steps (here step 2 alone), and a bad span refused by name
+    monkeypatch.setenv("LSCE_PROBE_PROFILE_STEPS", "1,2")
+    trainer = Trainer(tiny_model(vocab_size=64), args, train_dataset=rows)
+    probe.install(trainer)
+    trainer.train()
+    text = prof.read_text()
+    assert text.startswith("1 steps: wall ")
+    assert next(x for x in text.splitlines() if "Optimizer.step#AdamW.step" in x).split()[-1] == "1"
+    monkeypatch.setenv("LSCE_PROBE_PROFILE_STEPS", "2,2")
+    with pytest.raises(ValueError, match="LSCE_PROBE_PROFILE_STEPS"):
+        probe.profile_steps()

@@ -411,6 +411,11 @@ def largest(args) -> int:
     if args.framework == "llamafactory" and args.engine != "zero3":
         raise SystemExit("largest --framework llamafactory runs DeepSpeed ZeRO-3 only: add --engine zero3")
     env = _env()
+    if args.profile:  # the last step but one, on rank 0: NAME.prof.txt beside --out
+        if args.steps < 3:
+            raise SystemExit("largest --profile profiles the last step but one: give --steps 3 or more")
+        env.update(LSCE_PROBE_PROFILE_DIR=str(Path(args.out).resolve().parent),
+                   LSCE_PROBE_PROFILE_STEPS=f"{args.steps - 2},{args.steps - 1}")
     out = Path(args.out)
     rows = json.loads(out.read_text()) if out.exists() else []
     model = make_model(args.model, args.precision)
@@ -651,6 +656,8 @@ def main(argv=None) -> int:
     lg.add_argument("--steps", type=int, default=8)
     lg.add_argument("--b", default="0.1")
     lg.add_argument("--precision", choices=["bf16", "fp32"], default="bf16", help="fp32: a dry run on the CPU")
+    lg.add_argument("--profile", action="store_true",
+                    help="profile the last step but one on rank 0 (torch.profiler): NAME.prof.txt beside --out")
     lg.add_argument("--out", required=True)
     t = sub.add_parser("table")
     t.add_argument("results", nargs="+")

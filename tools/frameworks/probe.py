@@ -10,7 +10,8 @@ a framework whose config has no such key (Axolotl drops it).
 
 ``LSCE_PROBE_PROFILE=FILE`` profiles optimizer steps 7 to 9 (torch.profiler, CPU and CUDA) and writes FILE: the
 profiled steps' wall time, the device's busy time, the kernels launched, and the operators by self CPU time and by self
-CUDA time (where a host-bound step's time goes).
+CUDA time (where a host-bound step's time goes). ``LSCE_PROBE_PROFILE_STEPS=A,B`` profiles steps A+1 to B instead.
+Under several processes rank 0 alone profiles.
 
 ``LSCE_PROBE_NO_CUDNN_ATTENTION=1`` turns off cuDNN's scaled-dot-product attention (``torch.backends.cuda.
 enable_cudnn_sdp(False)``; SDPA then takes its flash or memory-efficient kernels) for every variant alike: on the GPU
@@ -33,6 +34,17 @@ VERSIONED = ("torch", "triton", "transformers", "accelerate", "peft", "trl", "bi
 PROFILE_STEPS = (6, 9)  # profiled: from the start of the step after global step 6 to the end of step 9 (3 steps)
 
 
+def profile_steps() -> tuple[int, int]:
+    """The global steps the profile starts after and ends at: ``LSCE_PROBE_PROFILE_STEPS=A,B`` or PROFILE_STEPS."""
+    text = os.environ.get("LSCE_PROBE_PROFILE_STEPS")
+    if not text:
+        return PROFILE_STEPS
+    a, b = (int(x) for x in text.split(","))
+    if not 0 <= a < b:
+        raise ValueError(f"LSCE_PROBE_PROFILE_STEPS={text!r}: give A,B with 0 <= A < B (steps A+1 to B are profiled)")
+    return a, b
+
+
 def _start_profiler():
     from torch.profiler import ProfilerActivity, profile
 
@@ -42,10 +54,9 @@ def _start_profiler():
     return prof
 
 
-def _write_profile(prof, wall_s: float, out: str) -> None:
+def _write_profile(prof, wall_s: float, out: str, steps: int) -> None:
     prof.stop()
     ev = prof.key_averages()
-    steps = PROFILE_STEPS[1] - PROFILE_STEPS[0]
     cuda_us = sum(getattr(e, "self_device_time_total", 0) or 0 for e in ev)
     launches = sum(e.count for e in ev if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC",
                                                      "cuLaunchKernelEx"))
@@ -66,7 +77,9 @@ class _Timer:
         self.record = record
         self.t0 = None
         self.tokens = 0
-        self.profile_out = os.environ.get("LSCE_PROBE_PROFILE")
+        rank0 = os.environ.get("RANK", "0") == "0"
+        self.profile_out = os.environ.get("LSCE_PROBE_PROFILE") if rank0 else None
+        self.profile_steps = profile_steps()
         self.prof = self.prof_t0 = None
 
     def _sync(self):
@@ -93,7 +106,7 @@ class _Timer:
 
             def on_step_begin(self, args, state, control, **kw):
                 timer._sync()
-                if timer.profile_out and state.global_step == PROFILE_STEPS[0] and timer.prof is None:
+                if timer.profile_out and state.global_step == timer.profile_steps[0] and timer.prof is None:
                     timer.prof = _start_profiler()
                     timer.prof_t0 = time.perf_counter()
                 timer.t0, timer.tokens = time.perf_counter(), 0
@@ -105,8 +118,9 @@ class _Timer:
                 if torch.cuda.is_available():  # (a framework may reset the peak during training: the largest seen)
                     timer.record["peak_gib"] = max(timer.record["peak_gib"] or 0.0,
                                                    torch.cuda.max_memory_allocated() / 2**30)
-                if timer.prof is not None and state.global_step == PROFILE_STEPS[1]:
-                    _write_profile(timer.prof, time.perf_counter() - timer.prof_t0, timer.profile_out)
+                first, last = timer.profile_steps
+                if timer.prof is not None and state.global_step == last:
+                    _write_profile(timer.prof, time.perf_counter() - timer.prof_t0, timer.profile_out, last - first)
                     timer.prof = None
 
             def on_train_end(self, args, state, control, **kw):
