@@ -238,7 +238,7 @@ def run_one(framework: str, model: Path, mode: str, variant: str, b: float, env:
     run_env = {**env, "LSCE_PROBE_OUT": str(probe), "CUDA_VISIBLE_DEVICES": gpus,
                "LSCE_PROBE_HF_SMOOTHING": str(hf_b),
                "HF_DATASETS_CACHE": str(WORK / f"{name}_datasets")}  # (no cache shared by runs side by side)
-    if env.get("LSCE_PROBE_PROFILE_DIR"):  # run --profile: the probe's profile of three steps, beside the results
+    if env.get("LSCE_PROBE_PROFILE_DIR"):  # run / largest --profile: the probe's profile, beside the results
         run_env["LSCE_PROBE_PROFILE"] = str(Path(env["LSCE_PROBE_PROFILE_DIR"]) / f"{name}.prof.txt")
     t0 = time.time()
     with open(log, "w") as f:
