@@ -7,6 +7,8 @@ validation, and it patches a real model. End-to-end runs of each framework's own
 """
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import pytest
@@ -66,6 +68,39 @@ def test_axolotl_keys_accepted():
     assert LsceArgs.model_validate(dict(lsce=False, cut_cross_entropy=True)).lsce is False  # off: no conflict
     assert LsceArgs.model_validate(dict(lsce=False, label_smoothing_factor=0.0)).lsce is False  # b = 0 asked: fine
     assert LsceArgs.model_validate(dict(liger_fused_linear_cross_entropy=False, liger_rms_norm=True)).lsce is None
+
+
+@pytest.mark.parametrize("yaml_keys, ds, refused", [
+    (dict(bf16=True), {"bf16": {"enabled": "auto"}}, "bf16: true with the DeepSpeed ZeRO-3 config .*, whose "
+     "bf16.enabled is 'auto': .* trains in fp32 .* set \"bf16\": {\"enabled\": true} in "),
+    (dict(bf16=True), {}, "whose bf16.enabled is 'unset'"),
+    (dict(fp16=True), {"fp16": {"enabled": "auto"}}, "fp16: true with the DeepSpeed ZeRO-3 config"),
+    (dict(bf16=True), {"bf16": {"enabled": True}}, None),
+    (dict(bf16=False), {"bf16": {"enabled": "auto"}}, None),  # fp32 asked: "auto" read as off is what it asked
+    (dict(bf16=True), {"bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 2}}, None),  # not ZeRO-3
+])
+def test_axolotl_zero3_config_that_would_train_in_fp32_is_refused(tmp_path, yaml_keys, ds, refused):
+    """A bf16 YAML with a ZeRO-3 config leaving bf16 "auto": Axolotl loads the model before the Trainer fills "auto",
+    and DeepSpeed's own parser (the installed one) reads an unfilled "auto" as off, so the weights would be fp32. The
+    plugin refuses in one line naming the file and the key; the shipped example passes."""
+    from deepspeed.runtime.precision_config import get_bfloat16_config
+
+    from hf_lsce.integrations.axolotl_args import deepspeed_precision_problem
+
+    assert get_bfloat16_config({"bf16": {"enabled": "auto"}}).enabled is False  # the premise, in DeepSpeed itself
+    conf = {"zero_optimization": {"stage": 3}, **ds}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(conf))
+    for deepspeed in (str(path), conf):  # Axolotl's key: a file, or the mapping itself
+        problem = deepspeed_precision_problem(dict(yaml_keys, deepspeed=deepspeed))
+        if refused is None:
+            assert problem is None
+        else:
+            assert re.search(refused, problem) and "\n" not in problem
+    assert deepspeed_precision_problem(dict(bf16=True, deepspeed=str(tmp_path / "missing.json"))) is None
+    assert deepspeed_precision_problem(dict(bf16=True)) is None
+    example = Path(__file__).resolve().parents[1] / "examples" / "axolotl" / "zero3_bf16.json"
+    assert deepspeed_precision_problem(dict(bf16=True, deepspeed=str(example))) is None
 
 
 @pytest.mark.parametrize("cfg, model_type, match", [
@@ -389,7 +424,7 @@ def test_the_gpu_runs_llamafactory_yamls_pass_its_parser_with_b_kept(tmp_path, m
     assert data_args.dataset == (["train_repeated"] if mode == "full_packed" else ["long_rows"])
 
 
-def test_plugin_refuses_a_family_outside_the_table_and_patches_the_built_model():
+def test_plugin_refuses_a_family_outside_the_table_and_patches_the_built_model(tmp_path):
     plugin = _axolotl()
     from axolotl.utils.dict import DictDefault
 
@@ -400,6 +435,10 @@ def test_plugin_refuses_a_family_outside_the_table_and_patches_the_built_model()
     p = plugin.LscePlugin()
     with pytest.raises(ValueError, match="does not support model type 'bert'"):
         p.pre_model_load(DictDefault(model_config_type="bert"))
+    ds = tmp_path / "zero3.json"  # Axolotl's zero3.json: bf16 "auto", under a bf16 YAML (fp32 weights, refused)
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 3}, "bf16": {"enabled": "auto"}}))
+    with pytest.raises(ValueError, match="^bf16: true with the DeepSpeed ZeRO-3 config .*zero3.json"):
+        p.pre_model_load(DictDefault(model_config_type="llama", bf16=True, deepspeed=str(ds)))
     p.pre_model_load(DictDefault(model_config_type="llama"))
     model = tiny_model("llama").train()
     p.post_model_load(DictDefault(lsce_label_smoothing=0.1), model)

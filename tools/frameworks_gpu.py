@@ -47,7 +47,7 @@ SEQ = 1024
 MICRO_BATCH = 8
 STEPS = 12
 WARMUP = 4  # (stock LoRA's first three steps are slow)
-ZERO3 = ROOT / "examples" / "axolotl" / "zero3_bf16.json"  # the shipped example's DeepSpeed config ("auto" precision)
+ZERO3 = ROOT / "examples" / "axolotl" / "zero3_bf16.json"  # the shipped example's DeepSpeed config (bf16 on)
 # FSDP2 as examples/axolotl/lsce_llama3_8b_fsdp2.yml sets it (the layer class filled in per model)
 FSDP2 = ["fsdp_version: 2", "fsdp_config:", "  offload_params: false", "  cpu_ram_efficient_loading: true",
          "  auto_wrap_policy: TRANSFORMER_BASED_WRAP", "  transformer_layer_cls_to_wrap: {layer}",
@@ -127,6 +127,19 @@ def make_model(name: str, precision: str = "bf16") -> Path:
     return path
 
 
+def zero3_config(precision: str, folder: Path) -> Path:
+    """The DeepSpeed config of a ZeRO-3 run: the shipped example (bf16 on) or, for fp32 runs, a copy with bf16 off
+    written into ``folder``.
+    Not "auto": Axolotl loads the model under ZeRO-3 before the Trainer fills "auto", and DeepSpeed reads an unfilled
+    "auto" as off, so the weights are partitioned and trained in fp32 (measured: about 6 x slower, docs/frameworks.md)."""
+    if precision == "bf16":
+        return ZERO3
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "zero3_fp32.json"
+    path.write_text(json.dumps({**json.loads(ZERO3.read_text()), "bf16": {"enabled": False}}, indent=1))
+    return path
+
+
 def axolotl_yaml(model: Path, out: Path, mode: str, variant: str, b: float, *, seq: int = SEQ,
                  micro_batch: int = MICRO_BATCH, steps: int = STEPS, precision: str = "bf16", engine: str | None = None,
                  sequential: bool = False, checkpointing: bool = False, data: Path | None = None) -> str:
@@ -151,7 +164,7 @@ def axolotl_yaml(model: Path, out: Path, mode: str, variant: str, b: float, *, s
     if checkpointing:
         lines += ["gradient_checkpointing: true"]
     if engine == "zero3":
-        lines += [f"deepspeed: {ZERO3}"]
+        lines += [f"deepspeed: {zero3_config(precision, out.parent)}"]
     elif engine == "fsdp2":
         layer = LAYER_CLASS[json.loads((model / "config.json").read_text())["model_type"]]
         lines += [x.format(layer=layer) for x in FSDP2]
@@ -193,7 +206,7 @@ def llamafactory_yaml(model: Path, out: Path, mode: str, variant: str, b: float,
     if not checkpointing:
         lines += ["disable_gradient_checkpointing: true"]
     if engine == "zero3":
-        lines += [f"deepspeed: {ZERO3}"]
+        lines += [f"deepspeed: {zero3_config(precision, out.parent)}"]
     elif engine is not None:
         raise ValueError(f"LLaMA-Factory runs here: engine None or 'zero3', not {engine!r}")
     if variant in ("liger", "lsce_liger"):

@@ -6,10 +6,11 @@
 
 Axolotl loads the plugin in the process that trains (``axolotl train`` launches it through accelerate, where a patch
 applied by ``hf-lsce run`` in the launching process would not reach). Its keys (``axolotl_args.LsceArgs``) are
-validated with Axolotl's config; before the model loads the plugin checks the versions and the model family; once
-Axolotl has built the model (LoRA and QLoRA adapters included) it applies ``apply_lsce_patch`` to it, and every training step then
-checks that the fused op ran with the smoothing asked for (``hf_lsce.patching.trainer``). The ``lsce_calibration_*``
-keys (``calibration_keys``) add ``CalibrationCallback`` to Axolotl's trainer: accuracy, ECE and RMS on held-out
+validated with Axolotl's config; before the model loads the plugin checks the versions, the model family, what a
+4-bit base needs, and a ZeRO-3 config that would train in fp32 under a bf16 YAML; once Axolotl has built the model
+(LoRA and QLoRA adapters included) it applies ``apply_lsce_patch`` to it, and every training step then checks that
+the fused op ran with the smoothing asked for (``hf_lsce.patching.trainer``). The ``lsce_calibration_*`` keys
+(``calibration_keys``) add ``CalibrationCallback`` to Axolotl's trainer: accuracy, ECE and RMS on held-out
 multiple-choice sets at each evaluation, through Axolotl's logging.
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ except ImportError as e:  # one line for a user who lists the plugin without Axo
     raise ImportError(f"hf_lsce.integrations.axolotl is a plugin for Axolotl, which is not importable here ({e}); "
                       "pip install 'axolotl>=0.19' or remove the plugin from plugins:") from None
 
-from .axolotl_args import LsceArgs, validate_lsce_keys
+from .axolotl_args import LsceArgs, deepspeed_precision_problem, validate_lsce_keys
 
 logger = logging.getLogger("hf_lsce")
 
@@ -82,6 +83,9 @@ class LscePlugin(BasePlugin):
         # the calibration sets load now, before the model: a file missing in the folder stops the run here
         self._calibration = (cfg, calibration_tasks(_keys(cfg)))
         check_quantization(cfg)
+        problem = deepspeed_precision_problem(cfg)  # (stock trains in fp32 there too; the fix is one key)
+        if problem is not None:
+            raise ValueError(problem)
         if cfg.lsce is False:
             return
         check_family(cfg.model_config_type)

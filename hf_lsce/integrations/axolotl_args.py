@@ -6,6 +6,11 @@ below. No Axolotl import here: the keys are tested without it.
 """
 from __future__ import annotations
 
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
 from pydantic import BaseModel, model_validator
 
 from ..patching import validate_smoothing
@@ -53,6 +58,33 @@ def validate_lsce_keys(data: dict) -> None:
         if data.get(key):
             raise ValueError(f"hf_lsce and {name} both replace the training loss; keep one: remove {key} or set "
                              "lsce: false.")
+
+
+def deepspeed_precision_problem(cfg: Mapping) -> str | None:
+    """One line when the YAML asks for bf16 (or fp16) and its DeepSpeed ZeRO-3 config leaves that precision "auto" or
+    unset; else None. Axolotl (0.19 to 0.21) loads the model under ZeRO-3 before the Trainer fills the config's "auto"
+    fields, and DeepSpeed reads an unfilled "auto" as off: the weights are partitioned in fp32 and the whole run trains
+    in fp32 while the YAML says bf16 (measured, Llama-3-8B on 2 H200s: about 6 x slower, stock and hf_lsce alike;
+    docs/frameworks.md). ``cfg``: Axolotl's validated config, its ``deepspeed`` a path or the mapping itself."""
+    ds = cfg.get("deepspeed")
+    if isinstance(ds, (str, os.PathLike)):
+        try:
+            conf, name = json.loads(Path(ds).read_text()), str(ds)
+        except (OSError, ValueError):  # a missing or unreadable file: Axolotl and DeepSpeed report it themselves
+            return None
+    elif isinstance(ds, Mapping):
+        conf, name = ds, "the deepspeed: mapping"
+    else:
+        return None
+    if not isinstance(conf, Mapping) or str((conf.get("zero_optimization") or {}).get("stage")) != "3":
+        return None
+    for key in ("bf16", "fp16"):
+        enabled = (conf.get(key) or {}).get("enabled", "unset")
+        if cfg.get(key) is True and enabled is not True:
+            return (f"{key}: true with the DeepSpeed ZeRO-3 config {name}, whose {key}.enabled is {enabled!r}: Axolotl "
+                    f"loads the model before the Trainer fills it, so DeepSpeed partitions fp32 weights and the run "
+                    f'trains in fp32 (about 6 x slower, measured); set "{key}": {{"enabled": true}} in {name}.')
+    return None
 
 
 class LsceArgs(BaseModel):
