@@ -1,7 +1,9 @@
 #!/bin/bash
 # The frameworks' runs on the device machine (tools/frameworks_gpu.py), one step per device call, back to back
 # (the staged parts last while the machine is warm). FW_ARCHIVE names the staged wheels: fw_wheels.tar (Axolotl 0.19's,
-# the default), lf_wheels.tar (LLaMA-Factory's) or ax21_wheels.tar (Axolotl 0.21's, with torch 2.13 and Triton 3.7);
+# the default), lf_wheels.tar (LLaMA-Factory's), ax21_wheels.tar (Axolotl 0.21's, with torch 2.13 and Triton 3.7) or
+# ax21lite_wheels.tar (the same without torch, triton and nvidia_*: 3 parts instead of 21, the image's torch serves;
+# `frameworks_gpu.py prepare --wheels DIR --archive ax21lite_wheels.tar` on a folder of those wheels);
 # each installs into its own folder, /tmp/site_<name>, with the wheels of .gpu/extra and of .gpu/extra_<name> if there
 # is one (carry them) that the archive does not hold itself. FW_SKIP="torch triton" installs the archive without those
 # distributions (another folder: the image's own torch then serves; skipping torch skips the nvidia_* and torchvision
