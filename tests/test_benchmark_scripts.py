@@ -207,6 +207,9 @@ def test_framework_tables_read_stalls_and_out_of_memory_as_the_docs_say():
     assert text.splitlines()[-1] == ("Largest that fit: stock (LabelSmoother) 65,536 tokens per GPU at 100 tok/s; "
                                      "hf_lsce 131,072 tokens per GPU at 102 tok/s; "
                                      "hf_lsce, expandable_segments:True 262,144 tokens per GPU at 103 tok/s")
+    # LLaMA-Factory's stock is its own Trainer's smoothing, not the probe's LabelSmoother
+    lf = frameworks_gpu.largest_table([dict(fit("stock", 8, 100.0), framework="llamafactory")])
+    assert "| stock (its smoothing) | 8 (65,536) | yes |" in lf
 
 
 def test_framework_table_takes_the_median_of_repeated_runs(tmp_path):

@@ -395,6 +395,14 @@ def judge_multi(rows: list[dict]) -> None:
             r["variant"] == "stock" or (r["lm_head_logit_calls"] == 0 and r["confirmed"])))
 
 
+def run_name(row: dict) -> str:
+    """A several-GPU row's name in the tables: hf_lsce, or stock with the smoothing that stock ran (LLaMA-Factory's
+    Trainer smooths by itself; under Axolotl the probe's LabelSmoother)."""
+    if row["variant"] == "lsce":
+        return "hf_lsce"
+    return "stock (its smoothing)" if row.get("framework") == "llamafactory" else "stock (LabelSmoother)"
+
+
 def multi_table(rows: list[dict]) -> str:
     one = rows[0]
     lines = ["| run | GPUs, micro-batch each | engine | first loss (global) | vs one GPU: steps 1, 2, 3 "
@@ -407,7 +415,7 @@ def multi_table(rows: list[dict]) -> str:
             lines.append(f"| {r['variant']} | {r['gpus']} | {r['engine']} | failed: {r['error'][-1][:80]} |||||")
             continue
         vs = r.get("rel_error_vs_stock_per_rank")
-        lines.append(f"| {'hf_lsce' if r['variant'] == 'lsce' else 'stock (LabelSmoother)'} | {r['gpus']}, "
+        lines.append(f"| {run_name(r)} | {r['gpus']}, "
                      f"{r.get('micro_batch', '-')} | {r['engine']} | {r['token_weighted_losses'][0]:.6f} | "
                      f"{', '.join('%.1e' % e for e in r['rel_error_vs_1gpu'])} | "
                      f"{'-' if vs is None else '%.1e' % max(e[0] for e in vs)} | {r['lm_head_logit_calls']} | "
@@ -468,7 +476,7 @@ def largest_table(rows: list[dict]) -> str:
               "timed steps | lm_head calls returning logits | per-step check |"), "|---|---|---|---|---|---|---|---|"]
     best: dict = {}
     for r in rows:
-        name = ("hf_lsce" if r["variant"] == "lsce" else "stock (LabelSmoother)") + (
+        name = run_name(r) + (
             f", {r['alloc_conf']}" if r.get("alloc_conf") else "")
         size = f"{r['micro_batch']} ({r['tokens_per_gpu']:,})"
         if r.get("error"):
