@@ -476,8 +476,7 @@ def largest_table(rows: list[dict]) -> str:
               "timed steps | lm_head calls returning logits | per-step check |"), "|---|---|---|---|---|---|---|---|"]
     best: dict = {}
     for r in rows:
-        name = run_name(r) + (
-            f", {r['alloc_conf']}" if r.get("alloc_conf") else "")
+        name = run_name(r) + (f", {r['alloc_conf']}" if r.get("alloc_conf") else "")
         size = f"{r['micro_batch']} ({r['tokens_per_gpu']:,})"
         if r.get("error"):
             why = "out of memory" if r.get("out_of_memory") else "failed: " + str(r["error"][-1])[:60]
