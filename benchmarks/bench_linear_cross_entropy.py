@@ -1,23 +1,28 @@
 """The op against its peers, in one process: forward+backward time, extra memory and (``--errors``) gradient errors.
 
 Methods (each on the same inputs):
-  hf_lsce                the default (the training path the op picks: fused on Hopper in bf16)
-  hf_lsce (low memory)   memory="low"
-  hf_lsce (fused / one-pass / two-pass)   a path forced (``--methods``), to compare the paths at one shape
-  hf_lsce (pointers)     pointer loads where TMA ones would run (HF_LSCE_TMA=0: what GPUs without TMA run); also
-                         with a path forced, e.g. "hf_lsce (fused pointers)"
+  hf_lsce                memory="auto" (the fastest plan that fits the GPU's free memory)
+  hf_lsce (low)          memory="low"
+  hf_lsce@B              memory=B bytes (``hf_lsce@1.1e9``); ``hf_lsce@liger`` (``@unsloth``, ``@cce``,
+                         ``@torch.compile``): the extra memory that peer measured at this configuration, or the smallest
+                         budget that holds exact gradients where the peer keeps less
+  hf_lsce (pointers)     pointer loads where TMA ones would run (HF_LSCE_TMA=0: what GPUs without TMA run)
   torch.compile          fp32 logits + F.cross_entropy(label_smoothing=b), compiled afresh for each configuration
   torch eager            the same, not compiled
   liger                  Liger-Kernel's LigerFusedLinearCrossEntropyLoss(label_smoothing=b)
   cce                    Cut Cross-Entropy's linear_cross_entropy (b = 0 only: it has no smoothing)
+  unsloth                unsloth_zoo's fused_linear_cross_entropy(label_smoothing=b), its ``fused_losses/fused_linear.py``
+                         loaded from the installed wheel as a module of its own (it imports torch and Triton only)
   floor                  the bare bf16 cuBLAS matmuls of the same work, no softmax: logits, dh (and dW for a trainable
                          head): three matmuls, or two for a frozen one
 
-Heads: ``trainable`` (dh and dW), ``frozen`` (``W.requires_grad = False``: LoRA's case, dh only) and ``eval``
-(the forward alone, under no_grad; "hf_lsce (two-pass)" forces the fused kernel, "hf_lsce (one-pass)" cuBLAS).
-Inputs: bf16 (``--dtype fp16``), N = 8,192 tokens (``--tokens``), the generator of benchmarks/real_inputs.py fitted to the real softmax of Gemma-3-270m on
-real text. Time: the median of ``triton.testing.do_bench``; memory: the peak allocated during the call minus what was
-allocated before it and the inputs' gradients. Errors: relative to an fp64 computation on materialised logits.
+Heads: ``trainable`` (dh and dW), ``frozen`` (``W.requires_grad = False``: LoRA's case, dh only) and ``eval`` (the
+forward alone, under no_grad). Inputs: bf16 (``--dtype``), N = 8,192 tokens (``--tokens``), the generator of
+benchmarks/real_inputs.py fitted to the real softmax of Gemma-3-270m on real text. Time: the median of
+``triton.testing.do_bench``; memory: the peak allocated during the call minus what was allocated before it and the
+inputs' gradients. Errors: relative to an fp64 computation on materialised logits. hf_lsce's rows name the plan the
+budget gave (``budget.Plan``). ``--sweep``: hf_lsce over budgets from the smallest to unlimited, for the picture of
+time against extra memory (each peer a point).
 
     python benchmarks/bench_linear_cross_entropy.py --out-dir results
     python benchmarks/bench_linear_cross_entropy.py --shapes gemma2-2b --b 0.1 --heads frozen --methods hf_lsce,floor
@@ -48,7 +53,8 @@ SHAPES = {  # (N, D, V)
     "llama3-8b": (8192, 4096, 128256),
     "smoke": (96, 48, 1000),
 }
-DEFAULT_METHODS = ["hf_lsce", "hf_lsce (low memory)", "torch.compile", "liger", "cce", "floor"]
+PEERS = ["torch.compile", "liger", "cce", "unsloth"]
+DEFAULT_METHODS = ["hf_lsce", "hf_lsce (low)", *PEERS, "floor", *(f"hf_lsce@{p}" for p in PEERS)]
 SOFTCAP = {"gemma2-2b": 30.0}  # the soft-capped configuration run beside the plain one (Gemma 2's head)
 
 
@@ -59,45 +65,43 @@ def torch_loss(h, w, y, b, cap):
     return F.cross_entropy(z, y, label_smoothing=b)
 
 
-def _forced(path):
+PLANS: list = []  # the plans the op took (paths.plan_for spied), for the rows' "plan"
+
+
+def _ours(memory="auto", pointers=False):
     def fn(h, w, y, b, cap):
         import hf_lsce.ops.config as config
 
-        saved, config.TRAIN_PATH = config.TRAIN_PATH, path
-        try:
-            return linear_cross_entropy(h, w, y, label_smoothing=b, softcap=cap)
-        finally:
-            config.TRAIN_PATH = saved
-    return fn
-
-
-def _pointers(path=None):
-    """The op with pointer loads where it would take TMA ones (``HF_LSCE_TMA=0``: what GPUs without TMA run), in this
-    process beside the TMA rows; ``path``: a training path forced too."""
-    def fn(h, w, y, b, cap):
-        import hf_lsce.ops.config as config
-
-        saved = config.TMA_SWITCH, config.TRAIN_PATH
-        config.TMA_SWITCH, config.TRAIN_PATH = "0", path or config.TRAIN_PATH
-        config.clear_caches()
-        try:
-            return linear_cross_entropy(h, w, y, label_smoothing=b, softcap=cap)
-        finally:
-            config.TMA_SWITCH, config.TRAIN_PATH = saved
+        if pointers:
+            saved, config.TMA_SWITCH = config.TMA_SWITCH, "0"
             config.clear_caches()
+        try:
+            return linear_cross_entropy(h, w, y, label_smoothing=b, softcap=cap, memory=memory)
+        finally:
+            if pointers:
+                config.TMA_SWITCH = saved
+                config.clear_caches()
     return fn
+
+
+def unsloth_op():
+    """unsloth_zoo's ``fused_linear_cross_entropy`` from the installed wheel's file, loaded as a module of its own."""
+    import importlib.util
+    from importlib import metadata
+
+    dist = metadata.distribution("unsloth_zoo")
+    path = dist.locate_file("unsloth_zoo/fused_losses/fused_linear.py")
+    spec = importlib.util.spec_from_file_location("unsloth_fused_linear", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.fused_linear_cross_entropy
 
 
 def method_fns():
-    """name -> callable(h, w, y, b, cap) -> loss, or a string saying why it is unavailable."""
-    fns = {"hf_lsce": lambda h, w, y, b, cap: linear_cross_entropy(h, w, y, label_smoothing=b, softcap=cap),
-           "hf_lsce (low memory)": lambda h, w, y, b, cap: linear_cross_entropy(h, w, y, label_smoothing=b,
-                                                                               softcap=cap, memory="low"),
+    """name -> callable(h, w, y, b, cap) -> loss, or a string saying why it is unavailable (``hf_lsce@B`` methods are
+    made in ``run_config``)."""
+    fns = {"hf_lsce": _ours(), "hf_lsce (low)": _ours("low"), "hf_lsce (pointers)": _ours(pointers=True),
            "torch eager": torch_loss, "torch.compile": torch_loss}  # compiled per configuration in run_config
-    for path in ("fused", "one-pass", "two-pass"):
-        fns[f"hf_lsce ({path})"] = _forced(path)
-        fns[f"hf_lsce ({path} pointers)"] = _pointers(path)
-    fns["hf_lsce (pointers)"] = _pointers()
     try:
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
@@ -114,6 +118,14 @@ def method_fns():
         fns["cce"] = cce_fn
     except Exception as e:  # noqa: BLE001
         fns["cce"] = f"missing: {type(e).__name__}"
+    try:
+        unsloth = unsloth_op()
+
+        def unsloth_fn(h, w, y, b, cap):  # (the mean: its divisor is the count of valid targets)
+            return unsloth(h, w, None, y, divisor=(y >= 0).sum(), label_smoothing=b, logit_softcapping=cap or 0.0)
+        fns["unsloth"] = unsloth_fn
+    except Exception as e:  # noqa: BLE001
+        fns["unsloth"] = f"missing: {type(e).__name__}: {str(e)[:100]}"
     return fns
 
 
@@ -140,8 +152,14 @@ def measure(fn, h, w, y, b, cap, head, do_bench, cuda):
             with torch.no_grad():
                 return fn(hh, ww, y, b, cap)
         fn(hh, ww, y, b, cap).backward()
+    PLANS.clear()
     step()  # compile, autotune, warm
     out = dict(fwdbwd_ms=do_bench(step, warmup=50 if cuda else 1, rep=400 if cuda else 3, return_mode="median"))
+    if PLANS:
+        p = PLANS[-1]
+        out["plan"] = f"{p.computation}: " + (f"rows by {p.rows}" if p.layout == "rows" else f"{p.layout}, keep "
+                                               f"{p.keep}, by {p.cols}")
+        out["plan_mb"] = p.nbytes / 1e6
     hh.grad = ww.grad = None
     gc.collect()
     if cuda:
@@ -216,9 +234,16 @@ def run_config(rows, fns, shape, head, b, cap, methods, with_errors, cuda, do_be
     if cuda:  # compiled afresh per configuration: one compiled function reused across shapes recompiles
         torch._dynamo.reset()
         fns = dict(fns, **{"torch.compile": torch.compile(torch_loss, dynamic=False)})
+    measured = {}
     for name in methods:
         row = dict(shape=shape, N=n, D=d, V=v, head=head, b=b, softcap=cap, method=name, dtype=str(dtype)[6:])
         fn = fns.get(name, f"unknown method {name!r}")
+        if name.startswith("hf_lsce@"):
+            budget = budget_for(name.split("@", 1)[1], measured, h, w, cap, head)
+            if budget is None:
+                continue  # (the peer did not run here: b > 0 for CCE, a missing package)
+            row["budget_mb"] = budget / 1e6
+            fn = _ours(budget)
         try:
             if name == "floor":
                 if not cuda:
@@ -228,6 +253,7 @@ def run_config(rows, fns, shape, head, b, cap, methods, with_errors, cuda, do_be
                 row["error"] = fn
             else:
                 row.update(measure(fn, h, w, y, b, cap, head, do_bench, cuda))
+                measured[name] = row.get("extra_mb")
                 if ref is not None:
                     row.update(errors(fn, h, w, y, b, cap, frozen, ref))
         except NotImplementedError:
@@ -241,6 +267,25 @@ def run_config(rows, fns, shape, head, b, cap, methods, with_errors, cuda, do_be
             torch.cuda.empty_cache()
 
 
+def budget_for(what: str, measured: dict, h, w, cap, head) -> int | None:
+    """The budget of ``hf_lsce@what``: bytes (``1.1e9``), or a peer's measured extra memory at this configuration,
+    raised to the smallest budget that holds exact gradients where the peer keeps less (None: the peer did not run)."""
+    from hf_lsce.ops import budget as bud
+    from hf_lsce.ops.paths import computation, shape_of
+
+    try:
+        return int(float(what))
+    except ValueError:
+        pass
+    mb = measured.get(what)
+    if mb is None:
+        return None
+    hh = h.detach().requires_grad_(head != "eval")
+    comp = computation(hh, w, cap, "triton")
+    least = bud.smallest(shape_of(hh, w, None, cap, comp, head == "trainable", False), comp)
+    return max(int(mb * 1e6), least)
+
+
 def _fmt(x, spec):
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
@@ -251,46 +296,72 @@ def table(rows) -> str:
         return next((x for x in rows if x["method"] == method and "fwdbwd_ms" in x and all(
             x.get(k) == r.get(k) for k in ("shape", "head", "b", "softcap", "N", "dtype"))), None)
     lines = ["| shape (N, D, V) | head | b | soft-cap | method | fwd+bwd ms | / torch.compile | / floor | extra MB | "
-             "dh err | dW err |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "dh err | dW err | plan |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         shp = f"{r['shape']} ({r['N']}, {r['D']}, {r['V']})"
         cells = [shp, r["head"], str(r["b"]), _fmt(r["softcap"], "g"), r["method"]]
         if "error" in r:
-            lines.append("| " + " | ".join(cells) + f" | {r['error']} ||||||")
+            lines.append("| " + " | ".join(cells) + f" | {r['error']} |||||||")
             continue
         comp, flo = same(r, "torch.compile"), same(r, "floor")
         ratio = lambda ref: _fmt(r["fwdbwd_ms"] / ref["fwdbwd_ms"] if ref else None, ".2f")  # noqa: E731
         lines.append("| " + " | ".join(cells + [_fmt(r["fwdbwd_ms"], ".2f"), ratio(comp), ratio(flo),
                                                 _fmt(r.get("extra_mb"), ",.0f"), _fmt(r.get("dh_err"), ".1e"),
-                                                _fmt(r.get("dw_err"), ".1e")]) + " |")
+                                                _fmt(r.get("dw_err"), ".1e"), r.get("plan", "")]) + " |")
     return "\n".join(lines)
 
 
 def plot(rows, path):
+    """Time against extra memory, one panel per configuration: every peer a point, hf_lsce a line over its budgets."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ok = [r for r in rows if "fwdbwd_ms" in r]
+    ok = [r for r in rows if "fwdbwd_ms" in r and r.get("extra_mb") is not None]
     configs = list(dict.fromkeys((r["shape"], r["head"], r["b"], r["softcap"]) for r in ok))
-    methods = list(dict.fromkeys(r["method"] for r in ok))
     if not configs:
         return
-    fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(configs)), 4.5))
-    width = 0.8 / len(methods)
-    for j, m in enumerate(methods):
-        for i, c in enumerate(configs):
-            r = next((x for x in ok if (x["shape"], x["head"], x["b"], x["softcap"]) == c and x["method"] == m), None)
-            if r is not None:
-                ax.bar(i + j * width, r["fwdbwd_ms"], width, color=f"C{j}", label=m if i == 0 else None)
-    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(configs))])
-    ax.set_xticklabels([f"{s}\n{h}, b={b}" + (f", cap {c:g}" if c else "") for s, h, b, c in configs], fontsize=7)
-    ax.set_ylabel("forward + backward, ms (median)")
-    ax.legend(fontsize=7)
+    cols = min(4, len(configs))
+    fig, axes = plt.subplots(-(-len(configs) // cols), cols, figsize=(4.2 * cols, 3.4 * -(-len(configs) // cols)),
+                             squeeze=False)
+    for ax, c in zip(axes.flat, configs):
+        here = [r for r in ok if (r["shape"], r["head"], r["b"], r["softcap"]) == c]
+        ours = sorted((r for r in here if r["method"].startswith("hf_lsce") and "pointers" not in r["method"]),
+                      key=lambda r: r["extra_mb"])
+        ax.plot([r["extra_mb"] for r in ours], [r["fwdbwd_ms"] for r in ours], "o-", color="C0", label="hf_lsce",
+                markersize=3)
+        for k, r in enumerate(x for x in here if not x["method"].startswith("hf_lsce")):
+            ax.plot(r["extra_mb"], r["fwdbwd_ms"], "s", color=f"C{k + 1}", label=r["method"])
+        floor = next((r["fwdbwd_ms"] for r in rows if r["method"] == "floor" and "fwdbwd_ms" in r and (
+            r["shape"], r["head"], r["b"], r["softcap"]) == c), None)
+        if floor:
+            ax.axhline(floor, color="grey", lw=0.8, ls=":", label="matmul floor")
+        ax.set_xscale("log")
+        ax.set_title(f"{c[0]}, {c[1]}, b={c[2]}" + (f", cap {c[3]:g}" if c[3] else ""), fontsize=8)
+        ax.set_xlabel("extra memory, MB", fontsize=7)
+        ax.set_ylabel("fwd+bwd ms (median)", fontsize=7)
+        ax.tick_params(labelsize=7)
+        ax.legend(fontsize=6)
+    for ax in list(axes.flat)[len(configs):]:
+        ax.axis("off")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def sweep_budgets(shape, head, tokens, cap, dtype) -> list[str]:
+    """``hf_lsce@B`` methods from the smallest budget to the fastest plan's, about a factor of two apart."""
+    from hf_lsce.ops import budget as bud
+
+    n, d, v = SHAPES[shape]
+    s = bud.Shape(tokens or n, v, d, head == "trainable", False, half=dtype == torch.float16, soft=cap is not None)
+    least, top = bud.smallest(s, "fused"), bud.best(s, None, "fused").nbytes
+    out, b = [], least
+    while b < top:
+        out.append(f"hf_lsce@{b}")
+        b *= 2
+    return out + [f"hf_lsce@{top}"]
 
 
 def main():
@@ -306,6 +377,7 @@ def main():
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="the inputs' dtype")
     ap.add_argument("--tokens", type=int, default=None, help="N for every shape (default: each shape's 8,192)")
+    ap.add_argument("--sweep", action="store_true", help="also hf_lsce over budgets from the smallest to unlimited")
     args = ap.parse_args()
     dtype = dict(bf16=torch.bfloat16, fp16=torch.float16, fp32=torch.float32)[args.dtype]
     cuda = not args.smoke
@@ -317,6 +389,10 @@ def main():
         if name not in known:
             raise SystemExit(f"--shapes / --heads: unknown {name!r}; known: {', '.join(known)}")
     do_bench = triton.testing.do_bench if cuda else _cpu_bench
+    import hf_lsce.ops.paths as paths
+
+    real_plan = paths.plan_for
+    paths.plan_for = lambda *a, **k: PLANS.append(real_plan(*a, **k)) or PLANS[-1]
     fns = method_fns()
     methods = args.methods.split(",")
     rows = []
@@ -328,6 +404,8 @@ def main():
                     if cap is not None and b == 0:
                         continue
                     ms = [m for m in methods if cap is None or m not in ("cce",)]
+                    if args.sweep and head != "eval":
+                        ms += sweep_budgets(shape, head, args.tokens, cap, dtype)
                     run_config(rows, fns, shape, head, b, cap, ms, args.errors or args.smoke, cuda, do_bench,
                                dtype, args.tokens)
     os.makedirs(args.out_dir, exist_ok=True)

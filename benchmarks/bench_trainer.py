@@ -238,8 +238,12 @@ def run_one(name, method, b, batch, seq, steps, out_dir, device, warmup=2, check
     before = ENGAGEMENT.fused_calls
     import hf_lsce.ops.fused_pass as fp
 
+    import hf_lsce.ops.paths as paths
+
     real_pass, pass_dtypes = fp.triton_fused_pass, set()  # which dtype the fused path ran in (not under compile)
     fp.triton_fused_pass = lambda h, *a, **k: pass_dtypes.add(str(h.dtype)[6:]) or real_pass(h, *a, **k)
+    real_plan, plans = paths.plan_for, []  # the plan memory="auto" gave each training call
+    paths.plan_for = lambda *a, **k: plans.append(real_plan(*a, **k)) or plans[-1]
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     if compiled:
@@ -248,7 +252,7 @@ def run_one(name, method, b, batch, seq, steps, out_dir, device, warmup=2, check
     try:
         trainer.train()
     finally:
-        fp.triton_fused_pass = real_pass
+        fp.triton_fused_pass, paths.plan_for = real_pass, real_plan
     dt = (timer.t1 - timer.t0) / steps
     row = dict(model=name, method=method, label_smoothing=b, batch=batch, seq=seq, tokens_per_s=batch * seq / dt,
                step_s=dt, peak_gib=torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None,
@@ -258,6 +262,10 @@ def run_one(name, method, b, batch, seq, steps, out_dir, device, warmup=2, check
                fused_pass_dtypes=sorted(pass_dtypes), precision=str(HALF[0])[6:])
     if losses is not None:
         row["first_batch_own_loss"], row["first_batch_patched_loss"] = losses
+    if plans:
+        p = plans[-1]
+        row["plan"] = (f"{p.computation}, {p.layout}" + (f" by {p.rows} rows" if p.layout == "rows" else
+                       f", {p.keep} kept, by {p.cols}") + f", {p.nbytes / 1e9:.2f} GB")
     if compiled:  # what Dynamo did: graphs compiled and graph breaks (a break or a recompile costs each step)
         c = torch._dynamo.utils.counters
         row["compiled_graphs"] = int(c["stats"].get("unique_graphs", 0))
@@ -279,7 +287,9 @@ def fits(name, method, b, batch, seq, out_dir, device, **kw):
     try:
         run_one(name, method, b, batch, seq, 1, out_dir, device, warmup=0, check=False, **kw)
         return True
-    except torch.OutOfMemoryError:
+    except (torch.OutOfMemoryError, ValueError) as e:  # (the op's own refusal: memory='auto' found too little free)
+        if isinstance(e, ValueError) and not str(e).startswith("memory="):
+            raise
         gc.collect()
         torch.cuda.empty_cache()
         return False
@@ -327,12 +337,12 @@ def merge_repeats(runs):
 
 def table(rows):
     lines = ["| model | method | b | batch x seq | tokens/s | vs HF (same b) | peak GiB | lm_head calls | fused calls | "
-             "host syncs / step | first batch: own / patched loss | train loss | largest batch |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "host syncs / step | first batch: own / patched loss | train loss | largest batch | the op's plan |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['model']} | {r['method']} | {r['label_smoothing']} | {r.get('batch')} | {r['error']} "
-                         "||||||||")
+                         "|||||||||")
             continue
         ref = next((x for x in rows if x["model"] == r["model"] and "error" not in x
                     and x["method"] == "+".join(["hf", *r["method"].split("+")[1:]])
@@ -341,6 +351,10 @@ def table(rows):
         runs = r.get("tokens_per_s_runs", [])
         tps = f"{r['tokens_per_s']:,.0f}" + (f" ({runs[0]:,.0f}-{runs[-1]:,.0f}, {len(runs)} runs)" if len(runs) > 1 else "")
         mb = f"{r['max_batch']}{'+' if r.get('max_batch_capped') else ''}" if "max_batch" in r else "-"
+        if r.get("at_max_tokens_per_s"):
+            mb += f": {r['at_max_tokens_per_s']:,.0f} tok/s" + (
+                f", {r['at_max_peak_gib']:.1f} GiB" if r.get("at_max_peak_gib") else "") + (
+                f", {r['at_max_plan']}" if r.get("at_max_plan") else "")
         fb = (f"{r['first_batch_own_loss']:.4f} / {r['first_batch_patched_loss']:.4f}"
               if "first_batch_own_loss" in r else "-")
         pk = f"{r['peak_gib']:.1f}" if r.get("peak_gib") is not None else "-"
@@ -351,7 +365,7 @@ def table(rows):
         loss = "-" if r.get("loss") is None else f"{r['loss']:.4f}"
         lines.append(f"| {r['model']} | {method} | {r['label_smoothing']} | {r['batch']} x {r['seq']} | "
                      f"{tps} | {sp} | {pk} | {'-' if r['lm_head_calls'] is None else r['lm_head_calls']} | {fc} | "
-                     f"{r.get('host_syncs_per_step', '-')} | {fb} | {loss} | {mb} |")
+                     f"{r.get('host_syncs_per_step', '-')} | {fb} | {loss} | {mb} | {r.get('plan', '-')} |")
     return "\n".join(lines)
 
 
@@ -445,10 +459,12 @@ def main():
                 if name in args.search.split(",") and b == 0.1:
                     row["max_batch"], row["max_batch_capped"] = largest_batch(
                         name, method, b, args.seq, args.out_dir, device, start=max(1, args.batch), **opts)
-            except Exception as e:  # noqa: BLE001
-                row["search_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                    if row["max_batch"]:  # tokens/s at the largest batch, its peak and (hf_lsce) the op's plan
+                        at = run_one(name, method, b, row["max_batch"], args.seq, args.steps, args.out_dir, device,
+                                     check=False, **opts)
+                        row.update({f"at_max_{k}": at.get(k) for k in ("tokens_per_s", "peak_gib", "plan")})
             except Exception as e:  # noqa: BLE001 - report, never drop silently
-                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                row["search_error"] = f"{type(e).__name__}: {str(e)[:300]}"
             row["repeat"] = rep
             runs.append(row)
             rows = merge_repeats(runs)

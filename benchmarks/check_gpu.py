@@ -1,13 +1,15 @@
 """Are the kernels right on this GPU? One process; JSON lines as it goes, ``check_gpu.json`` and a table at the end.
 
-1. paths: every training path (fused, one-pass, two-pass, the default, ``memory="low"``) with a trainable and a
-   frozen head, against fp64 on materialised logits: bf16 (and fp16), ragged and aligned vocabularies (TMA and
-   pointer kernels), soft-cap, bias, per-token b, a tensor ``num_items_in_batch``; each call and its backward under
-   ``torch.cuda.set_sync_debug_mode("error")`` (no host synchronisation).
-2. real sizes: Gemma2-2B (also soft-capped at 30) and Llama-3-8B heads (N = 8,192) on the realistic generator, the
-   default path and ``memory="low"``, trainable and frozen, beside torch's own bf16 path (bf16 logits, as Hugging
-   Face computes).
-3. evaluation: loss, lse, entropy and argmax against fp32 logits (fused kernel; fp32, a cap above 40: cuBLAS logits).
+1. paths: every layout of the fused computation (``budget.Plan``: R for every row, chunks of rows, columns kept and
+   recomputed, nothing kept, a frozen head by columns), ``memory="auto"``, ``"low"`` and the smallest budget, with a
+   trainable and a frozen head, against fp64 on materialised logits: bf16 (and fp16), ragged and aligned
+   vocabularies (TMA and pointer kernels), soft-cap, bias, per-token b, a tensor ``num_items_in_batch``; each call
+   and its backward under ``torch.cuda.set_sync_debug_mode("error")`` (no host synchronisation).
+2. real sizes: Gemma2-2B (also soft-capped at 30) and Llama-3-8B heads (N = 8,192) on the realistic generator,
+   ``memory="auto"`` and ``"low"``, trainable and frozen, beside torch's own bf16 path (bf16 logits, as Hugging Face
+   computes).
+3. evaluation: loss, lse, entropy and argmax against fp32 logits (fused kernel; fp32, a cap above 40: the torch
+   computation).
 4. edge shapes: fewer rows than a block, a vocabulary smaller than a tile, odd V, D = 40.
 5. behaviour: a bad target gives a NaN loss and no gradient, the next call raises the ValueError, the one after is
    exact; repeated runs are bitwise identical; a second backward (retain_graph) doubles the gradients exactly;
@@ -19,7 +21,11 @@
    its gradients against the eager patched model, one fused call per compiled step. (Compiled throughput:
    ``bench_trainer.py --methods hf:0.1,hf_lsce:0.1,hf+compile:0.1,hf_lsce+compile:0.1``.)
 
-    python benchmarks/check_gpu.py [--out-dir DIR] [--sections paths,real,eval,edge,behaviour,compile]
+7. budget: at the Gemma-3-270m and Llama-3-8B heads (N = 8,192), trainable and frozen, budgets from the smallest to
+   unlimited: the measured peak beyond the inputs and the gradients stays within the budget (plus
+   ``budget.SLACK_BYTES``), and the plan's own byte count.
+
+    python benchmarks/check_gpu.py [--out-dir DIR] [--sections paths,real,eval,edge,behaviour,compile,budget]
 """
 from __future__ import annotations
 
@@ -32,8 +38,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import hf_lsce.ops.config as config  # noqa: E402
+import hf_lsce.ops.paths as paths  # noqa: E402
 from hf_lsce import linear_cross_entropy  # noqa: E402
+from hf_lsce.ops import budget as bud  # noqa: E402
 from hf_lsce.ops import checks  # noqa: E402
 
 DEV = "cuda"
@@ -100,8 +107,10 @@ def paths_section(emit):
                         head="frozen" if frozen else "trainable")
             emit(dict(base, path="torch half logits", **errors(
                 reference(h, w, bias, y, b, cap, items, dtype=dt, frozen=frozen, z_loss=zl), ref)))
-            for path, mem in zip(("fused", "one-pass", "two-pass", "default", "memory=low"), ["auto"] * 4 + ["low"]):
-                config.TRAIN_PATH = path if path in ("fused", "one-pass", "two-pass") else None
+            for path, mem, plan in layouts(h, w, bias, cap, frozen):
+                real_plan = paths.plan_for
+                if plan is not None:
+                    paths.plan_for = lambda *a, _p=plan, **k: _p
                 try:
                     torch.cuda.synchronize()
                     torch.cuda.set_sync_debug_mode("error")
@@ -113,8 +122,25 @@ def paths_section(emit):
                     got = run_op(h, w, bias, y, b, cap, items, frozen, z_loss=zl, memory=mem)
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
-                    config.TRAIN_PATH = None
+                    paths.plan_for = real_plan
                 emit(dict(base, path=path, sync_free=sync_free, **errors(got, ref)))
+
+
+def layouts(h, w, bias, cap, frozen):
+    """(name, memory, a plan forced or None) for every layout the fused computation has at this shape, and the
+    budgets "auto", "low" and the smallest."""
+    (n, d), v = h.shape, w.shape[0]
+    comp = paths.computation(h, w, cap, "triton")
+    least = bud.smallest(paths.shape_of(h, w, bias, cap, comp, not frozen, bias is not None and not frozen), comp)
+    out = [("auto", "auto", None), ("low", "low", None), ("smallest budget", least, None)]
+    if comp == "fused":
+        out += [("rows, every row", "auto", bud.Plan("fused", "rows", rows=n)),
+                ("rows, by 512", "auto", bud.Plan("fused", "rows", rows=512)),
+                ("columns, keep half", "auto", bud.Plan("fused", "columns", keep=v // 2 // 256 * 256, cols=4096)),
+                ("columns, keep none", "auto", bud.Plan("fused", "columns", cols=4096))]
+        if frozen:
+            out.append(("frozen columns", "auto", bud.Plan("fused", "frozen", cols=4096)))
+    return out
 
 
 def real_section(emit):
@@ -130,7 +156,7 @@ def real_section(emit):
             base = dict(section="real", shape=shape, softcap=cap, head="frozen" if frozen else "trainable", b=0.1)
             emit(dict(base, path="torch bf16 logits", **errors(
                 reference(h, w, None, y, 0.1, cap, items, dtype=torch.bfloat16, frozen=frozen), ref)))
-            for name, kw in (("default", {}), ("memory=low", dict(memory="low"))):
+            for name, kw in (("auto", {}), ("low", dict(memory="low"))):
                 emit(dict(base, path=name, **errors(run_op(h, w, None, y, 0.1, cap, items, frozen, **kw), ref)))
         del h, w, y
         torch.cuda.empty_cache()
@@ -247,7 +273,7 @@ def behaviour_section(emit):
     emit(dict(section="behaviour", check="bad target", nan_loss=nan_loss, zero_grad=zero_grad,
               next_call_raised=raised, call_after_is_finite=after))
     outs = [run_op(h.detach(), w.detach(), None, y, 0.1, 30.0, n, False)[1:3] for _ in range(4)]
-    emit(dict(section="behaviour", check="repeated fwd+bwd bitwise identical (soft-cap: the fused path)",
+    emit(dict(section="behaviour", check="repeated fwd+bwd bitwise identical (soft-capped)",
               ok=all(torch.equal(a, b) for o in outs[1:] for a, b in zip(o, outs[0]))))
     hh, ww = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
     loss = linear_cross_entropy(hh, ww, y, label_smoothing=0.1)
@@ -363,8 +389,49 @@ def compile_section(emit):
               grad_err_vs_eager=max(rel(p.grad, q.grad) for p, q in zip(comp_m.parameters(), eager_m.parameters()))))
 
 
+def budget_section(emit):
+    """The measured peak of a training call (forward and backward) beyond its inputs and gradients, against its
+    budget and its plan's byte count, from the smallest budget to unlimited."""
+    from real_inputs import fitted_params, realistic_batch
+
+    for shape, (n, d, v) in (("gemma3-270m", (8192, 640, 262144)), ("llama3-8b", (8192, 4096, 128256))):
+        h, w, y = realistic_batch(n, d, v, seed=4, device=DEV, **fitted_params())
+        for frozen in (False, True):
+            s = bud.Shape(n, v, d, not frozen, False, half=False, soft=False)
+            least, top = bud.smallest(s, "fused"), bud.best(s, None, "fused").nbytes
+            budgets, x = [], least
+            while x < top:
+                budgets.append(x)
+                x *= 3
+            for budget in budgets + [top, "low", "auto"]:
+                plans, real = [], paths.plan_for
+                paths.plan_for = lambda *a, **k: plans.append(real(*a, **k)) or plans[-1]
+                hh, ww = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_(not frozen)
+                try:
+                    linear_cross_entropy(hh, ww, y, label_smoothing=0.1, memory=budget).backward()  # (warm)
+                    hh.grad = ww.grad = None
+                    torch.cuda.synchronize()
+                    torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats()
+                    base = torch.cuda.memory_allocated()
+                    linear_cross_entropy(hh, ww, y, label_smoothing=0.1, memory=budget).backward()
+                    torch.cuda.synchronize()
+                finally:
+                    paths.plan_for = real
+                grads = sum(t.grad.numel() * t.grad.element_size() for t in (hh, ww) if t.grad is not None)
+                extra = torch.cuda.max_memory_allocated() - base - grads
+                plan = plans[-1]
+                limit = budget if isinstance(budget, int) else plan.nbytes
+                emit(dict(section="budget", shape=shape, head="frozen" if frozen else "trainable", budget=budget,
+                          plan=f"{plan.layout} rows {plan.rows} keep {plan.keep} cols {plan.cols}",
+                          plan_bytes=plan.nbytes, measured_extra=extra, ok=extra <= limit + bud.SLACK_BYTES))
+                del hh, ww
+        del h, w, y
+        torch.cuda.empty_cache()
+
+
 SECTIONS = dict(paths=paths_section, real=real_section, eval=eval_section, edge=edge_section,
-                behaviour=behaviour_section, compile=compile_section)
+                behaviour=behaviour_section, compile=compile_section, budget=budget_section)
 
 
 def main():

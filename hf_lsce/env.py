@@ -4,10 +4,10 @@
 
 Versions (Python, torch, CUDA, Triton and the Hugging Face stack, the frameworks when installed), each GPU (name,
 compute capability, shared memory, whether the fused kernels' TMA loads and tensor-core dots are there), which
-training path and loads the op takes on the device for bf16 / fp16 / fp32 with a trainable and a frozen head
+computation, layout and loads the op takes on the device for bf16 / fp16 / fp32 with a trainable and a frozen head
 (``memory="auto"``, at the head and token count given: a Llama-3.2-1B head and 8,192 tokens unless told), and a
-self-test: a small forward and backward through each of those paths (and the evaluation statistics) against fp64
-torch, each bounded by torch's own error in that dtype. On a machine without a usable GPU it says why and tests the
+self-test: a small forward and backward per dtype and head with the automatic and the smallest budget (and the
+evaluation statistics) against fp64 torch, each bounded by torch's own error in that dtype. On a machine without a usable GPU it says why and tests the
 torch path. Exit status 0 when every check passed, 1 otherwise.
 """
 from __future__ import annotations
@@ -85,9 +85,9 @@ def gpus(count: int) -> list[dict]:
 
 
 def routes(device: torch.device, tokens: int, head: tuple[int, int]) -> list[dict]:
-    """The training path and loads the op takes on ``device`` for each dtype with a trainable and a frozen head of
-    ``head`` = (D, V) over ``tokens`` rows, ``memory="auto"`` (the op's own resolution: ``paths.training_options``
-    against this device's free memory)."""
+    """The computation, layout and loads the op takes on ``device`` for each dtype with a trainable and a frozen head
+    of ``head`` = (D, V) over ``tokens`` rows, ``memory="auto"`` (the op's own plan: ``paths.options`` against this
+    device's free memory)."""
     from .ops.linear_cross_entropy import _resolve_backend
 
     d, v = head
@@ -102,35 +102,35 @@ def routes(device: torch.device, tokens: int, head: tuple[int, int]) -> list[dic
 
 
 def _route(device, dtype, frozen, n, d, v, backend) -> dict:
-    if backend != "triton":
-        return dict(path="torch", loads="chunked torch (fp32 logits a chunk of rows at a time)")
-    from .ops.paths import training_options
-    from .ops.tiles import tma_ready
-    from .ops.train_pass import supported
+    from .ops.budget import describe
+    from .ops.paths import options
 
-    try:
-        h = torch.empty(n, d, dtype=dtype, device=device, requires_grad=True)
-        w = torch.empty(v, d, dtype=dtype, device=device, requires_grad=not frozen)
-    except torch.OutOfMemoryError:
-        return dict(path="?", loads=f"the head ({v} x {d}) and {n} tokens do not fit on {device}: --head, --tokens")
-    one_pass = supported(h)
-    opts = training_options(h, w, None, backend, 0.0, "auto", None, one_pass)
-    cfg = config.fused_config(dtype, device)
-    if not one_pass:
-        path, loads = "statistics + recomputing backward", (
-            "torch < 2.9 has no fp32-output matmul for half inputs: the fused kernel's statistics, then the logits "
-            "recomputed by vocabulary columns in backward")
-    elif opts.path == "fused":
-        path, loads = "fused", ("TMA" if tma_ready(cfg, h, w) else "pointer") + f" loads, {_tiles(cfg)}"
-    elif opts.path == "two-pass":
-        grad = config.grad_logits_config(dtype, device)
-        path, loads = "two-pass", ("TMA" if tma_ready(grad, h, w) else "pointer") + " loads" + (
-            ", autotuned tiles" if grad.autotune else f", {_tiles(grad)}")
+    if device.type == "cuda":  # (a meta tensor would do, but the free memory is what "auto" reads)
+        try:
+            h = torch.empty(n, d, dtype=dtype, device=device, requires_grad=True)
+            w = torch.empty(v, d, dtype=dtype, device=device, requires_grad=not frozen)
+        except torch.OutOfMemoryError:
+            return dict(path="?", loads=f"the head ({v} x {d}) and {n} tokens do not fit on {device}: --head, --tokens")
     else:
-        path, loads = "one-pass", "cuBLAS logits (fp32) + the row kernel" + (
-            "" if cfg.mma_dot or dtype == torch.float32 else " (Triton's dots are not tensor-core MMA here)")
+        h = torch.empty(n, d, dtype=dtype, device="meta", requires_grad=True)
+        w = torch.empty(v, d, dtype=dtype, device="meta", requires_grad=not frozen)
+    try:
+        opts = options(h, w, None, None, backend, 0.0, "auto", True, not frozen, False)
+    except ValueError as e:
+        return dict(path="?", loads=_line(e))
+    plan = opts.plan
+    if opts.computation == "torch":
+        why = "fp32 logits by cuBLAS" if device.type == "cuda" else "the CPU"
+        loads = f"chunked torch ({plan.rows} rows a chunk, {why})"
+    else:
+        from .ops.tiles import tma_ready
+
+        cfg = config.fused_config(dtype, device)
+        loads = ("TMA" if tma_ready(cfg, h, w) else "pointer") + f" loads, {_tiles(cfg)}"
+    layout = {"rows": f"R for {plan.rows} rows a chunk", "frozen": f"{plan.cols} columns a chunk",
+              "columns": f"R kept for {plan.keep} columns, the rest recomputed {plan.cols} at a time"}[plan.layout]
     del h, w
-    return dict(path=path, memory=opts.memory, loads=loads)
+    return dict(path=f"{opts.computation}, {layout}", memory=describe(plan.nbytes), loads=loads)
 
 
 def _tiles(cfg) -> str:
@@ -138,16 +138,16 @@ def _tiles(cfg) -> str:
 
 
 def self_test(device: torch.device, route_rows: list[dict]) -> list[dict]:
-    """A small forward and backward through each path of ``route_rows`` (the paths this device takes), and the
-    evaluation statistics per dtype, against fp64: loss, dh and dW errors, each bounded by torch's own same-dtype
-    error (logits in that dtype, as Hugging Face computes them) plus a slack."""
+    """A small forward and backward per dtype and head, with ``memory="auto"`` and with the smallest budget (the
+    layouts that reach it), and the evaluation statistics per dtype, against fp64: loss, dh and dW errors, each bounded
+    by torch's own same-dtype error (logits in that dtype, as Hugging Face computes them) plus a slack."""
     out = []
     for row in route_rows:
         dtype = DTYPES[row["dtype"]]
         frozen = row["head"] == "frozen"
-        forced = row["path"] if row["path"] in ("fused", "one-pass", "two-pass") else None
-        out.append(dict(check=f"{row['dtype']} {row['head']}: {row['path']}", **_train_check(device, dtype, frozen,
-                                                                                               forced)))
+        for memory in ("auto", "smallest"):
+            out.append(dict(check=f"{row['dtype']} {row['head']}, memory={memory}",
+                            **_train_check(device, dtype, frozen, memory)))
     for name, dtype in DTYPES.items():
         out.append(dict(check=f"{name} evaluation statistics", **_eval_check(device, dtype)))
     return out
@@ -179,26 +179,27 @@ def _rel(a, r) -> float:
     return float((a.double() - r.double()).norm() / r.double().norm().clamp_min(1e-300))
 
 
-def _train_check(device, dtype, frozen, forced) -> dict:
+def _train_check(device, dtype, frozen, memory) -> dict:
     from .ops import linear_cross_entropy
+    from .ops.budget import smallest
+    from .ops.paths import computation, shape_of
 
     h, w, y, b = _inputs(device, dtype)
     truth = _reference(h, w, y, b, frozen, torch.float64)
     torch_own = _reference(h, w, y, b, frozen, dtype)
-    saved = config.TRAIN_PATH
-    config.TRAIN_PATH = forced
+    if memory == "smallest":
+        comp = computation(h, w, None, "triton" if device.type == "cuda" else "torch")
+        memory = smallest(shape_of(h, w, None, None, comp, not frozen, False), comp)
     try:
         t0 = time.perf_counter()
         hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_(not frozen)
-        loss = linear_cross_entropy(hh, ww, y, label_smoothing=b)
+        loss = linear_cross_entropy(hh, ww, y, label_smoothing=b, memory=memory)
         loss.backward()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         seconds = time.perf_counter() - t0
     except Exception as e:  # noqa: BLE001 - a failure is the self-test's finding
         return dict(ok=False, error=f"{type(e).__name__}: {_line(e)}")
-    finally:
-        config.TRAIN_PATH = saved
     errors = dict(loss=_rel(loss.detach(), truth[0]), dh=_rel(hh.grad, truth[1]))
     if not frozen:
         errors["dW"] = _rel(ww.grad, truth[2])
@@ -281,10 +282,10 @@ def format_report(info: dict) -> str:
                      + (" (not taken: HF_LSCE_TMA=0)" if g["tma"] and g["tma_switched_off"] else ""))
     lines.append(f"Triton kernels: {info['triton']}")
     hd = info["head"]
-    lines.append(f"training paths on {info['device']} (memory=\"auto\", {hd['tokens']} tokens, head D = "
+    lines.append(f"training computation on {info['device']} (memory=\"auto\", {hd['tokens']} tokens, head D = "
                  f"{hd['hidden_size']}, V = {hd['vocab_size']}):")
     for r in info["routes"]:
-        mem = f", memory {r['memory']}" if r.get("memory") else ""
+        mem = f", {r['memory']} beside the gradients" if r.get("memory") else ""
         lines.append(f"  {r['dtype']:<5}{r['head']:<10} {r['path']}{mem}: {r['loads']}")
     if "self_test" in info:
         lines.append(f"self-test on {info['device']} against fp64 (N = {TEST_N}, D = {TEST_D}, V = {TEST_V}; bound: "

@@ -6,7 +6,7 @@
 
 The script's own ``--label_smoothing_factor`` then drives the fused op (see hf_lsce.patching.trainer);
 ``HF_LSCE_LABEL_SMOOTHING=b`` in the environment fixes b instead (for scripts without the flag, or TRL
-without its deprecated one). Every training step checks that the fused op ran; the log says so after the
+without its deprecated one); ``HF_LSCE_MEMORY`` sets the op's memory budget (``auto``, ``low`` or bytes, ``2e9``). Every training step checks that the fused op ran; the log says so after the
 first one.
 """
 from __future__ import annotations
@@ -55,15 +55,20 @@ def _smoothing_from_env(command: str) -> float | None:
         raise SystemExit(f"{command}: HF_LSCE_LABEL_SMOOTHING must be a number in [0, 1], got {raw!r}.") from None
 
 
-def patch_classes(command: str) -> None:
+def patch_classes(command: str, memory=None) -> None:
     """Patch every supported model class (``apply_lsce_patch()``; ``HF_LSCE_LABEL_SMOOTHING`` fixes b, else the
-    Trainer's ``label_smoothing_factor`` drives it) and route hf_lsce's log lines to the console; ``command`` names
-    the caller in a one-line error."""
-    from .patching import apply_lsce_patch
+    Trainer's ``label_smoothing_factor`` drives it; ``memory``, else ``HF_LSCE_MEMORY``, sets the op's memory budget)
+    and route hf_lsce's log lines to the console; ``command`` names the caller in a one-line error."""
+    from .patching import apply_lsce_patch, validate_memory
 
     b = _smoothing_from_env(command)
+    name = "memory" if memory is not None else "HF_LSCE_MEMORY"
     try:
-        apply_lsce_patch(label_smoothing=b)
+        memory = validate_memory(memory if memory is not None else os.environ.get("HF_LSCE_MEMORY") or "auto", name)
+    except (TypeError, ValueError) as e:
+        raise SystemExit(f"{command}: {e}") from None
+    try:
+        apply_lsce_patch(label_smoothing=b, memory=memory)
     except (TypeError, ValueError) as e:
         raise SystemExit(f"{command}: HF_LSCE_LABEL_SMOOTHING: {e}") from None
     _setup_logging()  # only once the run goes ahead: the process's logging is the script's from here on

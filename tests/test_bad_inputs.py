@@ -156,8 +156,8 @@ def test_double_backward_is_a_clear_error(backend):
 
 
 def test_second_backward_with_retain_graph_equals_the_first():
-    """The one-pass (Triton, interpreter) path hands its kept gradients to the first backward; a second backward
-    through the same graph computes them the same way: identical, not merely close."""
+    """A training call hands the gradients its forward computed to the first backward; a second backward through the
+    same graph computes them the same way: identical, not merely close."""
     h, w, y = _inputs(dtype=torch.float32)
     h.requires_grad_(), w.requires_grad_()
     loss = linear_cross_entropy(h, w, y, label_smoothing=0.1, backend="triton")

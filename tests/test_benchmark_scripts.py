@@ -67,7 +67,7 @@ def test_kernel_benchmark_smoke(tmp_path):
     assert {(r["head"], r["b"]) for r in ours} == {(h, b) for h in ("trainable", "frozen") for b in (0.1, 0.0)}
     assert all(r["dh_err"] < 1e-2 for r in ours)
     assert all((r["dw_err"] is None) == (r["head"] == "frozen") for r in ours)
-    assert "| hf_lsce (low memory) |" in out and "/ torch.compile" in out
+    assert "| hf_lsce (low) |" in out and "/ torch.compile" in out
 
 
 def test_trainer_benchmark_smoke_proves_engagement(tmp_path):

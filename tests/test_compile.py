@@ -7,12 +7,24 @@ import torch
 import torch.nn.functional as F
 
 from hf_lsce import linear_cross_entropy
-from hf_lsce.ops import config
+from hf_lsce.ops.budget import Plan
 from tests.test_ops import make_inputs, reference, rel
 from tests.tiny_models import tiny_model
 
 B = 0.1
 paths_module = importlib.import_module("hf_lsce.ops.paths")  # the recomputing backward lives there
+
+
+# (backend, dtype, the plan forced; None: the op's own)
+CASES = {"torch fp32": ("torch", torch.float32, None), "fused rows": ("triton", torch.bfloat16, Plan("fused", "rows",
+         rows=37)), "fused columns": ("triton", torch.bfloat16, Plan("fused", "columns", keep=0, cols=64))}
+
+
+def _case(monkeypatch, name):
+    backend, dtype, plan = CASES[name]
+    if plan is not None:
+        monkeypatch.setattr(paths_module, "plan_for", lambda *a, **k: plan)
+    return backend, dtype, 1e-5 if dtype == torch.float32 else 2e-2
 
 
 def _compiled(fn):
@@ -21,31 +33,35 @@ def _compiled(fn):
 
 
 @pytest.mark.parametrize("items", ["tensor", "int"])
-@pytest.mark.parametrize("backend,path", [("torch", None), ("triton", "one-pass"), ("triton", "two-pass")])
-def test_op_compiles_fullgraph_and_matches_fp64(backend, path, items, monkeypatch):
-    """``num_items_in_batch`` as the Trainer passes it (a tensor) and as a number (a compiled training path failed on
-    a number before 2026-11-26: the operator takes a tensor divisor)."""
-    monkeypatch.setattr(config, "TRAIN_PATH", path)
+@pytest.mark.parametrize("case", list(CASES))
+def test_op_compiles_fullgraph_and_matches_fp64(case, items, monkeypatch):
+    """``num_items_in_batch`` as the Trainer passes it (a tensor) and as a number (a compiled training call failed on
+    a number before 2026-11-26: the operator takes a tensor divisor): the compiled reduced loss computes its gradients
+    in the forward, as eagerly (no recomputing backward), for the torch computation and the fused layouts."""
+    backend, dtype, tol = _case(monkeypatch, case)
     h, w, y, b = make_inputs(bias=True, peaked=True)
     items = torch.tensor(41) if items == "tensor" else 41
 
     def loss_fn(h, w, b, y):
         return linear_cross_entropy(h, w, y, bias=b, label_smoothing=B, num_items_in_batch=items, backend=backend)
 
-    recomputed = []  # the backward's recomputation: not used by a reduced loss on the training paths
+    recomputed = []
     original = paths_module.loss_gradients
     for where in ("hf_lsce.ops.linear_cross_entropy", "hf_lsce.ops.compiled"):  # the name each module calls it by
         monkeypatch.setattr(importlib.import_module(where), "loss_gradients",
                             lambda *a, **k: (recomputed.append(1), original(*a, **k))[1])
-    hc, wc, bc = (t.float().requires_grad_() for t in (h, w, b))
-    loss = _compiled(loss_fn)(hc, wc, bc, y)
-    loss.backward()
-    assert bool(recomputed) == (backend == "torch")
-    ref, dh, dw, db = reference(h, w, y, b, smoothing=B, num_items=41)
-    assert abs(loss.item() - ref.item()) < 1e-5 * abs(ref.item())
-    # (fp32 on the two-pass path: the lse from BLAS's logits, G from the G kernel's own: two fp32 products)
-    for got, want in ((hc.grad, dh), (wc.grad, dw), (bc.grad, db)):
-        assert rel(got, want) < (2e-5 if path == "two-pass" else 1e-5)
+    results = []
+    for fn in (loss_fn, _compiled(loss_fn)):
+        hc, wc, bc = (t.to(dtype).requires_grad_() for t in (h, w, b))
+        loss = fn(hc, wc, bc, y)
+        loss.backward()
+        results.append((loss.detach(), hc.grad, wc.grad, bc.grad))
+    assert not recomputed
+    ref = reference(h.to(dtype).double(), w.to(dtype).double(), y, b.to(dtype).double(), smoothing=B, num_items=41)
+    assert abs(results[1][0].item() - ref[0].item()) < 1e-5 * abs(ref[0].item())
+    for eager, compiled, want in zip(results[0][1:], results[1][1:], ref[1:]):
+        assert torch.equal(eager, compiled)
+        assert rel(compiled, want) < tol
 
 
 def test_per_token_losses_stats_and_lse_gradient_under_compile():
@@ -162,27 +178,27 @@ def test_half_precision_per_token_losses_compile(dtype):
         assert rel(got[0], tok) < 1e-5 and (got[1] - nll).abs().max() < 1e-5  # (nll: lse - z_y, fp32's cancellation)
         assert rel(got[2], hr.grad) < 1e-2 and rel(got[3], wr.grad) < 1e-2
 
-@pytest.mark.parametrize("backend,path", [("torch", None), ("triton", "one-pass"), ("triton", "two-pass")])
-def test_a_frozen_head_compiles(backend, path, monkeypatch):
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_frozen_head_compiles(case, monkeypatch):
     """A frozen head without a bias (LoRA) under torch.compile: dW and db are both not needed, and the compiled
     operator's outputs may not alias one another (torch refuses the call); dh against fp64."""
-    monkeypatch.setattr(config, "TRAIN_PATH", path)
+    backend, dtype, tol = _case(monkeypatch, case)
     h, w, y, _ = make_inputs(peaked=True)
-    hc = h.float().requires_grad_()
+    hc = h.to(dtype).requires_grad_()
     loss = _compiled(lambda h, w, y: linear_cross_entropy(h, w, y, label_smoothing=B, backend=backend))(
-        hc, w.float(), y)
+        hc, w.to(dtype), y)
     loss.backward()
-    ref, dh, _, _ = reference(h, w, y, smoothing=B)
+    ref, dh, _, _ = reference(h.to(dtype).double(), w.to(dtype).double(), y, smoothing=B)
     assert abs(loss.item() - ref.item()) < 1e-5 * abs(ref.item())
-    assert rel(hc.grad, dh) < (2e-5 if path == "two-pass" else 1e-5)  # (see above)
+    assert rel(hc.grad, dh) < tol
 
 
-@pytest.mark.parametrize("path", ["fused", "one-pass"])
-def test_fp16_op_compiles_fullgraph_as_eagerly(path, monkeypatch):
-    """fp16 inputs under torch.compile: the fused path's fp16 mode and the one-pass path's rescaled token weights
+@pytest.mark.parametrize("case", ["fused rows", "fused columns"])
+def test_fp16_op_compiles_fullgraph_as_eagerly(case, monkeypatch):
+    """fp16 inputs under torch.compile: the rows layout's fp16 mode and the columns layout's rescaled token weights
     (``matmul.fp16_weights``) run inside the compiled operators and give the eager op's loss and gradients, within
     fp16's rounding of fp64's."""
-    monkeypatch.setattr(config, "TRAIN_PATH", path)
+    _case(monkeypatch, case)
     h, w, y, b = make_inputs(bias=True, peaked=True)
 
     def loss_fn(h, w, b, y):

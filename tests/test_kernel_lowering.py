@@ -6,7 +6,7 @@ a TMA loop left where pointer inputs reach it passed every interpreter test and 
 with the GPU's tiles, is compiled to a cubin for sm90 with TMA loads and for sm80 (pointer loads: A100, L4, RTX),
 through Triton's public ``warmup`` (``tests/scripts/lower_kernels.py``; ``tools/triton_matrix.py`` runs it for
 each torch's Triton). The fp16 kernel is also compiled to PTX for sm75 and sm80: the first has no tensor-core
-MMA, which is why Turing and Volta train through the one-pass path's cuBLAS (``config.KernelConfig.mma_dot``). And
+MMA, which is why Turing and Volta train through the torch computation (``config.KernelConfig.mma_dot``). And
 each GPU generation's pointer tiles (``config.pointer_tiles``), compiled for it, must fit its shared memory.
 """
 from __future__ import annotations
@@ -38,23 +38,21 @@ def test_every_kernel_launch_compiles_for_sm90_tma_and_sm80(lowered):
     """Each kernel launch of the op's paths (recorded under the interpreter with the GPU's tiles) compiles to a cubin
     for Hopper with TMA loads and for an A100's pointer loads; every kernel of hf_lsce.ops is among them."""
     kernels = set(lowered[0]["kernels"])
-    assert len(kernels) >= 13, kernels
+    assert len(kernels) >= 10, kernels
     problems = [row for row in lowered if "interpreter_error" in row or "record_failed" in row]
     assert not problems, problems[:3]
     rows = [row for row in lowered if "kernel" in row]
     failed = [row for row in rows if row["result"] != "ok"]
     assert not failed, failed[:3]
     by_target = {t: {row["kernel"] for row in rows if row["target"] == t} for t in TARGETS.split(",")}
-    assert by_target["sm80"] == kernels - {"_lce_grad_logits_tma_kernel"}, kernels - by_target["sm80"]
-    assert "_lce_grad_logits_tma_kernel" in by_target["sm90-tma"]
-    assert any(row["kernel"] == "_exp_tiles_kernel" and row["flags"]["TMA"] for row in rows
-               if row["target"] == "sm90-tma")
-    # the autotuned G kernel in each of its configurations
-    assert sum(row["note"].startswith("autotune") for row in rows if row["target"] == "sm80") >= 5
+    assert by_target["sm80"] == by_target["sm90-tma"] == kernels, kernels - by_target["sm80"]
+    for flag in ("TMA", "GRAD", "ONLINE", "SOFTCAP", "FIXUP"):  # the logits kernel's every mode, with TMA loads too
+        assert any(row["kernel"] == "_exp_tiles_kernel" and row["flags"][flag] and row["flags"]["TMA"] for row in rows
+                   if row["target"] == "sm90-tma"), flag
 
 
 def test_turing_takes_cublas_because_tritons_fp16_dot_is_not_mma_there(lowered):
-    """Turing and Volta take the one-pass path (config.KernelConfig.mma_dot) because Triton's dots are FMA there: if
+    """Turing and Volta take the torch computation (config.KernelConfig.mma_dot) because Triton's dots are FMA there: if
     a Triton emits tensor-core MMA for sm75, this fails and the rule is to be measured again."""
     ptx = {row["ptx_arch"]: row for row in lowered if "ptx_arch" in row}
     assert ptx[80]["result"] == "ok" and ptx[75]["result"] == "ok", ptx
@@ -78,7 +76,7 @@ def test_each_gpus_pointer_tiles_fit_its_shared_memory(lowered):
 # The integer arguments that change from batch to batch (row counts, the sequence length, split and block counts, a
 # chunk's first column, a number of items): Triton would compile a kernel again for each new divisibility by 16 of
 # one (and for a value of 1), inside a training step: docs/benchmarks.md#new-batch-lengths-one-compiled-kernel-for-all.
-PER_BATCH = {"n", "N", "seq", "splits", "NUM_SPLITS", "blocks", "blocks_x", "col0", "items_value"}
+PER_BATCH = {"n", "N", "seq", "splits", "NUM_SPLITS", "blocks", "blocks_x", "col0", "v_store", "items_value"}
 
 
 def test_no_kernel_specialises_on_an_argument_that_changes_with_the_batch():
@@ -102,5 +100,5 @@ def test_no_kernel_specialises_on_an_argument_that_changes_with_the_batch():
             kept = {fn.arg_names[a] if isinstance(a, int) else a for a in kept}
             checked.append(name)
             missing += [f"{info.name}.{name}: {a}" for a in fn.arg_names if a in PER_BATCH and a not in kept]
-    assert len(checked) >= 12, checked
+    assert len(checked) >= 10, checked
     assert not missing, missing

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from hf_lsce import linear_cross_entropy
-from hf_lsce.ops.config import _has_tensor_descriptors, _release, grad_logits_config, triton_version
-from hf_lsce.ops.reference import torch_forward
+from hf_lsce.ops.config import _has_tensor_descriptors, _release, triton_version
+from hf_lsce.ops.reference import torch_pass
 
 N, D, V = 37, 48, 203  # ragged on purpose
 
@@ -197,12 +197,12 @@ def test_ignore_index_inside_vocabulary():
 
 
 def test_torch_backend_bounded_memory_chunks_match():
-    """The torch path at a larger size, forced through many small chunks, equals the reference."""
+    """The torch computation at a larger size, forced through many small chunks, equals the reference."""
     from hf_lsce.ops import reference as refmod
 
     h, w, y, _ = make_inputs(n=700, d=64, v=3001, seed=13)
-    full = refmod.torch_forward(h, w, None, y.masked_fill(y < 0, -1), None)
-    chunked = refmod.torch_forward(h, w, None, y.masked_fill(y < 0, -1), None, chunk_elements=5000)
+    full = torch_pass(h, w, None, y.masked_fill(y < 0, -1), None)[0]
+    chunked = torch_pass(h, w, None, y.masked_fill(y < 0, -1), None, rows=refmod.chunk_rows(700, 3001, 5000))[0]
     assert refmod.chunk_rows(700, 3001, 5000) == 1
     for a, b in zip(full, chunked):
         assert torch.allclose(a.double(), b.double())
@@ -274,42 +274,22 @@ def test_triton_backend_on_cpu_without_interpreter_is_a_clear_error(monkeypatch)
         linear_cross_entropy(h.float(), w.float(), y, backend="triton")
 
 
-@pytest.mark.parametrize("softcap", [None, 4.0])
-def test_dense_backward_in_several_chunks(softcap):
-    """The recomputing Triton backward, forced through chunks of 5 vocabulary columns, equals the fp64 reference."""
-    from hf_lsce.ops.backward import triton_gradients_by_columns
-
-    h, w, y, b = make_inputs(seed=18, bias=True)
-    ref = reference(h, w, y, b, smoothing=0.1, softcap=softcap, reduction="sum")
-    h32, w32, b32 = h.float(), w.float(), b.float()
-    t = y.masked_fill(y < 0, -1)
-    lse = torch_forward(h32, w32, b32, t, softcap)[0].float()
-    grad = (t >= 0).float()
-    dh, dw, db, _ = triton_gradients_by_columns(h32, w32, b32, t, lse, grad, torch.full((N,), 0.1), softcap,
-                                                grad_logits_config(torch.float32, h32.device), chunk_bytes=5 * N * 4)
-    assert rel(dh, ref[1]) < 1e-5 and rel(dw, ref[2]) < 1e-5 and rel(db, ref[3]) < 1e-5
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("softcap", [None, 4.0])
-def test_train_pass_in_several_chunks(dtype, softcap):
-    """The one-pass training path (loss and gradients from fp32 logits of chunks of 5 rows, G stored in
-    place over them) equals the fp64 reference, per-token smoothing and bias included."""
-    from hf_lsce.ops.train_pass import triton_train_pass
-
+def test_torch_training_computation_in_several_chunks(dtype, softcap):
+    """The torch computation's training call (loss and gradients from each chunk's fp32 logits, 5 rows a chunk)
+    equals the fp64 reference, per-token smoothing and bias included, with its statistics."""
     h, w, y, b = make_inputs(seed=21, bias=True, peaked=True)
     h, w, b = h.to(dtype).double(), w.to(dtype).double(), b.to(dtype).double()  # same rounded inputs
     sm = torch.rand(N, generator=torch.Generator().manual_seed(3))
     ref = reference(h, w, y, b, smoothing=sm, softcap=softcap, reduction="sum")
     t = y.masked_fill(y < 0, -1)
-    stats, dh, dw, db, gamma = triton_train_pass(h.to(dtype), w.to(dtype), b.to(dtype), t, sm, (t >= 0).float(),
-                                                 softcap, chunk_bytes=5 * V * 4)
-    assert gamma is None  # (fp16 alone returns its gradients divided by a power of two)
+    stats, dh, dw, db = torch_pass(h.to(dtype), w.to(dtype), b.to(dtype), t, softcap, rows=5, grad=(t >= 0).float(),
+                                   smoothing=sm)
     lse, zy, sz, argmax, ent = stats
     loss = torch.where(t >= 0, lse - (1 - sm) * zy - sm * sz / V, 0.0).sum()
-    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: G is stored in bf16
     assert rel(loss, ref[0]) < 1e-5
-    assert rel(dh, ref[1]) < tol and rel(dw, ref[2]) < tol and rel(db, ref[3]) < tol
+    assert rel(dh, ref[1]) < 1e-5 and rel(dw, ref[2]) < 1e-5 and rel(db, ref[3]) < 1e-5  # (fp32 math either way)
     z = h @ w.T + b
     if softcap is not None:
         z = softcap * torch.tanh(z / softcap)
@@ -318,41 +298,36 @@ def test_train_pass_in_several_chunks(dtype, softcap):
     assert rel(ent, -(p * torch.log_softmax(z, -1)).sum(-1)) < 1e-4  # lse - E[z]: fp32 cancellation
 
 
-def test_training_takes_the_one_pass_path_and_scales_by_the_upstream_gradient(monkeypatch):
-    """With gradients on, the Triton backend computes them in the forward (train_pass); the backward
-    multiplies them by the upstream gradient when that is uniform over the valid tokens (a mean, a
-    sum, TRL's -log_probs.sum() / n) and recomputes otherwise. fp32 evaluation and recomputation take cuBLAS's logits
-    (dispatch.cublas_logits), never the G kernel's dots."""
-    import hf_lsce.ops.train_pass as tp
-    from hf_lsce.ops import backward as bw
+def test_training_computes_gradients_in_the_forward_and_scales_by_the_upstream_gradient(monkeypatch):
+    """With gradients on, the forward computes them (fp32: the torch computation's one pass); the backward multiplies
+    them by the upstream gradient when that is uniform over the valid tokens (a mean, a sum, TRL's -log_probs.sum()
+    / n) and computes them again with the upstream gradient as the token weights otherwise."""
+    from hf_lsce.ops import paths
 
-    calls, recomputed = [], []
-    real, real_rows = tp.triton_train_pass, bw.logits_gradients
-    monkeypatch.setattr(tp, "triton_train_pass", lambda *a, **k: calls.append(1) or real(*a, **k))
-    monkeypatch.setattr(bw, "logits_gradients", lambda *a, **k: recomputed.append(1) or real_rows(*a, **k))
-    monkeypatch.setattr(bw, "write_grad_logits", lambda *a, **k: pytest.fail("the G kernel ran"))
+    calls = []
+    real = paths.torch_pass
+    monkeypatch.setattr(paths, "torch_pass", lambda *a, **k: calls.append(k.get("grad") is not None) or real(*a, **k))
     h, w, y, _ = make_inputs(seed=22)
     ref = reference(h, w, y, smoothing=0.1)
     hh, ww = h.float().requires_grad_(), w.float().requires_grad_()
     loss = linear_cross_entropy(hh, ww, y, label_smoothing=0.1, backend="triton")
     (2.5 * loss).backward()
-    assert calls == [1] and recomputed == []
+    assert calls == [True]
     assert rel(loss, ref[0]) < 1e-5
     assert rel(hh.grad, 2.5 * ref[1]) < 1e-5 and rel(ww.grad, 2.5 * ref[2]) < 1e-5
     with torch.no_grad():
         linear_cross_entropy(hh, ww, y, label_smoothing=0.1, backend="triton")
-    assert calls == [1, 1]
+    assert calls == [True, False]
 
     # reduction="none", summed and divided by a count (TRL's SFT loss): kept gradients, scaled
     tok_ref = reference(h, w, y, smoothing=0.1, reduction="none")
-    for upstream, expect_recompute in ((torch.full((N,), 1 / 7.0), False),
-                                       (torch.rand(N, generator=torch.Generator().manual_seed(5)), True)):
-        calls.clear(), recomputed.clear()
+    for upstream, expect_again in ((torch.full((N,), 1 / 7.0), False),
+                                   (torch.rand(N, generator=torch.Generator().manual_seed(5)), True)):
+        calls.clear()
         hh.grad = ww.grad = None
         tok = linear_cross_entropy(hh, ww, y, label_smoothing=0.1, backend="triton", reduction="none")
         (tok * upstream).sum().backward()
-        # (fp32: the recomputation is the row kernel over cuBLAS's logits by columns, not the G kernel's FMA dots)
-        assert calls == [1] and bool(recomputed) == expect_recompute
+        assert calls == ([True, True] if expect_again else [True])
         hr, wr = h.clone().requires_grad_(), w.clone().requires_grad_()
         z = hr @ wr.T
         (F.cross_entropy(z, y, label_smoothing=0.1, reduction="none") * upstream.double()).sum().backward()
@@ -365,7 +340,7 @@ def test_training_takes_the_one_pass_path_and_scales_by_the_upstream_gradient(mo
 def test_evaluation_loss_without_stats(softcap, dtype):
     """Without gradients and without return_stats, the fused kernel's statistics (bf16) skip argmax and entropy: the
     loss (which needs neither) still equals the fp64 reference, and asking for stats gives the same loss; fp32 takes
-    cuBLAS's logits and the row kernel (dispatch.cublas_logits), with the same result."""
+    the torch computation, with the same result."""
     h, w, y, b = make_inputs(seed=23, bias=True, peaked=True)
     h, w, b = h.to(dtype), w.to(dtype), b.to(dtype)
     ref = reference(h.double(), w.double(), y, b.double(), smoothing=0.1, softcap=softcap)[0]
@@ -377,25 +352,27 @@ def test_evaluation_loss_without_stats(softcap, dtype):
     assert torch.equal(loss, again)
 
 
+@pytest.mark.parametrize("frozen", [False, True])
+@pytest.mark.parametrize("memory", ["auto", "low"])
 @pytest.mark.parametrize("softcap,z_loss", [(None, 0.0), (3.0, 1e-3)])
-def test_recomputing_backward_takes_cublas_logits_where_triton_dots_are_fma(monkeypatch, softcap, z_loss):
-    """Where Triton's dots are FMA (``mma_dot`` off: Turing, Volta; fp32 everywhere), the recomputing backward (a loss
-    on ``return_lse``'s output, per-token weights) runs the one-pass row kernel over cuBLAS's logits by vocabulary
-    columns, never the G kernel's dots, and equals fp64 autograd through materialised logits (bias, soft-cap,
-    z-loss)."""
+def test_gpus_without_tensor_core_dots_take_the_torch_computation(monkeypatch, frozen, memory, softcap, z_loss):
+    """Where Triton's dots are FMA (``mma_dot`` off: Turing, Volta), every call takes the torch computation (the fused
+    kernels never run), memory="low" included, and a loss on ``return_lse``'s output with per-token weights equals
+    fp64 autograd through materialised logits (bias, soft-cap, z-loss)."""
     import dataclasses
 
-    import hf_lsce.ops.backward as bw
     import hf_lsce.ops.config as config
+    import hf_lsce.ops.fused_pass as fp
 
     real = config.fused_config
     monkeypatch.setattr(config, "fused_config", lambda dt, dev: dataclasses.replace(real(dt, dev), mma_dot=False))
-    monkeypatch.setattr(bw, "write_grad_logits", lambda *a, **k: pytest.fail("the G kernel ran"))
+    monkeypatch.setattr(fp, "_exp_tiles", lambda *a, **k: pytest.fail("a fused kernel ran"))
     h, w, y, b = make_inputs(n=37, d=40, v=203, seed=34, bias=True, peaked=True)
-    hb, wb, bb = (t.to(torch.bfloat16).requires_grad_() for t in (h, w, b))
+    hb = h.to(torch.bfloat16).requires_grad_()
+    wb, bb = (t.to(torch.bfloat16).requires_grad_(not frozen) for t in (w, b))
     up = torch.linspace(0.5, 1.5, 37)
     tok, lse = linear_cross_entropy(hb, wb, y, bias=bb, label_smoothing=0.1, softcap=softcap, z_loss=z_loss,
-                                    reduction="none", return_lse=True, backend="triton")
+                                    reduction="none", return_lse=True, backend="triton", memory=memory)
     ((tok * up).sum() + 0.01 * lse.sum()).backward()
     hr, wr, br = (t.detach().to(torch.bfloat16).double().requires_grad_() for t in (h, w, b))
     z = hr @ wr.T + br
@@ -404,123 +381,77 @@ def test_recomputing_backward_takes_cublas_logits_where_triton_dots_are_fma(monk
     lse_r = torch.logsumexp(z, -1)
     tok_r = F.cross_entropy(z, y, label_smoothing=0.1, reduction="none") + z_loss * torch.where(y != -100, lse_r ** 2, 0)
     ((tok_r * up.double()).sum() + 0.01 * lse_r.sum()).backward()
-    for got, want in ((hb.grad, hr.grad), (wb.grad, wr.grad), (bb.grad, br.grad)):
-        assert rel(got, want) < 1e-2  # G and the gradients in bf16
+    assert rel(hb.grad, hr.grad) < 1e-2  # (the gradients rounded to bf16)
+    if not frozen:
+        assert rel(wb.grad, wr.grad) < 1e-2 and rel(bb.grad, br.grad) < 1e-2
 
 
 def _columns_case(dtype, softcap, bias, seed, draws):
     """A recomputing-backward case at ragged sizes (37 x 40 x 203): the inputs in ``dtype``, ids with -1 for the ignored
-    row, the fp32 lse, per-token b, upstream gradient and extra p term, and the fp64 reference gradients."""
-    from hf_lsce.ops.reference import torch_backward
-
+    row, the fp32 lse, per-token b, upstream gradient and lse gradient, and the fp64 reference gradients."""
     h, w, y, b = make_inputs(n=37, d=40, v=203, seed=seed, bias=bias, peaked=True)
     hh, ww = h.to(dtype), w.to(dtype)
     bb = b.to(dtype) if bias else None
     t = y.masked_fill(y < 0, -1)
     g = torch.Generator().manual_seed(draws)
     sm, grad, extra = torch.rand(37, generator=g) * 0.3, torch.rand(37, generator=g), torch.rand(37, generator=g)
-    lse = torch_forward(hh.double(), ww.double(), bb.double() if bias else None, t, softcap)[0].float()
-    ref = torch_backward(hh.double(), ww.double(), bb.double() if bias else None, t, lse.double(), grad.double(),
-                         sm.double(), softcap, extra=extra.double())
+    h64, w64, b64 = hh.double(), ww.double(), bb.double() if bias else None
+    lse = torch_pass(h64, w64, b64, t, softcap)[0][0].float()
+    ref = torch_pass(h64, w64, b64, t, softcap, lse=lse.double(), grad=grad.double(), smoothing=sm.double(),
+                     extra=extra.double())[1:]
     return hh, ww, bb, t, lse, sm, grad, extra, ref
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@needs_descriptors
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("softcap,bias", [(None, False), (3.0, True)])
-def test_gradients_by_columns_through_cublas_logits_match_fp64(dtype, softcap, bias):
-    """Where Triton's dots are FMA, the recomputing backward's G comes from cuBLAS's fp32 logits by vocabulary columns
-    and the row kernel's G pass with the lse given (``train_pass.logits_gradients``): the fp64 gradients in chunks
-    (three of 64 columns and one of 11), with per-token b, a per-token upstream gradient, an extra p
-    term and an ignored row; the G kernel's route agrees."""
-    import dataclasses
-
-    from hf_lsce.ops.backward import triton_gradients_by_columns
-    from hf_lsce.ops.config import fused_config
-
-    hh, ww, bb, t, lse, sm, grad, extra, ref = _columns_case(dtype, softcap, bias, seed=35, draws=8)
-    cfg = dataclasses.replace(fused_config(dtype, hh.device), tma=False)
-    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: G and the products in bf16
-    got = triton_gradients_by_columns(hh, ww, bb, t, lse, grad, sm, softcap, cfg, extra=extra,
-                                      chunk_bytes=37 * 70 * 4, cublas=True)
-    kernel = triton_gradients_by_columns(hh, ww, bb, t, lse, grad, sm, softcap, cfg, extra=extra)
-    for a, k, r in zip(got, kernel, ref):
-        if r is not None:
-            assert rel(a, r) < tol and rel(a, k) < tol
-
-
-@pytest.mark.parametrize("frozen", [False, True])
-def test_low_memory_takes_cublas_columns_where_triton_dots_are_fma(monkeypatch, frozen):
-    """``memory="low"`` on a GPU whose Triton dots are FMA (Turing, Volta: ``mma_dot`` False): the statistics and the
-    gradients come from cuBLAS's logits (the G kernel never runs), and equal fp64 autograd through materialised
-    logits in bf16 (bias, per-token b, z-loss)."""
-    import dataclasses
-
-    import hf_lsce.ops.backward as bw
-    import hf_lsce.ops.config as config
-
-    real = config.fused_config
-    monkeypatch.setattr(config, "fused_config", lambda dt, dev: dataclasses.replace(real(dt, dev), mma_dot=False))
-    monkeypatch.setattr(bw, "write_grad_logits", lambda *a, **k: pytest.fail("the G kernel ran"))
-    h, w, y, b = make_inputs(n=37, d=40, v=203, seed=36, bias=True, peaked=True)
-    sm = torch.rand(37, generator=torch.Generator().manual_seed(3)) * 0.2
-    hb = h.to(torch.bfloat16).requires_grad_()
-    wb, bb = (t.to(torch.bfloat16).requires_grad_(not frozen) for t in (w, b))
-    loss = linear_cross_entropy(hb, wb, y, bias=bb, label_smoothing=sm, z_loss=1e-3, memory="low", backend="triton")
-    loss.backward()
-    hr, wr, br = (t.detach().to(torch.bfloat16).double().requires_grad_() for t in (h, w, b))
-    z = hr @ wr.T + br
-    valid = y != -100
-    tok = -(1 - sm.double()) * torch.log_softmax(z, -1).gather(1, y.clamp(min=0)[:, None])[:, 0] - sm.double() * (
-        torch.log_softmax(z, -1).mean(-1))
-    ref = torch.where(valid, tok + 1e-3 * torch.logsumexp(z, -1) ** 2, 0.0).sum() / valid.sum()
-    ref.backward()
-    assert rel(loss, ref.detach()) < 1e-5
-    assert rel(hb.grad, hr.grad) < 1e-2
-    if not frozen:
-        assert rel(wb.grad, wr.grad) < 1e-2 and rel(bb.grad, br.grad) < 1e-2
-
-
-def test_cublas_statistics_chunk_fits_free_memory():
-    """The cuBLAS statistics route's chunk of fp32 logits: 1 GiB, or what CUDA's free memory holds with the headroom
-    (an evaluation on a nearly full GPU, where the fused kernel's statistics need no buffer), never below the low mode's
-    minimum chunk."""
-    from hf_lsce.ops.config import LOW_MEMORY_CHUNK_BYTES, MEMORY_HEADROOM, STATS_CHUNK_BYTES, stats_chunk_bytes
-
-    assert stats_chunk_bytes(None) == STATS_CHUNK_BYTES == 1 << 30
-    assert stats_chunk_bytes(10 << 30) == STATS_CHUNK_BYTES
-    assert stats_chunk_bytes(int(MEMORY_HEADROOM * (300 << 20))) == 300 << 20
-    assert stats_chunk_bytes(1 << 20) == LOW_MEMORY_CHUNK_BYTES
-
-
-@pytest.mark.parametrize("softcap,bias", [(None, False), (3.0, True)])
-def test_statistics_take_cublas_logits_where_triton_dots_are_fma(monkeypatch, softcap, bias):
-    """On a GPU whose Triton dots lower to FMA (Turing, Volta: ``mma_dot`` False), the statistics of an evaluation
-    call and of the vocabulary-parallel forward come from the row kernel over cuBLAS's logits, not the fused
-    kernel: the same statistics as fp64 on the materialised logits (a target past V, as the vocabulary-parallel
-    forward passes for another rank's, gives a target logit of 0)."""
+@pytest.mark.parametrize("splits", [1, 3])
+def test_recomputing_backward_matches_fp64_by_column_chunks(dtype, softcap, bias, splits):
+    """The recomputing backward given the lse (``paths.dense_backward``: the fused kernel's G epilogue by chunks of
+    vocabulary columns, TMA and pointer loads; fp32 by the torch computation) gives the fp64 gradients at ragged sizes,
+    in chunks of 64 columns, with per-token b, a per-token upstream gradient, an lse gradient and an ignored row."""
     import dataclasses
 
     import hf_lsce.ops.config as config
-    import hf_lsce.ops.fused_pass as fp
-    import hf_lsce.ops.train_pass as tp
-    from hf_lsce.ops.dispatch import cublas_logits, forward_stats
+    from hf_lsce.ops import paths
+    from hf_lsce.ops.budget import Plan
+    from hf_lsce.ops.matmul import times_gamma
 
+    hh, ww, bb, t, lse, sm, grad, extra, ref = _columns_case(dtype, softcap, bias, seed=32, draws=7)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # half precision: G and the products in that dtype
+    got = {}
+    for tma in (True, False):
+        cfg = dataclasses.replace(config.fused_config(dtype, hh.device), tma=tma, min_splits=splits, min_programs=1)
+        real, config.fused_config = config.fused_config, lambda dt, dev: cfg
+        try:
+            opts = paths.options(hh, ww, bb, softcap, "triton", 0.0, "auto", True, True, bias)
+            plan = Plan(opts.computation, "columns", cols=64, nbytes=4 * 37 * 40 + 37 * 64 * 2)
+            opts = dataclasses.replace(opts, plan=plan if opts.computation == "fused" else opts.plan)
+            assert opts.computation == ("torch" if dtype == torch.float32 else "fused")
+            dh, dw, db, gamma = paths.dense_backward(hh, ww, bb, t, lse, grad, sm, opts, extra=extra)
+        finally:
+            config.fused_config = real
+        times_gamma((dh, dw, db), gamma)
+        got[tma] = (dh, dw, db)
+        for a, r in zip(got[tma], ref):
+            if r is not None:
+                assert rel(a, r) < tol
+    for a, o in zip(got[True], got[False]):
+        if a is not None:
+            assert rel(a, o) < tol
+
+
+@pytest.mark.parametrize("softcap,bias", [(None, False), (3.0, True)])
+def test_torch_statistics_match_fp64_with_a_target_past_the_shard(softcap, bias):
+    """The torch computation's statistics (evaluation where the fused kernels do not run, the vocabulary-parallel
+    forward) equal fp64 on the materialised logits; a target past V (another rank's) has a target logit of 0."""
     h, w, y, b = make_inputs(n=37, d=40, v=203, seed=33, bias=bias, peaked=True)
     hh, ww = h.to(torch.bfloat16), w.to(torch.bfloat16)
     bb = b.to(torch.bfloat16) if bias else None
-    assert not cublas_logits(hh) and cublas_logits(hh.float())
-    real = config.fused_config
-    monkeypatch.setattr(config, "fused_config", lambda dt, dev: dataclasses.replace(real(dt, dev), mma_dot=False))
-    assert cublas_logits(hh)
-    calls = []
-    monkeypatch.setattr(fp, "fused_statistics", lambda *a, **k: calls.append("fused kernel"))
-    real_pass = tp.triton_train_pass
-    monkeypatch.setattr(tp, "triton_train_pass", lambda *a, **k: calls.append("row kernel") or real_pass(*a, **k))
     t = y.clamp(min=0).clone()
     t[:3] = 203  # another rank's target
     t[3:5] = -1  # ignored
-    lse, zy, sz, argmax, entropy = forward_stats(hh, ww, bb, t, softcap, "triton")
-    assert calls == ["row kernel"]
+    lse, zy, sz, argmax, entropy = torch_pass(hh, ww, bb, t, softcap, rows=8)[0]
     z = hh.double() @ ww.double().T + (bb.double() if bias else 0)
     if softcap is not None:
         z = softcap * torch.tanh(z / softcap)
@@ -538,8 +469,8 @@ def test_statistics_take_cublas_logits_where_triton_dots_are_fma(monkeypatch, so
 @pytest.mark.parametrize("softcap,bias", [(None, False), (3.0, True)])
 @pytest.mark.parametrize("splits", [1, 3])
 def test_fused_statistics_match_fp64(dtype, softcap, bias, splits):
-    """The statistics alone from the fused logits kernel (evaluation, the vocabulary-parallel forward, the two-pass
-    path's lse), with TMA loads (Hopper) and pointer loads (other GPUs), give the fp64 statistics of the materialised
+    """The statistics alone from the fused logits kernel (evaluation, the vocabulary-parallel forward, the columns
+    layout's lse), with TMA loads (Hopper) and pointer loads (other GPUs), give the fp64 statistics of the materialised
     logits at ragged sizes (N, V and D not multiples of the blocks, splits ending mid-tile), with an ignored row, a
     target past V (another rank's: target logit 0) and a row whose max is far above its mean logit (the fix-up
     launch)."""
@@ -659,8 +590,8 @@ def test_tma_kernel_only_where_its_shared_memory_fits(major, smem, expected):
                                                  ("sm100", (10, 0), True)])
 def test_an_overridden_arch_takes_that_gpus_paths(monkeypatch, arch, capability, tma):
     """TRITON_OVERRIDE_ARCH=sm80 (or sm75) makes Triton compile every kernel as for an A100 (a T4) and the op take
-    that GPU's paths on the GPU present: no TMA below sm90, FMA dots (the one-pass path, cuBLAS's logits) below
-    sm80; unset, the GPU's own capability."""
+    that GPU's paths on the GPU present: no TMA below sm90, FMA dots (the torch computation) below sm80; unset, the
+    GPU's own capability."""
     from types import SimpleNamespace
 
     from hf_lsce.ops.config import compiled_capability, tma_capable
@@ -669,88 +600,6 @@ def test_an_overridden_arch_takes_that_gpus_paths(monkeypatch, arch, capability,
     h100 = SimpleNamespace(major=9, minor=0, shared_memory_per_block_optin=232448)
     assert compiled_capability(h100) == capability
     assert tma_capable(h100) is tma
-
-
-@needs_descriptors
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("softcap,bias", [(None, False), (3.0, True)])
-@pytest.mark.parametrize("splits", [1, 3])
-def test_tma_grad_logits_kernel_matches_fp64(dtype, softcap, bias, splits):
-    """The TMA kernel writing G = dL/dz (the two-pass path and the recomputing backward on Hopper) gives the fp64
-    gradients through cuBLAS-style products, at ragged sizes, in chunks of vocabulary columns, with per-token b, a
-    per-token upstream gradient, an extra p term (z-loss, lse output) and an ignored row; the pointer kernel (GPUs
-    without TMA) agrees with it."""
-    import dataclasses
-
-    from hf_lsce.ops.backward import triton_gradients_by_columns
-    from hf_lsce.ops.config import fused_config
-
-    hh, ww, bb, t, lse, sm, grad, extra, ref = _columns_case(dtype, softcap, bias, seed=32, draws=7)
-    cfg = dataclasses.replace(fused_config(dtype, hh.device), tma=True, min_splits=splits, min_programs=1)
-    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: G and the products in bf16
-    got = {}
-    for c in (cfg, dataclasses.replace(cfg, tma=False)):
-        got[c.tma] = triton_gradients_by_columns(hh, ww, bb, t, lse, grad, sm, softcap, c, extra=extra,
-                                                 chunk_bytes=37 * 70 * hh.element_size())
-        for a, r in zip(got[c.tma], ref):
-            if r is not None:
-                assert rel(a, r) < tol
-    for a, o in zip(got[True], got[False]):
-        if a is not None:
-            assert rel(a, o) < tol
-
-
-@pytest.mark.parametrize("softcap,bias", [(None, False), (4.0, True)])
-@pytest.mark.parametrize("reduction,upstream", [("mean", 1.0), ("sum", 0.5), ("none", None)])
-def test_two_pass_training_path_matches_fp64(monkeypatch, softcap, bias, reduction, upstream):
-    """The two-pass training path (the statistics, then G from recomputed logits and cuBLAS products, in the
-    forward) gives the fp64 loss and gradients for every reduction, per-token b and z-loss; the one-pass path is not
-    called, and the same call with the one-pass path gives the same numbers."""
-    import hf_lsce.ops.config as config
-    import hf_lsce.ops.train_pass as tp
-
-    h, w, y, b = make_inputs(seed=41, bias=bias, peaked=True)
-    sm = torch.rand(N, generator=torch.Generator().manual_seed(9)) * 0.2
-    results = {}
-    for path in ("two-pass", "one-pass"):
-        monkeypatch.setattr(config, "TRAIN_PATH", path)
-        one_pass_calls = []
-        real = tp.triton_train_pass
-        # (the one-pass path's gradients; fp32's statistics come from its row kernel on every path)
-        monkeypatch.setattr(tp, "triton_train_pass", lambda *a, **k: (k["need_dh"] or k["need_dw"])
-                            and one_pass_calls.append(1) or real(*a, **k))
-        hh, ww = h.float().requires_grad_(), w.float().requires_grad_()
-        bb = b.float().requires_grad_() if bias else None
-        out = linear_cross_entropy(hh, ww, y, bias=bb, label_smoothing=sm, softcap=softcap, reduction=reduction,
-                                   z_loss=1e-3, backend="triton")
-        weights = torch.rand(N, generator=torch.Generator().manual_seed(2)) if reduction == "none" else None
-        (out * weights).sum().backward() if weights is not None else (upstream * out).backward()
-        # (one-pass forced: per-token weights that are not uniform recompute through cuBLAS's logits by columns,
-        # dispatch.cublas_logits, not the one-pass pass again)
-        assert one_pass_calls == ([] if path == "two-pass" else [1])
-        results[path] = (out.detach(), hh.grad, ww.grad, bb.grad if bias else None)
-        monkeypatch.setattr(tp, "triton_train_pass", real)
-    # fp64 oracle: the definition on materialised logits, z-loss added
-    hr, wr = h.clone().requires_grad_(), w.clone().requires_grad_()
-    br = b.clone().requires_grad_() if bias else None
-    z = hr @ wr.T + (br if bias else 0)
-    if softcap is not None:
-        z = softcap * torch.tanh(z / softcap)
-    logp = torch.log_softmax(z, -1)
-    valid = y != -100
-    smd = sm.double()
-    tok = -(1 - smd) * logp.gather(1, y.clamp(min=0)[:, None])[:, 0] - smd * logp.mean(-1)
-    tok = torch.where(valid, tok + 1e-3 * torch.logsumexp(z, -1) ** 2, 0.0)
-    ref = {"mean": tok.sum() / valid.sum(), "sum": tok.sum(), "none": tok}[reduction]
-    (ref * weights.double()).sum().backward() if reduction == "none" else (upstream * ref).backward()
-    two = results["two-pass"]
-    assert rel(two[0], ref.detach()) < 1e-5
-    assert rel(two[1], hr.grad) < 1e-5 and rel(two[2], wr.grad) < 1e-5
-    if bias:
-        assert rel(two[3], br.grad) < 1e-5
-    for a, o in zip(two, results["one-pass"]):
-        if a is not None:
-            assert rel(a, o) < 1e-5
 
 
 def _scalar_casts(source: str):

@@ -368,15 +368,16 @@ def _lora(model, **cfg):
 def test_lora_trains_through_the_fused_op_like_stock(precision, tmp_path, monkeypatch):
     """LoRA on attention and MLP, frozen lm_head: same losses and adapter updates as stock PEFT + Trainer, and the
     op is never asked for dW of the frozen head."""
-    from hf_lsce.ops import reference
+    from hf_lsce.ops import paths
 
     cfg = dict(target_modules=["q_proj", "v_proj", "up_proj"])
     ref_model = _lora(tiny_model("llama"), **cfg)
     model = copy.deepcopy(ref_model)
     apply_lsce_patch(model)
     asked = []
-    real = reference.torch_backward
-    monkeypatch.setattr(reference, "torch_backward", lambda *a, **k: asked.append(k.get("need_dw")) or real(*a, **k))
+    real = paths.torch_pass
+    monkeypatch.setattr(paths, "torch_pass", lambda *a, **k: k.get("grad") is not None and asked.append(k["need_dw"])
+                        or real(*a, **k))
     init = {k: v.clone() for k, v in ref_model.state_dict().items()}
     make_trainer("trainer", ref_model, tmp_path / "stock", precision).train()
     calls = []

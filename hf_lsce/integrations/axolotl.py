@@ -100,9 +100,10 @@ class LscePlugin(BasePlugin):
         # the YAML's value reaches the op here, as the model's own b
         key = "lsce_label_smoothing" if cfg.lsce_label_smoothing is not None else "label_smoothing_factor"
         b = cfg.get(key)
-        apply_lsce_patch(model, label_smoothing=b, fused_eval_loss=bool(cfg.lsce_fused_eval_loss))
+        memory = cfg.get("lsce_memory") or "auto"
+        apply_lsce_patch(model, label_smoothing=b, fused_eval_loss=bool(cfg.lsce_fused_eval_loss), memory=memory)
         source = f"{key}={b or 0.0}"
-        logger.info("hf_lsce: %s patched; %s drives the fused op", type(model).__name__, source)
+        logger.info("hf_lsce: %s patched; %s drives the fused op (memory=%s)", type(model).__name__, source, memory)
 
     def add_callbacks_post_trainer(self, cfg, trainer):
         """``CalibrationCallback`` from the ``lsce_calibration_*`` keys, attached to Axolotl's trainer (its metrics go

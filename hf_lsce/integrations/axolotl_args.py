@@ -13,7 +13,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, model_validator
 
-from ..patching import validate_smoothing
+from ..patching import validate_memory, validate_smoothing
 from .calibration_keys import validate_calibration_keys
 
 # Other plugins' keys that replace the same loss: the fused op cannot run under either.
@@ -43,6 +43,11 @@ def validate_lsce_keys(data: dict) -> None:
     _flag("lsce_fused_eval_loss", data.get("lsce_fused_eval_loss"))
     _smoothing("lsce_label_smoothing", data.get("lsce_label_smoothing"))
     _smoothing("label_smoothing_factor", data.get("label_smoothing_factor"))
+    if data.get("lsce_memory") is not None:
+        try:
+            validate_memory(data["lsce_memory"], "lsce_memory")
+        except TypeError as e:  # (pydantic reports a validator's ValueError)
+            raise ValueError(str(e)) from None
     validate_calibration_keys(data)
     if data.get("lsce_calibration_tasks") is not None and not (data.get("val_set_size") or data.get("test_datasets")):
         raise ValueError("lsce_calibration_tasks scores the model at each evaluation, and this config has none: set "
@@ -96,7 +101,8 @@ class LsceArgs(BaseModel):
     ``label_smoothing_factor``: declared here because Axolotl's own config (0.19 to 0.21) has no such key and drops it
     before the Trainer is built: without this field a YAML's ``label_smoothing_factor: 0.1`` trained at b = 0, with
     the plugin and without it. ``lsce_fused_eval_loss``: the evaluation loss through the op too (no logits in
-    evaluation).
+    evaluation). ``lsce_memory``: the op's memory budget (``auto``, ``low`` or bytes: ``linear_cross_entropy``'s
+    ``memory``).
     ``lsce_calibration_*``: ``CalibrationCallback`` at each evaluation (``calibration_keys``).
     """
 
@@ -104,6 +110,7 @@ class LsceArgs(BaseModel):
     lsce_label_smoothing: float | None = None
     label_smoothing_factor: float | None = None
     lsce_fused_eval_loss: bool | None = None
+    lsce_memory: str | float | None = None
     lsce_calibration_tasks: str | list[str] | None = None
     lsce_calibration_limit: int | None = None
     lsce_calibration_data_dir: str | None = None

@@ -12,8 +12,8 @@ model class (as ``hf-lsce run`` does) and runs LLaMA-Factory's own training entr
 LLaMA-Factory, whose parser refuses keys it does not know. ``enable_liger_kernel: true`` keeps Liger-Kernel's other
 kernels (RMSNorm, RoPE, SwiGLU, ...) and leaves the loss to hf_lsce (``liger_kernels_without_its_loss``).
 ``llamafactory-cli train`` itself would start ``torchrun`` children on a machine with several GPUs, which a patch in
-this process does not reach; launched by ``torchrun`` as above, each rank runs this module and patches itself. The
-YAML is read, never written.
+this process does not reach; launched by ``torchrun`` as above, each rank runs this module and patches itself.
+``lsce_memory`` sets the op's memory budget (``auto``, ``low`` or bytes). The YAML is read, never written.
 """
 from __future__ import annotations
 
@@ -43,10 +43,10 @@ def _config(argv: list[str]) -> dict:
 def check_config(cfg: dict, model_type: str | None = None) -> None:
     """Raise ValueError (one line, naming the key) for what the route cannot train: a stage other than ``sft`` or
     ``pt``, a ``label_smoothing_factor`` outside [0, 1], another loss replacement (``use_asft_loss``),
-    ``enable_liger_kernel`` without Liger-Kernel installed, a calibration key that is wrong or has no evaluation to
+    ``enable_liger_kernel`` without Liger-Kernel installed, an ``lsce_memory`` that is no budget, a calibration key that is wrong or has no evaluation to
     run at (``calibration_keys``), or a model type outside hf_lsce's table (``model_type``: the config's, when
     known)."""
-    from ..patching import MODEL_TABLE, validate_smoothing
+    from ..patching import MODEL_TABLE, validate_memory, validate_smoothing
     from ..patching.versions import installed_version, quantization_problem
 
     validate_calibration_keys(cfg)
@@ -63,6 +63,8 @@ def check_config(cfg: dict, model_type: str | None = None) -> None:
                          "only; run other stages with llamafactory-cli train.")
     try:
         validate_smoothing(cfg.get("label_smoothing_factor"), "label_smoothing_factor")
+        if cfg.get("lsce_memory") is not None:
+            validate_memory(cfg["lsce_memory"], "lsce_memory")
     except TypeError as e:
         raise ValueError(str(e)) from None
     if cfg.get("use_asft_loss"):
@@ -136,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     from ..run import patch_classes
     from llamafactory.train.tuner import run_exp
 
-    patch_classes("hf-lsce llamafactory")
+    patch_classes("hf-lsce llamafactory", memory=cfg.pop("lsce_memory", None))
     if cfg.pop("enable_liger_kernel", False):  # (not handed on: LLaMA-Factory's own call would fuse Liger's loss)
         liger_kernels_without_its_loss(model_type)
     # LLaMA-Factory's own training entry (what its launcher runs), with the configuration it would read, less the

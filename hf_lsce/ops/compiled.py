@@ -7,19 +7,17 @@ body (the same kernels, chosen by the same code) when the compiled graph runs:
 
 * ``hf_lsce::check_values``: the checks of device values (``checks.check_device_values``): synchronous on the CPU,
   a device flag plus a deferred error on CUDA; returns the flag (the loss is NaN where it is set);
-* ``hf_lsce::token_losses``: per-token smoothed losses and statistics from ``dispatch.forward_stats`` (no gradient
-  work), differentiable through ``torch.library.register_autograd``;
+* ``hf_lsce::token_losses``: per-token smoothed losses and statistics (``paths.statistics``: no gradient work),
+  differentiable through ``torch.library.register_autograd``;
 * ``hf_lsce::token_loss_gradients``: its backward: dh, dW, db of ``sum_n g_n loss_n`` (``g`` the upstream gradient of
-  the per-token losses) by the training path the eager op would take (fused, two-pass, one-pass or the
-  low-memory path), and the recomputing dense backward when the lse output has a gradient;
+  the per-token losses) by the training computation the eager op would take (``paths.loss_gradients``), and the
+  recomputing backward when the lse output has a gradient;
 * ``hf_lsce::reduced_training_loss``: a reduced training loss (the Trainer's: sum / ``num_items_in_batch``) without
-  an lse output: as eagerly, its forward runs the training path and returns the gradients of the loss with the
-  statistics; its backward multiplies them by the upstream scalar (a traced element-wise op), so the one-pass path
-  (D > 1024) costs no second logits pass.
+  an lse output: as eagerly, its forward runs the training computation and returns the gradients of the loss with
+  the statistics; its backward multiplies them by the upstream scalar (a traced element-wise op).
 
 For per-token losses the reduction stays a traced torch op, so its gradient reaches the backward operator as the
-per-token ``g`` (the forward computes the statistics only: one more logits matmul than eagerly on the one-pass path;
-the two-pass path does the same work either way). No operator synchronises with the host on CUDA, so a compiled
+per-token ``g`` (the forward computes the statistics only: one more logits matmul than eagerly). No operator synchronises with the host on CUDA, so a compiled
 step can be captured in a CUDA graph; replays then run no Python, so the deferred error of a bad target is raised
 only for calls that ran eagerly (the NaN loss still marks it).
 """
@@ -31,10 +29,9 @@ import torch
 from torch import Tensor
 
 from .checks import check_device_values
-from .dispatch import forward_stats
-from .matmul import kept_dtype
-from .paths import (finish_gradients, loss_gradients, loss_terms, notify_training_call, statistics_and_gradients,
-                    training_options)
+from .matmul import kept_dtype, scale_by
+from .paths import (finish_gradients, loss_gradients, loss_terms, notify_training_call, options, statistics,
+                    statistics_and_gradients)
 
 
 def compiling() -> bool:
@@ -65,15 +62,14 @@ def _stats_dtype(hidden: Tensor) -> torch.dtype:
 @torch.library.custom_op("hf_lsce::token_losses", mutates_args=())
 def token_losses(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, smoothing: Tensor,
                  softcap: Optional[float], backend: str, z_loss: float, need_stats: bool, memory: str,
-                 accum_dtype: Optional[torch.dtype], one_pass: bool, training: bool,
-                 observed_smoothing: Optional[float]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                 training: bool, observed_smoothing: Optional[float]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(per-token loss, lse, argmax, nll, entropy); ignored tokens (target < 0) have loss and nll 0."""
     n = hidden.shape[0]
     if n == 0:
         e = torch.zeros(0, dtype=_stats_dtype(hidden), device=hidden.device)
         return e, e.clone(), torch.zeros(0, dtype=torch.long, device=hidden.device), e.clone(), e.clone()
-    stats = forward_stats(hidden, weight, bias, targets, softcap, backend, stats=need_stats, low_memory=memory == "low",
-                          smoothing=smoothing.float().contiguous(), z_loss=z_loss)
+    opts = options(hidden, weight, bias, softcap, backend, z_loss, memory, False, False, False, need_stats=need_stats)
+    stats = statistics(hidden, weight, bias, targets, opts, smoothing.float().contiguous())
     lse, argmax, entropy = stats[0], stats[3], stats[4]
     loss, nll = loss_terms(stats, smoothing, targets, weight.shape[0], z_loss)
     if training:
@@ -84,8 +80,8 @@ def token_losses(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets
 
 
 @token_losses.register_fake
-def _(hidden, weight, bias, targets, smoothing, softcap, backend, z_loss, need_stats, memory, accum_dtype, one_pass,
-      training, observed_smoothing):
+def _(hidden, weight, bias, targets, smoothing, softcap, backend, z_loss, need_stats, memory, training,
+      observed_smoothing):
     n, dt = hidden.shape[0], _stats_dtype(hidden)
     return (hidden.new_empty(n, dtype=dt), hidden.new_empty(n, dtype=dt), hidden.new_empty(n, dtype=torch.long),
             hidden.new_empty(n, dtype=dt), hidden.new_empty(n, dtype=dt))
@@ -100,48 +96,46 @@ def _none(hidden):
 @torch.library.custom_op("hf_lsce::token_loss_gradients", mutates_args=())
 def token_loss_gradients(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, lse: Tensor,
                          smoothing: Tensor, grad: Tensor, grad_lse: Optional[Tensor], softcap: Optional[float],
-                         backend: str, z_loss: float, memory: str, accum_dtype: Optional[torch.dtype],
-                         one_pass: bool, need_dh: bool, need_dw: bool, need_db: bool) -> tuple[Tensor, Tensor, Tensor]:
+                         backend: str, z_loss: float, memory: str, need_dh: bool, need_dw: bool,
+                         need_db: bool) -> tuple[Tensor, Tensor, Tensor]:
     """(dh, dw, db) of ``sum_n grad_n loss_n + grad_lse_n lse_n``; an output not needed is an empty tensor."""
-    opts = training_options(hidden, weight, softcap, backend, z_loss, memory, accum_dtype, one_pass)
     need_db = need_db and bias is not None
+    opts = options(hidden, weight, bias, softcap, backend, z_loss, memory, True, need_dw, need_db)
     dh, dw, db = finish_gradients(loss_gradients(hidden, weight, bias, targets, lse, smoothing, grad, grad_lse, opts,
-                                                 one_pass, need_dh, need_dw, need_db), None, hidden, weight, bias)
+                                                 need_dh, need_dw, need_db), None, hidden, weight, bias)
     return (dh if need_dh else _none(hidden), dw if need_dw else _none(hidden),
             db if need_db and db is not None else _none(hidden))
 
 
 @token_loss_gradients.register_fake
-def _(hidden, weight, bias, targets, lse, smoothing, grad, grad_lse, softcap, backend, z_loss, memory, accum_dtype,
-      one_pass, need_dh, need_dw, need_db):
+def _(hidden, weight, bias, targets, lse, smoothing, grad, grad_lse, softcap, backend, z_loss, memory, need_dh,
+      need_dw, need_db):
     return (torch.empty_like(hidden) if need_dh else _none(hidden),
             torch.empty_like(weight) if need_dw else _none(hidden),
             torch.empty_like(bias) if need_db and bias is not None else _none(hidden))
 
 
 def _setup_context(ctx, inputs, output):
-    (hidden, weight, bias, targets, smoothing, softcap, backend, z_loss, _, memory, accum_dtype, one_pass, _,
-     _) = inputs
+    hidden, weight, bias, targets, smoothing, softcap, backend, z_loss, _, memory, _, _ = inputs
     lse = output[1]
     ctx.save_for_backward(hidden, weight, bias, targets, smoothing, lse)
-    ctx.options = (softcap, backend, z_loss, memory, accum_dtype, one_pass)
+    ctx.options = (softcap, backend, z_loss, memory)
     ctx.mark_non_differentiable(output[2], output[3], output[4])
 
 
 def _backward(ctx, grad_loss, grad_lse, *unused):
     hidden, weight, bias, targets, smoothing, lse = ctx.saved_tensors
-    softcap, backend, z_loss, memory, accum_dtype, one_pass = ctx.options
+    softcap, backend, z_loss, memory = ctx.options
     need_dh, need_dw, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
     if grad_loss is None and grad_lse is None:
-        return (None,) * 14
+        return (None,) * 12
     grad = torch.zeros_like(lse) if grad_loss is None else grad_loss
     grad = torch.where(targets >= 0, grad.to(lse.dtype), torch.zeros_like(lse))
     dh, dw, db = token_loss_gradients(hidden, weight, bias, targets, lse, smoothing, grad.contiguous(),
                                       None if grad_lse is None else grad_lse.to(lse.dtype).contiguous(), softcap,
-                                      backend, z_loss, memory, accum_dtype, one_pass, need_dh, need_dw,
-                                      need_db and bias is not None)
+                                      backend, z_loss, memory, need_dh, need_dw, need_db and bias is not None)
     return (dh if need_dh else None, dw if need_dw else None,
-            db if need_db and bias is not None else None) + (None,) * 11
+            db if need_db and bias is not None else None) + (None,) * 9
 
 
 torch.library.register_autograd("hf_lsce::token_losses", _backward, setup_context=_setup_context)
@@ -150,14 +144,11 @@ torch.library.register_autograd("hf_lsce::token_losses", _backward, setup_contex
 @torch.library.custom_op("hf_lsce::reduced_training_loss", mutates_args=())
 def reduced_training_loss(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, smoothing: Tensor,
                           token_weight: Tensor, denom: Optional[Tensor], softcap: Optional[float], backend: str,
-                          z_loss: float, need_stats: bool, memory: str,
-                          accum_dtype: Optional[torch.dtype], observed_smoothing: Optional[float], need_dh: bool,
+                          z_loss: float, need_stats: bool, memory: str, observed_smoothing: Optional[float], need_dh: bool,
                           need_dw: bool, need_db: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
                                                                  Tensor, Tensor]:
     """(loss = sum_n loss_n / denom, lse, argmax, nll, entropy, dh, dw, db), the gradients those of the loss; a
     gradient not needed is an empty tensor."""
-    from .train_pass import scale_by
-
     n, dt = hidden.shape[0], _stats_dtype(hidden)
     need_db = need_db and bias is not None
     if n == 0:
@@ -167,8 +158,8 @@ def reduced_training_loss(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]
                 else _none(hidden), torch.zeros_like(bias) if need_db else _none(hidden))
         return (torch.zeros((), dtype=dt, device=hidden.device), e, torch.zeros(0, dtype=torch.long,
                 device=hidden.device), e.clone(), e.clone(), *kept)
-    opts = training_options(hidden, weight, softcap, backend, z_loss, memory, accum_dtype, True,
-                            need_stats=need_stats, reduce=True)
+    opts = options(hidden, weight, bias, softcap, backend, z_loss, memory, True, need_dw, need_db,
+                   need_stats=need_stats, reduce=True)
     stats, (dh, dw, db, gamma) = statistics_and_gradients(hidden, weight, bias, targets, smoothing, token_weight,
                                                           opts, need_dh, need_dw, need_db)
     dh, dw, db = scale_by((dh, dw, db), gamma=gamma)  # (fp16: times gamma, in place; kept in fp32: kept_dtype)
@@ -184,7 +175,7 @@ def reduced_training_loss(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]
 
 @reduced_training_loss.register_fake
 def _(hidden, weight, bias, targets, smoothing, token_weight, denom, softcap, backend, z_loss, need_stats, memory,
-      accum_dtype, observed_smoothing, need_dh, need_dw, need_db):
+      observed_smoothing, need_dh, need_dw, need_db):
     n, dt = hidden.shape[0], _stats_dtype(hidden)
     return (hidden.new_empty((), dtype=dt), hidden.new_empty(n, dtype=dt), hidden.new_empty(n, dtype=torch.long),
             hidden.new_empty(n, dtype=dt), hidden.new_empty(n, dtype=dt),
@@ -204,27 +195,27 @@ def _backward_reduced(ctx, grad_loss, *unused):
     dh, dw, db = ctx.saved_tensors
     need_dh, need_dw, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
     if grad_loss is None:
-        return (None,) * 17
+        return (None,) * 16
     g = grad_loss.reshape(()).float()
 
     def scaled(t, dtype=None):
         return (t.float() * g).to(dtype or t.dtype)
 
     return (scaled(dh, ctx.dtypes[0]) if need_dh else None, scaled(dw, ctx.dtypes[1]) if need_dw else None,
-            scaled(db) if need_db and ctx.has_bias else None) + (None,) * 14
+            scaled(db) if need_db and ctx.has_bias else None) + (None,) * 13
 
 
 torch.library.register_autograd("hf_lsce::reduced_training_loss", _backward_reduced, setup_context=_setup_reduced)
 
 
 def reduced_loss(hidden, weight, bias, targets, smoothing, token_weight, denom, softcap, backend, z_loss, need_stats,
-                 memory, accum_dtype, observed_smoothing):
+                 memory, observed_smoothing):
     """``reduced_training_loss`` with the gradients it needs read from ``requires_grad``: (loss, lse, argmax, nll,
     entropy). ``denom``: a tensor, a number (``num_items_in_batch`` given as one: made a tensor, the operator's
     argument type) or None."""
     if denom is not None and not torch.is_tensor(denom):
         denom = torch.tensor(float(denom), dtype=torch.float32, device=hidden.device)
     out = reduced_training_loss(hidden, weight, bias, targets, smoothing, token_weight, denom, softcap, backend,
-                                z_loss, need_stats, memory, accum_dtype, observed_smoothing,
+                                z_loss, need_stats, memory, observed_smoothing,
                                 hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
     return out[:5]

@@ -68,7 +68,7 @@ class KernelConfig:
     num_stages: int
     dot_precision: str
     # Split the vocabulary until the grid has about this many programs, and into at least min_splits parts (L2 reuse
-    # of h and W: tiles.vocab_splits, fused_pass.fused_splits).
+    # of h and W: fused_pass.fused_splits).
     min_programs: int
     # fp32 operands for tl.dot: only under the interpreter, whose bf16 dot is wrong.
     upcast_dot: bool = False
@@ -78,9 +78,9 @@ class KernelConfig:
     # TMA loads (Hopper and data-centre Blackwell, half precision): tiles.tma_ready.
     tma: bool = False
     # Triton's tl.dot lowers to tensor-core MMA (compute capability 8.0 and newer, and the interpreter): the fused
-    # path's condition, and on CUDA the two-pass path's (its G kernel's dots). Below it Triton 3.9 lowers fp16 dots to
-    # FMA: the fp16 kernel compiled for sm75 and sm70 has no mma instruction, for sm80 m16n8k16 (tl.dot's PTX, compiled
-    # on the CPU); Turing and Volta take cuBLAS's tensor cores through the one-pass path instead.
+    # computation's condition. Below it Triton 3.9 lowers fp16 dots to FMA: the fp16 kernel compiled for sm75 and sm70
+    # has no mma instruction, for sm80 m16n8k16 (tl.dot's PTX, compiled on the CPU); Turing and Volta take the torch
+    # computation (cuBLAS's tensor cores) instead.
     mma_dot: bool = True
 
 
@@ -99,7 +99,7 @@ def interpreting() -> bool:
 
 def fused_config(dtype: torch.dtype, device: torch.device) -> KernelConfig:
     """The logits kernels' configuration for this dtype and device: the fused pass's (``fused_pass._exp_tiles_kernel``,
-    training and the statistics alone) and, with TMA, the G kernels' (``grad_logits_config``). Cached: asked several
+    training, its G epilogue and the statistics alone). Cached: asked several
     times by every call of the op."""
     return _fused_config(dtype, torch.device(device), interpreting())
 
@@ -213,89 +213,3 @@ def _has_tensor_descriptors() -> bool:
     except ImportError:
         return False
     return _release(triton_version()) >= (3, 4)
-
-
-def grad_logits_config(dtype: torch.dtype, device: torch.device) -> KernelConfig:
-    """The kernels writing G = dL/dz (``backward._lce_grad_logits*``): the fused logits kernel's TMA loop and grid
-    where it has one (its logits, another epilogue), else the pointer kernel (autotuned in half precision)."""
-    config = fused_config(dtype, device)
-    if config.tma:
-        return config
-    prec = "ieee" if dtype == torch.float32 else "tf32"
-    if interpreting():
-        return KernelConfig(16, 32, 16, 1, 1, prec, 1, upcast_dot=dtype == torch.bfloat16)
-    if dtype == torch.float32:
-        return KernelConfig(64, 64, 32, 4, 3, prec, 1)
-    return KernelConfig(128, 128, 64, 8, 3, prec, 1, autotune=True)
-
-
-# The training path by hidden size: up to this D the fused path (bf16 with the TMA kernel; fused_pass.py) or else the
-# two-pass path (the fused kernel's statistics for the lse, then the logits
-# recomputed on chip and G written in the input dtype, dh and dW from cuBLAS), above it the one-pass path (fp32
-# logits from cuBLAS, read twice). The one-pass path saves a logits matmul (2 N D V FLOPs) but moves about 14 N V
-# bytes more; the crossing sits near D = 12 * (tensor FLOP/s) / (2 * HBM bytes/s), about 1,400 on an H100.
-# Measured: see docs/how_it_works.md ("Two training paths").
-TWO_PASS_MAX_D = 1024
-# memory="auto": a path's buffers are taken to fit when CUDA's free memory holds this multiple of them
-MEMORY_HEADROOM = 1.25
-# Force one training path where it can run: "fused", "one-pass" or "two-pass" (tests run each under the interpreter;
-# benchmarks compare them). Unset: the fused path where it runs (linear_cross_entropy._train_path), else by
-# TWO_PASS_MAX_D on CUDA, the one-pass path elsewhere.
-TRAIN_PATH = os.environ.get("HF_LSCE_TRAIN_PATH") or None
-if TRAIN_PATH not in (None, "fused", "one-pass", "two-pass"):
-    raise ValueError(f"HF_LSCE_TRAIN_PATH must be 'fused', 'one-pass' or 'two-pass' (or unset), got {TRAIN_PATH!r}.")
-
-# Memory for one chunk of G (the logits' gradient) in the two-pass path and the recomputing backward (backward.py).
-GRAD_CHUNK_BYTES = 1 << 30
-# Memory for one chunk of fp32 logits of the one-pass training path (train_pass.py). Larger chunks
-# mean fewer passes over dW (read and written once per chunk): measured on an H100 at the Gemma2-2B
-# shape, fwd+bwd took 62.4 / 53.6 / 49.9 / 50.5 ms with 0.5 / 1 / 2 / 4 GiB chunks.
-TRAIN_CHUNK_BYTES = 2 << 30
-# Memory for one chunk of fp32 logits where the per-token statistics alone (evaluation) come from cuBLAS
-# (dispatch.cublas_logits). Measured on an H100 (N = 8,192, evaluation): fp32 Gemma-3-270m 68.1 / 60.6 / 57.3 ms with
-# 256 MiB / 1 GiB / 2 GiB chunks, Llama-3-8B 187.7 / 171.4 / 172.8; bf16 (forced) 10.9 / 9.0 / 9.1 and
-# 15.3 / 13.7 / 14.1 (docs/benchmarks.md, settled experiments: stats_chunk.py).
-STATS_CHUNK_BYTES = 1 << 30
-
-
-def stats_chunk_bytes(free_bytes: int | None) -> int:
-    """Bytes of the cuBLAS statistics route's chunk of fp32 logits (``dispatch.forward_stats``): ``STATS_CHUNK_BYTES``,
-    or what CUDA's free memory ``free_bytes`` holds with ``MEMORY_HEADROOM``, at least ``LOW_MEMORY_CHUNK_BYTES`` (an
-    evaluation call on a nearly full GPU, where the fused kernel's statistics would need no buffer)."""
-    if free_bytes is None:
-        return STATS_CHUNK_BYTES
-    return max(LOW_MEMORY_CHUNK_BYTES, min(STATS_CHUNK_BYTES, int(free_bytes / MEMORY_HEADROOM)))
-
-
-# The low-memory mode (memory="low"): its extra memory is the fp32 dh accumulator (4 N D bytes) and one chunk of G (the
-# input dtype) over vocabulary columns, which takes what LOW_MEMORY_BYTES leaves beside the accumulator, and at least
-# LOW_MEMORY_CHUNK_BYTES. Small chunks are many launches: at N = 8192 (H100, Gemma-3-270m head, trainable) 32 MiB chunks
-# took 42.4 ms, host-bound (128 chunks; 20.7 ms of kernels), 64 MiB 19.7 ms and 128 MiB 18.7 ms (docs/benchmarks.md).
-LOW_MEMORY_BYTES = 180 << 20
-LOW_MEMORY_CHUNK_BYTES = 32 << 20
-
-
-def low_memory_chunk_bytes(n: int, d: int, free_bytes: int | None = None) -> int:
-    """Bytes of G's vocabulary chunk in the low-memory mode for N rows of hidden size D; ``free_bytes`` (CUDA's free
-    memory, where memory="auto" chose this mode because it was short) lowers the budget to what it holds."""
-    budget = LOW_MEMORY_BYTES if free_bytes is None else min(LOW_MEMORY_BYTES, int(free_bytes / MEMORY_HEADROOM))
-    return max(LOW_MEMORY_CHUNK_BYTES, budget - 4 * n * d)
-
-
-def tuning_configs(shapes) -> list:
-    """triton.autotune candidates from (BLOCK_N, BLOCK_V, BLOCK_D, num_warps, num_stages) tuples."""
-    import triton
-
-    return [triton.Config(dict(BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd), num_warps=w, num_stages=st)
-            for bn, bv, bd, w, st in shapes]
-
-
-def launch(kernel, tuned, config: KernelConfig, grid, args, flags) -> None:
-    """Run ``kernel`` with ``config``'s block sizes, or its autotuned twin ``tuned`` when the config asks
-    for autotuning and one exists (kernels with side effects, such as atomics, have none).
-    ``grid(meta)`` maps the block sizes to the launch grid."""
-    if config.autotune and tuned is not None:
-        tuned[grid](*args, **flags)
-        return
-    meta = dict(BLOCK_N=config.block_n, BLOCK_V=config.block_v, BLOCK_D=config.block_d)
-    kernel[grid(meta)](*args, **flags, **meta, num_warps=config.num_warps, num_stages=config.num_stages)

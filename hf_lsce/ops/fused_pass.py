@@ -1,6 +1,5 @@
 """The fused pass: one logits matmul for the loss and its gradients, no fp32 logits in memory; without its store of
-R, the per-token statistics (evaluation, the vocabulary-parallel forward, the lse before the two-pass gradients:
-``fused_statistics``).
+R, the per-token statistics (evaluation, the vocabulary-parallel forward: ``fused_statistics``).
 
 The logits kernel (``_exp_tiles_kernel``: with TMA loads one flattened loop over (vocabulary tile, D step)
 pairs, on Hopper; pointer loads with a D loop per tile on every other GPU with bf16 tensor cores, and under
@@ -18,8 +17,8 @@ per row passes through both gradient products:
 
 (``w_n`` the token's weight in the reduced loss, ``b_n`` its smoothing; R' is R with the target entry
 ``R_ny - (1 - b_n) S_n``, written from the kernel's fp32 target logit). So the gradients take three matmuls (the
-logits once, dh, dW) and 2 bytes per logit of memory traffic, where the two-pass path runs the logits twice and the
-one-pass path moves about 14 bytes per logit (fp32 logits written and read twice).
+logits once, dh, dW) and 2 bytes per logit of memory traffic, where a materialising loss moves about 14 (fp32
+logits written and read twice).
 
 The offset: ``c_n = h_n . mean_v W_v + C_SHIFT`` (the mean logit, which is at most the row's max ``m_n``, plus a
 margin). R fits bf16 while ``m_n - c_n`` stays within ``R_EXP_MAX`` (R <= e^48, bf16 and fp32 reach e^88) and keeps
@@ -28,25 +27,27 @@ the entries that matter (within about 60 nats of the max) above bf16's smallest 
 the device and redone by the same kernel with ``c_n = m_n`` (its exact max) in a second launch whose programs return
 at once on blocks without a flagged row. No host synchronisation.
 
-When R for every row costs at most ``EVERY_ROW_EXTRA_BYTES`` more memory than the chunked layout below (a chunk of R
-plus, where the weight needs a gradient, dW's fp32 accumulator), one chunk holds every row. dW's product runs over all
-N rows: with every row kept, the pass writes dW in the weight's dtype with one matmul: the rank-one smoothing term rides
-in it as two extra rows (R's rows of ones against the hi and lo bf16 halves of ``-sum_n u_n h_n``), so dW is rounded
-once and no ``V x D`` fp32 buffer is written, read back and cast (at the Gemma2-2B shape that traffic was about
-7 ms of 49). Otherwise rows are processed ``FUSED_CHUNK_BYTES`` of R at a time (so memory does not grow with N);
-dW is accumulated across chunks in fp32 (``4 V D`` bytes, one rounding at the end; the last chunk's matmul also adds
-the rank-one term, by the same two rows). A frozen head (no dW, no db: LoRA) goes by chunks of vocabulary
-*columns* instead, every row at once (``triton_fused_columns``; ``memory="low"`` too). The z-loss ``lam lse^2``
-multiplies p by ``k_n = 1 + 2 lam lse_n``, one more factor per row (``a_n = w_n k_n / S_n``, the target entry
-``R_ny - (1 - b_n) S_n / k_n``). fp16's range cannot hold R with an offset fixed before the kernel: its mode
-(``online``) stores R relative to each row's running max and normalises it afterwards.
+Layouts (``budget.Plan``, the fastest within the memory budget): ``rows``, R for every row at once, when dW is
+needed written by one matmul in the weight's dtype, the rank-one smoothing term riding in it as two extra rows (R's
+rows of ones against the hi and lo bf16 halves of ``-sum_n u_n h_n``), so dW is rounded once and no fp32 ``V x D``
+buffer is written, read back and cast; or R for a chunk of rows at a time, dW accumulated across chunks in fp32
+(``4 V D`` bytes, one rounding at the end; the last chunk's matmul also adds the rank-one term). ``columns``: the
+pass over every column keeps R for the first ``keep`` columns only (their share of dh and dW as above), and the rest
+is recomputed a chunk of columns at a time once the lse is known, the kernel's G epilogue writing
+``G = p (w k) - u - w (1 - b) [v = y]`` itself (``fused_gradients``), whose dW rows are complete (one rounding) and
+whose dh adds into an fp32 accumulator: one more logits matmul for the recomputed share, down to a few tens of MB.
+``frozen`` (no dW, no db: LoRA): chunks of vocabulary *columns*, every row at once, the logits once
+(``triton_fused_columns``). The z-loss ``lam lse^2`` multiplies p by ``k_n = 1 + 2 lam lse_n``, one more factor per
+row (``a_n = w_n k_n / S_n``, the target entry ``R_ny - (1 - b_n) S_n / k_n``). fp16's range cannot hold R with an
+offset fixed before the kernel: its rows layout (``online``) stores R relative to each row's running max and
+normalises it afterwards; its columns layout keeps nothing and writes G.
 
 Soft-capped logits (a cap up to ``SOFTCAP_MAX``): the cap's derivative ``1 - tanh^2`` is a factor per *logit*, so
 the uniform term ``u 1^T`` times it is no longer rank one and the factors above do not carry it. But a capped logit
 lies within ``cap`` of 0: with the offset ``c = cap`` every R is at most 1 and a normal bf16 number (no fix-up), and
 ``log R`` gives the capped logit back. So a kernel forms G itself over R, in place, once the row statistics are known
-(``_softcap_grad_kernel``: the derivative from log R), and cuBLAS takes dh, dW and db from G; a frozen soft-capped
-head goes by rows too (docs/how_it_works.md).
+(``_softcap_grad_kernel``: the derivative from log R), and cuBLAS takes dh, dW and db from G; the columns layout's
+G epilogue multiplies by the derivative directly.
 """
 
 # (no `from __future__ import annotations` in a kernel module: Triton 3.1's interpreter then misreads each kernel's
@@ -56,7 +57,7 @@ import triton
 import triton.language as tl
 
 from .config import interpreting
-from .matmul import addmm_f32, fp16_weights, kept_dtype, mm_f32
+from .matmul import MM_OUT_DTYPE, addmm_f32, fp16_weights, kept_dtype, mm_f32
 from .tiles import _dot, _finish_logits, _init_state, _logit_acc, _split_bounds, _tanh, tma_ready
 
 # c_n = mean logit + C_SHIFT; a row whose max exceeds c_n by more than R_EXP_MAX is redone with c_n = its max.
@@ -66,26 +67,26 @@ R_EXP_MAX = 48.0
 # a normal bf16 (and fp32) number, and log R gives the capped logit back (the cap's derivative: _softcap_grad_kernel).
 # Gemma 2 caps at 30.
 SOFTCAP_MAX = 40.0
-# Memory for one chunk of R (rows x V in bf16). Measured at the Gemma-3-270m shape (H100): the pass took 15.7 ms with
-# 1 GiB chunks and 14.6 ms with 2 GiB (fewer passes over dW's fp32 accumulator); 1 GiB keeps the extra memory lower.
-FUSED_CHUNK_BYTES = 1 << 30
-# R for every row in one chunk (with dW: written by one matmul, no fp32 accumulator) when that costs at most this much
-# more memory than the chunked layout (and, with memory="auto", fits the free memory). Measured on an H100 at N = 8192
-# (b = 0.1): trainable, the Gemma-3-270m head 13.0 ms with every row (4.3 GB) against 15.1 chunked (1.8 GB), a
-# Gemma-3-1B head (D = 1152) 22.4 against 30.6; frozen (every column in one chunk), Gemma-3-270m 8.9 against 9.3 ms in
-# 1 GiB of columns (docs/benchmarks.md). 4 GiB takes these; Gemma-3-270m at N = 16384 (6.9 GB more) stays chunked.
-EVERY_ROW_EXTRA_BYTES = 4 << 30
-
-
 @triton.jit
-def _exp_epilogue(acc, v0, v_end, B, R, stride_rn, offs_n, mask_n, c, c2, m, s, t_acc, sz, am, softcap, MT, stride_mt,
-                  HAS_BIAS: tl.constexpr, STATS: tl.constexpr, STORE: tl.constexpr, SOFTCAP: tl.constexpr,
-                  ONLINE: tl.constexpr, BLOCK_V: tl.constexpr):
-    """One finished logit tile (``acc``, columns from ``v0``) folded into the rows' state and (STORE) its R stored:
-    ``_exp_tiles_kernel``'s epilogue, shared by its loops. ONLINE (fp16): R relative to the row's running max, which
-    the tile's column of MT records, and the state kept relative to it (an online softmax)."""
+def _exp_epilogue(acc, v0, v_end, v_store, B, R, stride_rn, offs_n, mask_n, c, c2, m, s, t_acc, sz, am, softcap, MT,
+                  stride_mt, pm, uu, ot, y, HAS_BIAS: tl.constexpr, STATS: tl.constexpr, STORE: tl.constexpr,
+                  SOFTCAP: tl.constexpr, ONLINE: tl.constexpr, GRAD: tl.constexpr, BLOCK_V: tl.constexpr):
+    """One finished logit tile (``acc``, columns from ``v0``) folded into the rows' state and (STORE) its R stored
+    where its column is below ``v_store``: ``_exp_tiles_kernel``'s epilogue, shared by its loops. ONLINE (fp16): R
+    relative to the row's running max, which the tile's column of MT records, and the state kept relative to it (an
+    online softmax). GRAD: the tile of G = dL/dz itself, ``p pm - uu - ot [v = y]`` (times the cap's derivative),
+    with ``c2`` the rows' lse in base 2 (``y`` relative to this tile's columns)."""
     offs_v = v0 + tl.arange(0, BLOCK_V)
     mask_v = offs_v < v_end
+    if GRAD:
+        zg, tg = _finish_logits(acc, B, offs_v, mask_v, softcap, HAS_BIAS, SOFTCAP)
+        g = (tl.math.exp2(zg * 1.4426950408889634 - c2[:, None]) * pm[:, None] - uu[:, None]
+             - tl.where(offs_v[None, :] == y[:, None], ot[:, None], 0.0))
+        if SOFTCAP:
+            g = g * (1.0 - tg * tg)
+        tl.store(R + offs_n[:, None].to(tl.int64) * stride_rn + offs_v[None, :], g.to(R.dtype.element_ty),
+                 mask=mask_n[:, None] & mask_v[None, :])
+        return m, s, t_acc, sz, am
     z, _t = _finish_logits(acc, B, offs_v, mask_v, 1.0, HAS_BIAS, False)
     # -inf past this split's columns; the mask is a select per logit, kept rather than a branch for full
     # tiles (a runtime branch here slowed the loop 5-8 % at D >= 2,304: docs/benchmarks.md)
@@ -104,7 +105,7 @@ def _exp_epilogue(acc, v0, v_end, B, R, stride_rn, offs_n, mask_n, c, c2, m, s, 
         tl.store(MT + offs_n * stride_mt + v0 // BLOCK_V, m, mask=mask_n)
         if STORE:
             tl.store(R + offs_n[:, None].to(tl.int64) * stride_rn + offs_v[None, :],
-                     r.to(R.dtype.element_ty), mask=mask_n[:, None] & mask_v[None, :])
+                     r.to(R.dtype.element_ty), mask=mask_n[:, None] & (offs_v < v_store)[None, :])
         return m, s, t_acc, sz, am
     if SOFTCAP:
         # cap tanh(z / cap) = cap (1 - 2 d) with d = 1 / (exp(2 z / cap) + 1); the offset is the cap, so
@@ -130,18 +131,19 @@ def _exp_epilogue(acc, v0, v_end, B, R, stride_rn, offs_n, mask_n, c, c2, m, s, 
     s += tl.sum(r, axis=1)
     if STORE:
         tl.store(R + offs_n[:, None].to(tl.int64) * stride_rn + offs_v[None, :],
-                 r.to(R.dtype.element_ty), mask=mask_n[:, None] & mask_v[None, :])
+                 r.to(R.dtype.element_ty), mask=mask_n[:, None] & (offs_v < v_store)[None, :])
     return m, s, t_acc, sz, am
 
 
-@triton.jit(do_not_specialize=["N", "NUM_SPLITS"])  # (batch-dependent counts: one variant for all)
+@triton.jit(do_not_specialize=["N", "V", "NUM_SPLITS", "v_store", "col0"])  # (per-batch counts: one variant)
 def _exp_tiles_kernel(
     H, W, R, B, C, MT,
-    S_OUT, T_OUT, M_OUT, AM_OUT, SZ_OUT,
-    N, V, D, NUM_SPLITS, stride_rn, stride_hn, stride_hd, stride_wv, stride_wd, stride_mt, r_exp_max, softcap,
+    S_OUT, T_OUT, M_OUT, AM_OUT, SZ_OUT, TERMS, Y,
+    N, V, D, NUM_SPLITS, v_store, col0, stride_rn, stride_hn, stride_hd, stride_wv, stride_wd, stride_mt, r_exp_max,
+    softcap,
     HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, STATS: tl.constexpr,
-    FIXUP: tl.constexpr, STORE: tl.constexpr, SOFTCAP: tl.constexpr, ONLINE: tl.constexpr, TMA: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    FIXUP: tl.constexpr, STORE: tl.constexpr, SOFTCAP: tl.constexpr, ONLINE: tl.constexpr, GRAD: tl.constexpr,
+    TMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Per (vocabulary split, row block): R = exp(z - c) stored tile by tile, and per row over the split
     S = sum R, the max and (STATS) T = sum R (z - c) (entropy) and the argmax. The target logit and the sum of logits
@@ -156,11 +158,22 @@ def _exp_tiles_kernel(
     each row's running max, recorded per tile in MT (``_normalize_kernel`` turns R into p afterwards); no C, no
     fix-up. TMA: H and W are tensor descriptors (Hopper and data-centre Blackwell; loads past N, V and D zero-filled)
     in one flattened loop over (vocabulary tile, D step) pairs; else pointers with masked loads (every GPU with
-    tensor-core dots, and the interpreter) in a D loop per vocabulary tile."""
+    tensor-core dots, and the interpreter) in a D loop per vocabulary tile. GRAD: G stored in R's place from the
+    lse (C) and the rows' terms (TERMS: the factor of p, the uniform term, the target's; Y: targets, ``col0`` this
+    chunk's first column), no statistics."""
     n0 = tl.program_id(1) * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     c = tl.load(C + offs_n, mask=mask_n, other=0.0)
+    pm = c
+    uu = c
+    ot = c
+    y = offs_n
+    if GRAD:
+        pm = tl.load(TERMS + offs_n, mask=mask_n, other=0.0)
+        uu = tl.load(TERMS + N + offs_n, mask=mask_n, other=0.0)
+        ot = tl.load(TERMS + 2 * N + offs_n, mask=mask_n, other=0.0)
+        y = tl.load(Y + offs_n, mask=mask_n, other=-1) - col0
     run = True
     if FIXUP:
         c, flagged = _effective_offsets(M_OUT, c, offs_n, mask_n, N, NUM_SPLITS, r_exp_max, BLOCK_N)
@@ -181,9 +194,9 @@ def _exp_tiles_kernel(
                 w = W.load([v0, k * BLOCK_D])
                 acc = _dot(h, tl.trans(w), acc, DOT_PRECISION, UPCAST)
                 if k == k_steps - 1:
-                    m, s, t_acc, sz, am = _exp_epilogue(acc, v0, v_end, B, R, stride_rn, offs_n, mask_n, c, c2, m, s,
-                                                        t_acc, sz, am, softcap, MT, stride_mt, HAS_BIAS, STATS,
-                                                        STORE, SOFTCAP, ONLINE, BLOCK_V)
+                    m, s, t_acc, sz, am = _exp_epilogue(acc, v0, v_end, v_store, B, R, stride_rn, offs_n, mask_n, c,
+                                                        c2, m, s, t_acc, sz, am, softcap, MT, stride_mt, pm, uu, ot,
+                                                        y, HAS_BIAS, STATS, STORE, SOFTCAP, ONLINE, GRAD, BLOCK_V)
                     acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
         else:  # pointer loads: a D loop per vocabulary tile (Triton's classic matmul loop: 1-13 % faster than the
             # flattened one with pointers, settled experiments: pointer_blocks.py)
@@ -191,27 +204,27 @@ def _exp_tiles_kernel(
                 offs_w = v0 + tl.arange(0, BLOCK_V)
                 acc = _logit_acc(H, W, offs_n.to(tl.int64), offs_w.to(tl.int64), mask_n, offs_w < V, D, stride_hn,
                                  stride_hd, stride_wv, stride_wd, BLOCK_D, DOT_PRECISION, UPCAST, BLOCK_N, BLOCK_V)
-                m, s, t_acc, sz, am = _exp_epilogue(acc, v0, v_end, B, R, stride_rn, offs_n, mask_n, c, c2, m, s,
-                                                    t_acc, sz, am, softcap, MT, stride_mt, HAS_BIAS, STATS, STORE,
-                                                    SOFTCAP, ONLINE, BLOCK_V)
-        out = tl.program_id(0) * N + offs_n
-        tl.store(S_OUT + out, s, mask=mask_n)
-        tl.store(T_OUT + out, t_acc, mask=mask_n)
-        tl.store(M_OUT + out, m, mask=mask_n)
-        tl.store(AM_OUT + out, am, mask=mask_n)
-        if SOFTCAP:
-            tl.store(SZ_OUT + out, (2.0 * softcap) * sz, mask=mask_n)
+                m, s, t_acc, sz, am = _exp_epilogue(acc, v0, v_end, v_store, B, R, stride_rn, offs_n, mask_n, c, c2,
+                                                    m, s, t_acc, sz, am, softcap, MT, stride_mt, pm, uu, ot, y,
+                                                    HAS_BIAS, STATS, STORE, SOFTCAP, ONLINE, GRAD, BLOCK_V)
+        if not GRAD:
+            out = tl.program_id(0) * N + offs_n
+            tl.store(S_OUT + out, s, mask=mask_n)
+            tl.store(T_OUT + out, t_acc, mask=mask_n)
+            tl.store(M_OUT + out, m, mask=mask_n)
+            tl.store(AM_OUT + out, am, mask=mask_n)
+            if SOFTCAP:
+                tl.store(SZ_OUT + out, (2.0 * softcap) * sz, mask=mask_n)
 
 
-def supported(hidden, weight, softcap, z_loss, config) -> bool:
-    """Whether the fused path can run these inputs: on a GPU whose Triton dots are tensor-core MMA (``config.mma_dot``:
-    compute capability 8.0 or newer) or the interpreter, bf16 (a bias has hidden's dtype: the op's validation) with no
-    soft-cap or one of at most ``SOFTCAP_MAX`` (any z-loss), or fp16 without a soft-cap (``online``). The kernel takes
-    TMA loads where ``tiles.tma_ready`` allows them, pointer loads elsewhere."""
-    if hidden.dtype == torch.float16 and weight.dtype == torch.float16:  # (R by running maxima: ``online``)
-        return softcap is None and config.mma_dot
-    return (hidden.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and config.mma_dot
-            and (softcap is None or softcap <= SOFTCAP_MAX))
+def supported(hidden, weight, softcap, config) -> bool:
+    """Whether the fused pass can run these inputs: on a GPU whose Triton dots are tensor-core MMA (``config.mma_dot``:
+    compute capability 8.0 or newer, with torch's fp32-output half matmuls, torch >= 2.9) or the interpreter, bf16 or
+    fp16 (a bias has hidden's dtype: the op's validation) with no soft-cap or one of at most ``SOFTCAP_MAX`` (fp16 with
+    a soft-cap by the columns layout alone, ``budget.fused_plans``). The kernel takes TMA loads where
+    ``tiles.tma_ready`` allows them, pointer loads elsewhere."""
+    return (hidden.dtype in (torch.bfloat16, torch.float16) and weight.dtype == hidden.dtype and config.mma_dot
+            and (softcap is None or softcap <= SOFTCAP_MAX) and (MM_OUT_DTYPE or not hidden.is_cuda))
 
 
 def online(hidden) -> bool:
@@ -220,22 +233,23 @@ def online(hidden) -> bool:
     turns it into p once the row's lse is known (2 more bytes read and written per logit); the token weights are divided
     by gamma (a power of two at least the largest: fp16 would hold a ~ 1 / N in a o h as subnormal numbers), dW is
     accumulated in fp32, and the gradients are returned divided by gamma, which the op's backward multiplies back as
-    it casts them (``train_pass.scale_by``: no pass of its own over dW). No soft-cap: its derivative needs every logit
+    it casts them (``matmul.scale_by``: no pass of its own over dW). No soft-cap: its derivative needs every logit
     back from R, and fp16's R does not keep the small ones."""
     return hidden.dtype == torch.float16
 
 
 def _exp_tiles(config, h, weight, bias, c, r, stats: bool, bufs=None, descs=None, store: bool = True, softcap=None,
-               mt=None):
-    """Launch the kernel on the rows ``h`` (offsets ``c``, R into ``r``); returns (per-split buffers S, T, max,
-    argmax, sum of capped logits; the tensor descriptors of h and W). ``bufs`` given: the fix-up launch, into the
-    buffers and with the descriptors ``descs`` the first launch returned. ``mt`` given (fp16: ``online``): each
-    tile's running maxima, (rows, tiles) fp32."""
+               mt=None, v_store: int | None = None, grad=None):
+    """Launch the kernel on the rows ``h`` (offsets ``c``, R into ``r`` for the columns below ``v_store``, default
+    all); returns (per-split buffers S, T, max, argmax, sum of capped logits; the tensor descriptors of h and W).
+    ``bufs`` given: the fix-up launch, into the buffers and with the descriptors ``descs`` the first launch returned.
+    ``mt`` given (fp16: ``online``): each tile's running maxima, (rows, tiles) fp32. ``grad`` = (terms, targets,
+    first column): G into ``r`` with ``c`` the lse (``fused_gradients``)."""
     n, d = h.shape
     v = weight.shape[0]
     splits = fused_splits(config, n, v)
     fixup = bufs is not None
-    if bufs is None:
+    if bufs is None and grad is None:
         s, t, m, sz = torch.empty(4, splits, n, dtype=torch.float32, device=h.device)
         bufs = (s, t, m, torch.empty(splits, n, dtype=torch.int32, device=h.device), sz)
     if descs is None:  # the TMA kernel's descriptors, or the tensors themselves for pointer loads
@@ -246,14 +260,16 @@ def _exp_tiles(config, h, weight, bias, c, r, stats: bool, bufs=None, descs=None
             descs = (TensorDescriptor.from_tensor(h, [config.block_n, config.block_d]),
                      TensorDescriptor.from_tensor(weight, [config.block_v, config.block_d]))
     use_tma = descs[0] is not h
+    terms, y, col0 = grad if grad is not None else (c, c, 0)
     grid = (splits, triton.cdiv(n, config.block_n))
     _exp_tiles_kernel[grid](
         *descs, r, bias if bias is not None else weight, c, c if mt is None else mt,
-        *bufs, n, v, d, splits, r.stride(0), *h.stride(), *weight.stride(), 0 if mt is None else mt.stride(0),
+        *(bufs if bufs is not None else (c,) * 5), terms, y, n, v, d, splits, v if v_store is None else v_store, col0,
+        r.stride(0), *h.stride(), *weight.stride(), 0 if mt is None else mt.stride(0),
         R_EXP_MAX, float(softcap) if softcap is not None else 1.0,
         HAS_BIAS=bias is not None, DOT_PRECISION=config.dot_precision, UPCAST=config.upcast_dot,
-        STATS=stats, FIXUP=fixup, STORE=store, SOFTCAP=softcap is not None, ONLINE=mt is not None, TMA=use_tma,
-        BLOCK_N=config.block_n,
+        STATS=stats, FIXUP=fixup, STORE=store, SOFTCAP=softcap is not None, ONLINE=mt is not None,
+        GRAD=grad is not None, TMA=use_tma, BLOCK_N=config.block_n,
         BLOCK_V=config.block_v, BLOCK_D=config.block_d, num_warps=config.num_warps, num_stages=config.num_stages)
     return bufs, descs
 
@@ -392,11 +408,11 @@ def _zloss_factor(lse, z_loss):
     return tl.where(tl.abs(k) < 9.5367431640625e-07, 9.5367431640625e-07, k)
 
 
-@triton.jit(do_not_specialize=["n", "splits"])  # (batch-dependent counts: one variant for all)
+@triton.jit(do_not_specialize=["n", "splits", "v_store"])  # (batch-dependent counts: one variant for all)
 def _finish_rows_kernel(
     S, T, M, AM, SZS, C, ZY, SZ, Y, SMOOTH, SCALE, H, R, HS,
     LSE_OUT, ENT_OUT, AM_OUT, A_OUT, U_OUT, LOSS_OUT, NLL_OUT,
-    n, splits, D, stride_h, stride_r, stride_hs, inv_v, r_exp_max, z_loss,
+    n, splits, v_store, D, stride_h, stride_r, stride_hs, inv_v, r_exp_max, z_loss,
     STATS: tl.constexpr, GRAD: tl.constexpr, R_TARGET: tl.constexpr, SCALE_H: tl.constexpr, SOFTCAP: tl.constexpr,
     ONLINE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -404,7 +420,7 @@ def _finish_rows_kernel(
     STATS: entropy and argmax; SOFTCAP: the sum of capped logits from the splits' SZS, written to SZ), the token's
     loss and nll (``paths.token_loss_terms``' formula: 0 for an ignored token), and for the gradients (GRAD)
     a = w k / S and u = w b / V (k = 1 + 2 z_loss lse), (R_TARGET) R's target entry made R_ny - (1 - b) S / k from
-    the fp32 target logit, and (SCALE_H) the rows of a o h in the input dtype for dW. ONLINE (``online``): the splits
+    the fp32 target logit where R holds the target's column (below ``v_store``), and (SCALE_H) the rows of a o h in the input dtype for dW. ONLINE (``online``): the splits
     relative to their own maxima, lse = m + log S, and a = w k (``_normalize_kernel`` makes R the probabilities and
     sets the target entry)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -444,7 +460,7 @@ def _finish_rows_kernel(
         tl.store(U_OUT + rows, w * b * inv_v, mask=mask_r)
         if R_TARGET:
             tgt = tl.exp(zy - c) - (1.0 - b) * s / k
-            ok = mask_r & (y >= 0)
+            ok = mask_r & (y >= 0) & (y < v_store)
             tl.store(R + rows.to(tl.int64) * stride_r + tl.maximum(y, 0), tgt.to(R.dtype.element_ty), mask=ok)
         if SCALE_H:
             for d0 in range(0, D, BLOCK_D):
@@ -525,58 +541,6 @@ def _normalize_kernel(R, MT, LSE, ZY, SMOOTH, Y, n, V, stride_r, stride_mt, z_lo
     tl.store(at, p.to(R.dtype.element_ty), mask=m2)
 
 
-def chunk_rows(n: int, v: int, chunk_bytes: int | None = None) -> tuple[int, int]:
-    """(R's padded row length, rows per chunk): a row stride of a multiple of 8 elements (16-byte rows for cuBLAS and
-    TMA), and as many bf16 rows as ``chunk_bytes`` (default ``FUSED_CHUNK_BYTES``) hold."""
-    v_pad = triton.cdiv(v, 8) * 8
-    return v_pad, max(1, min(n, (chunk_bytes or FUSED_CHUNK_BYTES) // (v_pad * 2)))
-
-
-def layout(n: int, v: int, d: int, need_dw: bool, chunk_bytes: int | None = None,
-           free_bytes: int | None = None, half_range: bool = False) -> tuple[int, int, bool]:
-    """(R's padded row length, rows per chunk, direct). One chunk holds every row where R for all of them (with dW,
-    plus the rank-one term's two rows) costs at most ``EVERY_ROW_EXTRA_BYTES`` more than the chunked layout (a chunk
-    of R and, with dW, its fp32 accumulator) and, where ``free_bytes`` (CUDA's free memory, ``memory="auto"``) is
-    given, fits it with the op's headroom; ``direct``: dW is needed and then written by one matmul (not for fp16,
-    ``half_range``: its dW goes through the fp32 accumulator, see ``online``)."""
-    from .config import MEMORY_HEADROOM
-
-    v_pad, rows = chunk_rows(n, v, chunk_bytes)
-    need = (n + (2 if need_dw else 0)) * v_pad * 2
-    whole = (need <= rows * v_pad * 2 + (v * d * 4 if need_dw else 0) + EVERY_ROW_EXTRA_BYTES
-             and (free_bytes is None or MEMORY_HEADROOM * need <= free_bytes))
-    return v_pad, (n if whole else rows), whole and need_dw and not half_range
-
-
-def preferred(n: int, v: int, d: int, need_dw: bool, free_bytes: int | None = None) -> bool:
-    """Whether the fused path is the training path of choice where it can run (``supported``): up to hidden size
-    ``config.TWO_PASS_MAX_D`` always; above it for a frozen head (LoRA: no dW, so R is read by dh's matmul alone, a
-    chunk at a time), and where dW is needed and written directly (``layout``). bf16 only: fp16 takes the fused path
-    wherever it runs (``paths.cuda_path``). Measured on an H100 (b = 0.1; docs/how_it_works.md): written directly it
-    is faster. With chunks and dW's fp32 accumulator (Gemma2-2B and Llama-3-8B heads, N = 32,768) it took 179.5 and
-    150.1 ms against the one-pass path's 196.0 and 155.2 with TMA, but 204.2 and 160.2 against 195.4 and 155.7 with
-    pointer loads, and 1.1-1.3 GB more memory. So where dW is needed without the direct layout the one-pass path is
-    kept."""
-    from .config import TWO_PASS_MAX_D
-
-    return d <= TWO_PASS_MAX_D or not need_dw or layout(n, v, d, need_dw, free_bytes=free_bytes)[2]
-
-
-def extra_memory(n: int, v: int, d: int, need_dw: bool = True, free_bytes: int | None = None,
-                 half_range: bool = False) -> int:
-    """Bytes the fused path holds beyond its inputs and outputs, for ``memory="auto"``: R for every row (direct
-    layout), or one chunk of R and dW's fp32 accumulator; a frozen head: R (every column where it fits, else a chunk
-    of ``FUSED_CHUNK_BYTES``) and dh's fp32 accumulator (every row by columns, one chunk of rows: see
-    ``frozen_chunk_bytes``). A soft-capped frozen head goes by rows without that accumulator: an upper bound there,
-    by at most ``4 N D`` bytes."""
-    v_pad, rows, direct = layout(n, v, d, need_dw, free_bytes=free_bytes, half_range=half_range)
-    if direct:
-        return (n + 2) * v_pad * 2
-    if need_dw:
-        return (rows + 2) * v_pad * 2 + v * d * 4
-    return rows * v_pad * 2 + 4 * (n if frozen_chunk_bytes(n, v, d, free_bytes) else rows) * d
-
-
 class _ExactBf16Reduction:
     """cuBLAS without reduced-precision (half) reductions inside a half-precision matmul (split-K partial sums stay
     fp32), restored afterwards: dW's single matmul rounds once."""
@@ -622,19 +586,18 @@ def _rank_one_rows(r_buf, hs, u_all, hidden, at: int, v: int, ones: bool = False
         r_buf[at:at + 2, :v].fill_(1.0)
 
 
-def _direct_dw(r_buf, hs, u_all, hidden, n: int, v: int, weight, rank_one: bool = True) -> torch.Tensor:
-    """dW = R'^T (a o h) - 1 (u^T h)^T in the weight's dtype by one matmul over every row and the rank-one term's two
-    (``_rank_one_rows``; ``rank_one=False``, u = 0: the first product alone); ``hs`` None (soft-capped: R holds G):
-    G^T h. (A K padded to a multiple of 8 was no faster: docs/benchmarks.md, settled experiments: direct_dw.py.)"""
+def _direct_dw(r_buf, hs, u_all, hidden, n: int, v: int, out, rank_one: bool = True) -> None:
+    """dW's rows of R's ``v`` columns into ``out`` (the weight's dtype): R'^T (a o h) - 1 (u^T h)^T by one matmul over
+    every row and the rank-one term's two (``_rank_one_rows``; ``rank_one=False``, u = 0: the first product alone);
+    ``hs`` None (soft-capped: R holds G): G^T h. (A K padded to a multiple of 8 was no faster: docs/benchmarks.md,
+    settled experiments: direct_dw.py.)"""
     k = n
     if hs is None:
         hs = hidden
     elif rank_one:
-        _rank_one_rows(r_buf, hs, u_all, hidden, n, v, ones=True)  # (made ones by triton_fused_pass)
+        _rank_one_rows(r_buf, hs, u_all, hidden, n, v, ones=True)  # (made ones by _r_pass)
         k = n + 2
-    dw = torch.empty(v, hs.shape[1], dtype=weight.dtype, device=hs.device)
-    _mm_once(r_buf[:k, :v].T, hs[:k], dw)
-    return dw
+    _mm_once(r_buf[:k, :v].T, hs[:k], out)
 
 
 def _mm_once(a, b, out) -> None:
@@ -677,48 +640,93 @@ def _rows_launch(n: int):
     return (triton.cdiv(n, 32),), 32, 128, 4
 
 
-def triton_fused_pass(hidden, weight, bias, targets, smoothing, scale, config, need_dh=True, need_dw=True,
-                      need_db=True, need_stats=False, chunk_bytes: int | None = None, free_bytes: int | None = None,
-                      z_loss: float = 0.0, softcap: float | None = None, smoothed: bool = True):
-    """Statistics and gradients of ``sum_n scale_n loss_n`` for 2-D bf16 ``hidden`` (N, D) by the fused path (see the
-    module docstring; ``supported`` says when it applies). ``targets``: ids, -1 for ignored tokens; ``smoothing`` and
-    ``scale``: fp32 per token. Returns ``(lse, zy, sz, argmax, entropy, loss, nll), dh, dw, db, gamma`` (the token
-    losses as ``paths.token_loss_terms`` gives them; dh, dw in the inputs' dtype (fp32 for fp16: ``kept_dtype``), db
-    fp32; None where not needed; argmax and entropy zeros unless ``need_stats``; the gradients are gamma times these:
-    gamma None but for fp16, ``online``). ``free_bytes``: the free memory
-    ``memory="auto"`` measured (the direct layout only if it fits: ``layout``). ``softcap``: R's chunk becomes G
-    itself (``_softcap_grad_kernel``), whose products give dh, dW and db. ``smoothed=False``: ``smoothing`` is 0 for
-    every token, so u is 0 and dW's and db's rank-one terms are skipped."""
+def pad8(x: int) -> int:
+    """A row length of a multiple of 8 elements: 16-byte rows for cuBLAS and TMA."""
+    return triton.cdiv(x, 8) * 8
+
+
+def triton_fused_pass(hidden, weight, bias, targets, smoothing, scale, config, plan, need_dh=True, need_dw=True,
+                      need_db=True, need_stats=False, z_loss: float = 0.0, softcap: float | None = None,
+                      smoothed: bool = True):
+    """Statistics and gradients of ``sum_n scale_n loss_n`` for 2-D half-precision ``hidden`` (N, D) by the fused pass
+    in ``plan``'s layout (``budget.Plan``: rows, columns or frozen; ``supported`` says when it applies).
+    ``targets``: ids, -1 for ignored tokens; ``smoothing`` and ``scale``: fp32 per token. Returns ``(lse, zy, sz,
+    argmax, entropy, loss, nll), dh, dw, db, gamma`` (the token losses as ``paths.token_loss_terms`` gives them; dh, dw
+    in the inputs' dtype (fp32 for fp16: ``kept_dtype``), db fp32; None where not needed; argmax and entropy zeros
+    unless ``need_stats``; the gradients are gamma times these: gamma None but for fp16, ``online``).
+    ``smoothed=False``: ``smoothing`` is 0 for every token, so dW's and db's rank-one terms are skipped."""
+    on, soft, need_db = online(hidden), softcap is not None, need_db and bias is not None
+    frozen_ok = not (need_dw or need_db or soft or on)
+    if plan.layout == "frozen" and frozen_ok:
+        return triton_fused_columns(hidden, weight, bias, targets, smoothing, scale, config, plan.cols,
+                                    need_stats=need_stats, z_loss=z_loss)
+    n, d = hidden.shape
+    v = weight.shape[0]
+    (scale,), gamma = fp16_weights(hidden.dtype, scale)  # (fp16: every gradient divided by gamma, ``online``)
+    # (the planner gives each layout only the inputs it serves; any other lands on the columns layout, which serves
+    # every input: a kept share needs dW and bf16 R, fp16's R cannot give a cap's slope back)
+    columns = plan.layout != "rows" or (on and soft)
+    keep = (plan.keep if need_dw and not (soft or on) else 0) if columns else v
+    cols = plan.cols or v
+    db = torch.zeros(v, dtype=torch.float32, device=hidden.device) if need_db else None
+    if keep:
+        stats, dh, dw = _r_pass(hidden, weight, bias, targets, smoothing, scale, config, n if columns else plan.rows,
+                                keep, db, need_dh, need_dw, need_stats, z_loss, softcap, smoothed)
+    else:  # the statistics alone (fp16 and soft-caps too: no R kept), then G by chunks
+        stats = fused_statistics(hidden, weight, bias, targets, softcap, config, need_stats, smoothing, z_loss)
+        dh = torch.empty(n, d, dtype=torch.float32, device=hidden.device) if need_dh else None
+        dw = torch.empty(v, d, dtype=kept_dtype(weight.dtype), device=hidden.device) if need_dw else None
+    if keep < v:
+        terms = row_terms(stats[0], scale, smoothing, z_loss, v)
+        fused_gradients(hidden, weight, bias, targets, stats[0], terms, softcap, config, cols, dh, dw, db,
+                        start=keep, started=keep > 0)
+        dh = dh.to(kept_dtype(hidden.dtype)) if dh is not None else None
+    return stats, dh, dw, db, gamma
+
+
+def _r_pass(hidden, weight, bias, targets, smoothing, scale, config, rows, keep, db, need_dh, need_dw, need_stats,
+            z_loss, softcap, smoothed):
+    """The pass that keeps R: ``rows`` rows at a time, R of the first ``keep`` columns (all, or the columns layout's
+    kept share, then one chunk of every row); returns (statistics, dh, dw), dh fp32 and without the other columns'
+    share where ``keep`` < V (``fused_gradients`` adds it), dw (V, D) with its first ``keep`` rows written; db's
+    first ``keep`` entries added into ``db``."""
     n, d = hidden.shape
     v = weight.shape[0]
     dev = hidden.device
     f32 = dict(dtype=torch.float32, device=dev)
     on = online(hidden)
-    (scale,), gamma = fp16_weights(hidden.dtype, scale)  # (fp16: every gradient divided by gamma, ``online``)
-    v_pad, rows, direct = layout(n, v, d, need_dw, chunk_bytes, free_bytes, half_range=on)
+    part = keep < v
+    rows = min(rows, n)
     if rows < n and rows > config.block_n:
         rows = rows // config.block_n * config.block_n  # whole row blocks per chunk
+    direct = rows == n and need_dw and not on
     soft = softcap is not None
     extra = 2 if need_dw and not soft else 0  # the rank-one term's rows (see _rank_one_rows)
-    r_buf = torch.empty(rows + extra, v_pad, dtype=hidden.dtype, device=dev)
+    r_buf = torch.empty(rows + extra, pad8(keep), dtype=hidden.dtype, device=dev)
     ones = None
     if direct and extra:  # the rank-one term's rows of R (``_rank_one_rows``), ones from the start: the row of ones of
         # the column sums too (no exponential is written there)
-        r_buf[n:, :v].fill_(1.0)
-        ones = r_buf[n:n + 1, :v]
+        r_buf[n:, :keep].fill_(1.0)
+        ones = r_buf[n:n + 1, :v] if not part else None
     sums = None if soft else _column_sums(weight, bias, ones)  # the offsets' and dh's uniform term
+    colsum = sums[0] if sums is not None and not part else None
+    if part and not soft:  # dh's uniform term over the kept columns only (G carries the others')
+        colsum = _column_sums(weight[:keep], None, r_buf[n:n + 1, :keep])[0]
     rowbuf = torch.empty(8, n, **f32)  # per-row fp32 outputs and scratch in one allocation
     lse, zy, sz, ent, a_all, u_all, loss, nll = rowbuf
     am = torch.empty(n, dtype=torch.long, device=dev)
-    grad = need_dh or need_dw or (need_db and bias is not None)
-    dh = torch.empty(n, d, dtype=kept_dtype(hidden.dtype), device=dev) if need_dh else None
+    grad = need_dh or need_dw or db is not None
+    dh = None
+    if need_dh:
+        dh = torch.empty(n, d, dtype=torch.float32 if part else kept_dtype(hidden.dtype), device=dev)
     dw32 = torch.empty(v, d, **f32) if need_dw and not direct else None
-    db = torch.zeros(v, **f32) if need_db and bias is not None else None
-    dh32 = torch.empty(rows, d, **f32) if need_dh and not soft else None
+    dw = torch.empty(v, d, dtype=weight.dtype, device=dev) if direct else None
+    dh32 = torch.empty(rows, d, **f32) if need_dh and not (soft or part) else None
     hs = torch.empty(rows + extra, d, dtype=hidden.dtype, device=dev) if need_dw and not soft else None
     c_buf = torch.empty(rows, **f32)
     mt = torch.empty(rows, triton.cdiv(v, config.block_v), **f32) if on else None
     per_row = (zy, sz, smoothing, scale, lse, ent, am, a_all, u_all, loss, nll, dh)
+    w_keep = weight[:keep] if part else weight
     for s0 in range(0, n, rows):
         e0 = min(n, s0 + rows)
         nr = e0 - s0
@@ -726,16 +734,16 @@ def triton_fused_pass(hidden, weight, bias, targets, smoothing, scale, config, n
         zy_c, sz_c, b_c, w_c, lse_c, ent_c, am_c, a, u, loss_c, nll_c, dh_c = per_row if nr == n else (
             t[s0:e0] if t is not None else None for t in per_row)
         h, y = (hidden, targets) if nr == n else (hidden[s0:e0], targets[s0:e0])
-        r, c = r_buf[:nr, :v], c_buf if nr == rows else c_buf[:nr]
+        r, c = r_buf[:nr, :keep], c_buf if nr == rows else c_buf[:nr]
         grid, br, bd, warps = _rows_launch(nr)
         _row_offsets(h, weight, bias, sums, y, c, sz_c, zy_c, softcap)
         mt_c = None if mt is None else mt[:nr]
-        st, descs = _exp_tiles(config, h, weight, bias, c, r, need_stats, softcap=softcap, mt=mt_c)
+        st, descs = _exp_tiles(config, h, weight, bias, c, r, need_stats, softcap=softcap, mt=mt_c, v_store=keep)
         if not (soft or on):  # (capped logits never leave the range; fp16 has no fixed offset)
-            _exp_tiles(config, h, weight, bias, c, r, need_stats, bufs=st, descs=descs)  # the flagged rows redone
+            _exp_tiles(config, h, weight, bias, c, r, need_stats, bufs=st, descs=descs, v_store=keep)  # flagged rows
         _finish_rows_kernel[grid](
             *st, c, zy_c, sz_c, y, b_c, w_c, h, r, h if hs is None else hs, lse_c, ent_c, am_c, a, u, loss_c,
-            nll_c, nr, st[0].shape[0], d, h.stride(0), r.stride(0), 0 if hs is None else hs.stride(0), 1.0 / v,
+            nll_c, nr, st[0].shape[0], keep, d, h.stride(0), r.stride(0), 0 if hs is None else hs.stride(0), 1.0 / v,
             R_EXP_MAX, float(z_loss), STATS=need_stats, GRAD=grad, R_TARGET=not (soft or on), SCALE_H=hs is not None,
             SOFTCAP=soft, ONLINE=on, BLOCK_R=br, BLOCK_D=bd, num_warps=warps)
         if on and grad:
@@ -750,9 +758,9 @@ def triton_fused_pass(hidden, weight, bias, targets, smoothing, scale, config, n
         if need_dh and soft:
             _mm_once(r, weight, dh_c)
         elif need_dh:
-            t = dh32 if nr == rows else dh32[:nr]
-            mm_f32(r, weight, t)
-            _dh_rows_kernel[grid](t, a, u, sums[0], dh_c, y, weight, a, a, nr, d, t.stride(0), dh.stride(0),
+            t = dh if part else (dh32 if nr == rows else dh32[:nr])
+            mm_f32(r, w_keep, t)
+            _dh_rows_kernel[grid](t, a, u, colsum, dh_c, y, weight, a, a, nr, d, t.stride(0), dh.stride(0),
                                   weight.stride(0), TARGET=False, BLOCK_R=br, BLOCK_D=bd, num_warps=warps)
         if need_dw and not direct:
             k, rhs = nr, h
@@ -766,31 +774,65 @@ def triton_fused_pass(hidden, weight, bias, targets, smoothing, scale, config, n
             else:
                 addmm_f32(dw32, r_buf[:k, :v].T, rhs[:k])
         if db is not None:  # R's column sums weighted by a (soft-cap: G's column sums)
-            db_chunk = torch.empty(v, 1, **f32)
+            db_chunk = torch.empty(keep, 1, **f32)
             mm_f32(r.T, (torch.ones_like(a) if soft else a).to(r.dtype)[:, None], db_chunk)
-            db += db_chunk[:, 0]
-    dw = None
+            db[:keep] += db_chunk[:, 0]
     if direct:
-        dw = _direct_dw(r_buf, hs, u_all, hidden, n, v, weight, rank_one=smoothed)
-    elif need_dw and on:  # (kept in fp32, divided by gamma, until backward: matmul.kept_dtype)
-        dw = dw32
-    elif need_dw:
-        dw = dw32.to(weight.dtype)
+        _direct_dw(r_buf, hs, u_all, hidden, n, keep, dw if not part else dw[:keep], rank_one=smoothed)
+    elif need_dw:  # (fp16's kept in fp32, divided by gamma, until backward: matmul.kept_dtype)
+        dw = dw32 if on else dw32.to(weight.dtype)
     if db is not None and not soft and smoothed:
-        db -= u_all.sum()
-    return (lse, zy, sz, am, ent, loss, nll), dh, dw, db, gamma
+        db[:keep] -= u_all.sum()
+    return (lse, zy, sz, am, ent, loss, nll), dh, dw
 
 
-def triton_fused_columns(hidden, weight, bias, targets, smoothing, scale, config, chunk_bytes: int | None = None,
+def row_terms(lse, scale, smoothing, z_loss: float, v: int, extra=None) -> torch.Tensor:
+    """(3, N) fp32: each row's factor of p in G (``w k + e``, k = 1 + 2 z_loss lse, ``e`` an lse output's gradient),
+    its uniform term ``w b / V`` and its target term ``w (1 - b)`` (``fused_gradients``)."""
+    pm = scale * (1.0 + 2.0 * z_loss * lse) if z_loss else scale
+    if extra is not None:
+        pm = pm + extra
+    return torch.stack([pm, scale * smoothing / v, scale * (1.0 - smoothing)]).contiguous()
+
+
+def fused_gradients(hidden, weight, bias, targets, lse, terms, softcap, config, cols: int, dh, dw, db, start: int = 0,
+                    started: bool = False) -> None:
+    """G = dL/dz recomputed from the lse (the logits kernel's G epilogue, the input dtype) ``cols`` columns at a time
+    from column ``start``, as ``terms`` (``row_terms``) give it: ``dh`` (fp32, N x D; None: not needed) gets
+    ``G W`` added (written on the first chunk unless ``started``), each chunk's rows of ``dw`` and entries of ``db``
+    are written (one rounding). The columns layout's recomputed share, and the recomputing backward (an lse output's
+    gradient, the vocabulary-parallel head)."""
+    n = hidden.shape[0]
+    v = weight.shape[0]
+    cols = max(1, min(cols, v - start))
+    g_buf = torch.empty(n, pad8(cols), dtype=hidden.dtype, device=hidden.device)
+    ones = torch.ones(n, 1, dtype=hidden.dtype, device=hidden.device) if db is not None else None
+    for c0 in range(start, v, cols):
+        c1 = min(v, c0 + cols)
+        wc, g = weight[c0:c1], g_buf[:, :c1 - c0]
+        _exp_tiles(config, hidden, wc, bias[c0:c1] if bias is not None else None, lse, g, False, softcap=softcap,
+                   grad=(terms, targets, c0))
+        if dh is not None:
+            (addmm_f32 if started else mm_f32)(*((dh, g, wc) if started else (g, wc, dh)))
+            started = True
+        if dw is not None:
+            (mm_f32 if dw.dtype == torch.float32 else _mm_once)(g.T, hidden, dw[c0:c1])
+        if db is not None:
+            col = torch.empty(c1 - c0, 1, dtype=torch.float32, device=hidden.device)
+            mm_f32(g.T, ones, col)
+            db[c0:c1] = col[:, 0]
+
+
+def triton_fused_columns(hidden, weight, bias, targets, smoothing, scale, config, cols: int | None = None,
                          need_stats=False, z_loss: float = 0.0, need_dh: bool = True, softcap: float | None = None):
-    """A frozen head's statistics and dh (LoRA: no dW, no db) by the fused pass over chunks of vocabulary *columns*,
-    every row at once, the logits computed once (``frozen_chunk_bytes``; ``memory="low"``: the low-memory budget).
+    """A frozen head's statistics and dh (LoRA: no dW, no db) by the fused pass over chunks of ``cols`` vocabulary
+    *columns* (None: all), every row at once, the logits computed once (the ``frozen`` layout of ``budget.Plan``).
     R of a chunk needs only the offsets, fixed before the pass, and a factor per row passes through ``R W``, so dh's
     unnormalised product adds up in an fp32 accumulator (``4 N D`` bytes) across chunks, as do the rows' sums of R;
     the normalisation, the uniform term and the target's term (``- w (1 - b) W_y``, where the trainable head's layouts
     change R's target entry) come once, at the end. A chunk that holds a row's max past its offset (``_offset_rule``)
     redoes that row with the max as its offset and scales what the row accumulated so far by exp(c_old - c_new).
-    ``chunk_bytes``: R's chunk (N x columns, bf16); one chunk where it holds every column (or None). Returns what
+    Returns what
     ``triton_fused_pass`` returns, without dW, db and gamma (None: bf16); ``need_dh=False``: the statistics alone, no
     R stored (``fused_statistics``), and then ``softcap`` may be given (the offset is the cap: no fix-up) and
     ``smoothing`` and ``scale`` may be None (no loss wanted)."""
@@ -801,10 +843,10 @@ def triton_fused_columns(hidden, weight, bias, targets, smoothing, scale, config
     v = weight.shape[0]
     dev = hidden.device
     # every column in one chunk: the split statistics go straight to the row kernel
-    one = not need_dh or chunk_bytes is None or chunk_bytes >= 2 * n * v
-    cols = v if one else min(v, max(config.block_v, chunk_bytes // (2 * n) // config.block_v * config.block_v))
+    one = not need_dh or cols is None or cols >= v
+    cols = v if one else cols
     # 16-byte rows for cuBLAS; without dh no R is stored (hidden stands in for the pointer)
-    r_buf = torch.empty(n, triton.cdiv(cols, 8) * 8, dtype=hidden.dtype, device=dev) if need_dh else hidden
+    r_buf = torch.empty(n, pad8(cols), dtype=hidden.dtype, device=dev) if need_dh else hidden
     sums = None if soft else _column_sums(weight, bias)
     colsum = None if soft else sums[0]  # also dh's uniform term
     rowbuf = torch.empty(12, n, dtype=torch.float32, device=dev)
@@ -839,7 +881,7 @@ def triton_fused_columns(hidden, weight, bias, targets, smoothing, scale, config
     state = st[:4] if one else (s_run, t_run, c, am_run)
     _finish_rows_kernel[grid](
         *state, st[4], c, zy, sz, targets, smoothing, scale, hidden, r_buf, hidden,
-        lse, ent, am, a, u, loss, nll, n, state[0].shape[0] if one else 1, d, hidden.stride(0), r_buf.stride(0), 0,
+        lse, ent, am, a, u, loss, nll, n, state[0].shape[0] if one else 1, v, d, hidden.stride(0), r_buf.stride(0), 0,
         1.0 / v, R_EXP_MAX, float(z_loss), STATS=need_stats, GRAD=need_dh, R_TARGET=False, SCALE_H=False,
         SOFTCAP=soft, ONLINE=False, BLOCK_R=br, BLOCK_D=bd, num_warps=warps)
     dh = None
@@ -850,23 +892,9 @@ def triton_fused_columns(hidden, weight, bias, targets, smoothing, scale, config
     return (lse, zy, sz, am, ent, loss, nll), dh, None, None, None
 
 
-def frozen_chunk_bytes(n: int, v: int, d: int, free_bytes: int | None = None) -> int | None:
-    """R's column chunk for a frozen head (``triton_fused_columns``) outside the low-memory mode: every column where
-    ``layout`` keeps every row (the same allowance and free-memory rule), else ``FUSED_CHUNK_BYTES`` while dh's fp32
-    accumulator (``4 N D`` bytes) stays within a quarter of it; past that None: the chunks of rows
-    (``triton_fused_pass``), whose accumulator covers one chunk of rows, so the call's memory stays about the chunk's
-    (the columns' accumulator is 1.9 GB for LoRA on Llama-3-8B at 28 x 4,096 tokens). Measured on an H100 (b = 0.1):
-    at the Gemma-3-270m head with N = 16,384 (a 42 MB accumulator), 1 GiB chunks of columns 18.3 ms against 19.5 for
-    1 GiB chunks of rows (docs/benchmarks.md, settled experiments: frozen_cols_fast.py)."""
-    v_pad, rows, _ = layout(n, v, d, False, free_bytes=free_bytes)
-    if rows == n:
-        return n * v_pad * 2
-    return FUSED_CHUNK_BYTES if 4 * n * d <= FUSED_CHUNK_BYTES // 4 else None
-
-
 def statistics_supported(hidden, softcap, config) -> bool:
     """Whether ``fused_statistics`` runs these inputs: half precision where Triton's dots are tensor-core MMA (or the
-    interpreter; fp32 takes cuBLAS's logits, ``dispatch.cublas_logits``), no soft-cap or one of at most
+    interpreter; fp32 takes the torch computation), no soft-cap or one of at most
     ``SOFTCAP_MAX`` (whose offset, the cap, keeps every ``exp(z - cap)`` at least e^-80, a normal fp32 number). No R
     is stored, so fp16 needs no running maxima and takes a soft-cap."""
     return (hidden.dtype in (torch.bfloat16, torch.float16) and config.mma_dot
@@ -876,8 +904,8 @@ def statistics_supported(hidden, softcap, config) -> bool:
 def fused_statistics(hidden, weight, bias, targets, softcap, config, need_stats: bool = True, smoothing=None,
                      z_loss: float = 0.0):
     """Per-token (lse, target logit, sum of logits, argmax, entropy) by the fused logits kernel without storing R
-    (``triton_fused_columns`` with ``need_dh=False``): evaluation, and the statistics before the two-pass
-    computation's gradients. A target past V (another rank's) has a target logit of 0. ``need_stats=False``:
+    (``triton_fused_columns`` with ``need_dh=False``): evaluation, and the statistics before the columns layout's
+    gradients. A target past V (another rank's) has a target logit of 0. ``need_stats=False``:
     argmax and entropy are zeros. ``smoothing`` (fp32 per token) given: also each token's loss and nll
     (``paths.token_loss_terms``' formula, z-loss included), from the same row kernel."""
     stats = triton_fused_columns(hidden, weight, bias, targets, smoothing, None, config, need_stats=need_stats,

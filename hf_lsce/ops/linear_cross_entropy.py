@@ -22,8 +22,8 @@ import torch.nn.functional as F
 
 from .checks import _check_num_items, check_device_values, check_summary
 from .compiled import check_values, compiling, reduced_loss, token_losses
-from .paths import (MEMORY_MODES, Options, finish_gradients, loss_gradients, loss_terms, notify_training_call,
-                    recompute_kept, statistics, statistics_and_gradients, training_options, use_train_pass)
+from .paths import (Options, check_memory, finish_gradients, loss_gradients, loss_terms, notify_training_call,
+                    options, statistics, statistics_and_gradients)
 
 _REDUCTIONS = ("mean", "sum", "none")
 _BACKENDS = ("auto", "triton", "torch")
@@ -212,8 +212,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
     """Smoothed losses of 2-D inputs: the reduced loss ``sum_n loss_n / denom`` (``opts.reduce``; ``denom`` None:
     the plain sum) or the per-token losses.
 
-    ``token_weight`` given: the one-pass training path (``train_pass``) computes the gradients of
-    ``sum_n token_weight_n loss_n`` in the forward. For a reduced loss that is the loss itself, and backward
+    ``token_weight`` given (a training call): the forward computes the gradients of ``sum_n token_weight_n loss_n``
+    (``paths.statistics_and_gradients``). For a reduced loss that is the loss itself, and backward
     multiplies the kept gradients by the upstream gradient, a device scalar, with no host synchronisation (a
     kernel that returns at once when it is 1). For per-token losses backward checks that the upstream gradient is
     that weighting times one constant c over the valid tokens (TRL's ``-log_probs.sum() / n`` gives that; one host
@@ -271,8 +271,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if kept_path and kept is None:
             # A second backward through the same graph (retain_graph=True): the first took the gradients the
             # forward kept. Compute them again the same way (deterministic), so every backward agrees.
-            kept = recompute_kept(hidden, weight, bias, targets, smoothing, token_weight, lse, opts,
-                                  need_dh, need_dw, need_db and bias is not None)
+            kept = statistics_and_gradients(hidden, weight, bias, targets, smoothing, token_weight, opts,
+                                            need_dh, need_dw, need_db and bias is not None)[1]
         if kept_path and opts.reduce:  # grad_loss is the upstream scalar (not None: see above)
             return *finish_gradients(kept, grad_loss.detach().float().reshape(1), hidden, weight, bias), *rest
         if bad is not None and grad_loss is not None:  # the NaN loss of a failed check passes no gradient
@@ -293,7 +293,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     (1,), c, dtype=torch.float32, device=hidden.device)
                 return *finish_gradients(kept, c, hidden, weight, bias), *rest
         del kept  # an upstream gradient the kept one cannot be scaled to: recompute below
-        grads = loss_gradients(hidden, weight, bias, targets, lse, smoothing, grad, grad_lse, opts, False, need_dh,
+        grads = loss_gradients(hidden, weight, bias, targets, lse, smoothing, grad, grad_lse, opts, need_dh,
                                need_dw, need_db and bias is not None)
         dh, dw, db = finish_gradients(grads, None, hidden, weight, bias)
         return (dh if need_dh else None, dw if need_dw else None, db if need_db else None) + rest
@@ -312,18 +312,17 @@ def _uniform_ratio(grad: torch.Tensor, token_weight: torch.Tensor) -> float | No
     return lo if lo == hi else None
 
 
-def _validate_options(z_loss, return_lse, memory, accum_dtype, weight, process_group) -> None:
+def _validate_options(z_loss, return_lse, memory, process_group) -> str:
+    """The options' checks; returns ``memory`` as ``paths.check_memory`` gives it."""
     if isinstance(z_loss, bool) or not isinstance(z_loss, numbers.Real) or not (
             math.isfinite(float(z_loss)) and z_loss >= 0):
         raise ValueError(f"z_loss must be a finite number >= 0 (the coefficient of lse^2), got {z_loss!r}.")
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be True or False, got {return_lse!r}.")
-    if not isinstance(memory, str) or memory not in MEMORY_MODES:
-        raise ValueError(f"memory must be one of {MEMORY_MODES}, got {memory!r}.")
-    if accum_dtype is not None and accum_dtype not in (torch.float32, weight.dtype):
-        raise ValueError(f"accum_dtype must be None, torch.float32 or the weight's dtype, got {accum_dtype!r}.")
-    if process_group is not None and (return_lse or memory == "low"):
-        raise ValueError("return_lse and memory='low' are not available with process_group.")
+    memory = check_memory(memory)
+    if process_group is not None and (return_lse or memory != "auto"):
+        raise ValueError("return_lse and a memory budget other than 'auto' are not available with process_group.")
+    return memory
 
 
 class _Targets(NamedTuple):
@@ -389,39 +388,36 @@ def _prepare_targets(h2, targets, label_smoothing, ignore_index, vocab, shift, n
     return _Targets(ids, b1, None, valid, denom, bad)
 
 
-def _losses(h2, weight, bias, tg: _Targets, shard, softcap, backend, z_loss, memory, accum_dtype, return_stats,
-            return_lse, reduce: bool, observed_b, training: bool):
+def _losses(h2, weight, bias, tg: _Targets, shard, opts: Options | None, softcap, backend, z_loss, memory: str,
+            return_stats, return_lse, observed_b, training: bool):
     """(loss, lse, argmax, nll, entropy) by one of three dispatches: the vocabulary-parallel head; a traced call
-    (``torch.compile``: the custom operators of compiled.py); the eager autograd function. The loss is reduced, or per
-    token (flat), and NaN where the device checks failed."""
-    one_pass = shard is None and use_train_pass(h2, weight, bias, backend)
+    (``torch.compile``: the custom operators of compiled.py); the eager autograd function (``opts``). The loss is
+    reduced (``opts.reduce``), or per token (flat), and NaN where the device checks failed."""
+    reduce = opts.reduce
     lse = argmax = nll = entropy = None
     bad = tg.bad
     with torch.autocast(h2.device.type, enabled=False):
         if shard is not None:
             from .vocab_parallel import vocab_parallel_token_losses
 
-            loss = vocab_parallel_token_losses(h2, weight, bias, tg.ids, tg.smoothing, softcap, backend, shard,
-                                               z_loss=float(z_loss))
+            loss = vocab_parallel_token_losses(h2, weight, bias, tg.ids, tg.smoothing, opts, shard)
             if reduce:
                 loss = loss.sum() if tg.denom is None else loss.sum() / tg.denom
-        elif compiling() and reduce and one_pass and not return_lse:
+        elif compiling() and reduce and training and not return_lse:
             # a reduced training loss: the gradients computed in the forward, as eagerly (no second logits pass)
             token_weight = tg.valid.float() if tg.denom is None else tg.valid.float() / tg.denom
             loss, lse, argmax, nll, entropy = reduced_loss(
                 h2, weight, bias, tg.ids, tg.smoothing, token_weight, tg.denom, softcap, backend, float(z_loss),
-                return_stats, memory, accum_dtype, observed_b)
+                return_stats, memory, observed_b)
         elif compiling():
             loss, lse, argmax, nll, entropy = token_losses(
                 h2, weight, bias, tg.ids, tg.smoothing, softcap, backend, float(z_loss), return_stats, memory,
-                accum_dtype, one_pass, training, observed_b)
+                training, observed_b)
             if reduce:
                 loss = loss.sum() if tg.denom is None else loss.sum() / tg.denom
         else:
-            opts = training_options(h2, weight, softcap, backend, z_loss, memory, accum_dtype, one_pass,
-                                    need_stats=return_stats, reduce=reduce, smoothed=observed_b != 0.0)
             token_weight = None
-            if one_pass:  # the weighting the reduction gives each token's loss (the gradients the forward computes);
+            if training:  # the weighting the reduction gives each token's loss (the gradients the forward computes);
                 # all 0 where a check failed (prepare's kernel too), so the NaN loss passes no gradient
                 token_weight = tg.weight
                 if token_weight is None:
@@ -465,8 +461,7 @@ def linear_cross_entropy(
     process_group=None,
     z_loss: float = 0.0,
     return_lse: bool = False,
-    memory: str = "auto",
-    accum_dtype: torch.dtype | None = None,
+    memory: str | int = "auto",
 ):
     """Label-smoothed cross-entropy of ``hidden @ weight.T (+ bias)`` without materialising logits.
 
@@ -502,19 +497,11 @@ def linear_cross_entropy(
             ``lse_square_scale``), with its gradient ``2 lam lse p``.
         return_lse: also return the per-token log-sum-exp (shape of targets, fp32), differentiable: a loss
             built on it back-propagates (through the recomputing backward).
-        memory: ``"fast"`` (the fastest training path's buffers: the fused path's bf16 ``exp(z - c)`` for every
-            row where that costs at most 4 GiB more than 1 GiB chunks and dW's fp32 accumulator (4.2-4.3 GB at the
-            Gemma2-2B and Gemma-3-270m shapes, N = 8192), else those chunks; the one-pass path's chunk of up to
-            2 GiB of fp32 logits),
-            ``"low"`` (vocabulary chunks with an fp32 dh accumulator: a budget of 180 MiB of extra memory,
-            ``4 N D`` bytes plus a chunk of at least 32 MiB, 2% of a materialising torch.compile loss at the
-            Gemma2-2B shape; a frozen bf16 head on a GPU with TMA in one logits pass, otherwise the statistics first,
-            at the cost of one more logits matmul), ``"auto"``: as
-            ``"fast"``, with the fused path's every-row buffer only where 1.25 x it fits CUDA's free memory, and
-            ``"low"`` when the free memory cannot hold the fast path's buffers (its budget then what that memory
-            holds).
-        accum_dtype: dtype of dW's accumulation across the training path's row chunks (``torch.float32``: an
-            fp32 buffer of V x D, cast once at the end; default: the weight's dtype, one rounding per chunk).
+        memory: the memory budget of a training call, beyond its inputs and the gradients it returns: ``"auto"``
+            (the fastest computation that fits the GPU's free memory; the default), ``"low"`` (about 180 MB, or the
+            least with 32 MiB chunks where a head needs more), or a number of bytes: the fastest computation within
+            it (docs/how_it_works.md). A budget below what the shape needs (an fp32 ``4 N D`` accumulator and a
+            chunk), or one the GPU cannot hold, is a ``ValueError`` that names the smallest that works.
 
     Returns:
         The loss (float32; float64 for float64 inputs), then the stats if ``return_stats``, then the lse if
@@ -528,18 +515,25 @@ def linear_cross_entropy(
         shard = vocab_shard(weight, process_group, return_stats)
     _validate(hidden, weight, targets, bias, label_smoothing, ignore_index, reduction, softcap,
               num_items_in_batch, backend, shift, return_stats)
-    _validate_options(z_loss, return_lse, memory, accum_dtype, weight, process_group)
+    memory = _validate_options(z_loss, return_lse, memory, process_group)
     backend = _resolve_backend(backend, hidden.device)
     if shift and hidden.dim() < 2:
         raise ValueError("shift=True needs hidden of shape (..., T, D).")
     h2 = hidden.reshape(-1, weight.shape[1])
+    observed_b = None if torch.is_tensor(label_smoothing) else float(label_smoothing)
+    need = [t is not None and t.requires_grad for t in (h2, weight, bias)]
+    grad_wanted = torch.is_grad_enabled() and any(need)
+    training = grad_wanted and shard is None  # (the gradients computed in the forward)
+    opts = None
+    if shard is not None or not compiling():  # (traced: the operators resolve theirs when the graph runs)
+        # before any kernel runs: a budget no computation fits is refused here
+        opts = options(h2, weight, bias, softcap, backend, z_loss, memory, training, need[1], need[2],
+                       need_stats=return_stats, reduce=reduction != "none", smoothed=observed_b != 0.0)
     tg = _prepare_targets(h2, targets, label_smoothing, ignore_index, shard.vocab_size if shard else weight.shape[0],
                           shift, num_items_in_batch, reduction, fast=shard is None and backend == "triton")
-    observed_b = None if torch.is_tensor(label_smoothing) else float(label_smoothing)
-    training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (h2, weight, bias))
-    loss, lse, argmax, nll, entropy = _losses(h2, weight, bias, tg, shard, softcap, backend, z_loss, memory,
-                                              accum_dtype, return_stats, return_lse, reduction != "none", observed_b,
-                                              training)
-    if training and not compiling():  # (traced: the operator notifies when the graph runs)
+    loss, lse, argmax, nll, entropy = _losses(h2, weight, bias, tg, shard, opts or Options(softcap, backend,
+                                              reduce=reduction != "none"), softcap, backend, z_loss, memory,
+                                              return_stats, return_lse, observed_b, training)
+    if grad_wanted and not compiling():  # (traced: the operator notifies when the graph runs)
         notify_training_call(observed_b)
     return _outputs(loss, lse, argmax, nll, entropy, tg, targets.shape, reduction != "none", return_stats, return_lse)

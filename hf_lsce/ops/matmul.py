@@ -1,9 +1,15 @@
-"""cuBLAS products with an fp32 result from half-precision operands, and the dtypes and scales of fp16's gradients,
-shared by the training paths (``backward``, ``train_pass``, ``fused_pass``): a module of its own, so that none of
-those imports another for them."""
+"""cuBLAS products with an fp32 result from half-precision operands, and the dtypes and scales of the gradients the
+op keeps from its forward until backward (``fused_pass``, ``reference``, ``paths``). No Triton import: the torch
+computation runs without it."""
 from __future__ import annotations
 
 import torch
+
+from .config import interpreting
+
+# torch.mm(..., out_dtype=) exists (torch >= 2.9): fp32 results of half-precision cuBLAS products, which the fused pass
+# needs on CUDA (read once, at import: not while torch.compile traces)
+MM_OUT_DTYPE = "dtype_out" in torch.ops.aten.mm.overloads()
 
 
 def mm_f32(a, b, out):
@@ -35,8 +41,8 @@ def power_of_two_scale(*tensors) -> torch.Tensor:
 
 def fp16_weights(dtype: torch.dtype, *weights):
     """fp16 inputs: (the token weights / gamma, gamma), gamma = ``power_of_two_scale(*weights)`` (None entries pass);
-    other dtypes: (the weights, None). The one-pass and two-pass G writers (``train_pass``, ``backward``) write
-    G = w (p - y) in the input dtype, and a weight of 1 / N put most of an fp16 G below fp16's normal range: dh
+    other dtypes: (the weights, None). The G epilogue (``fused_pass.fused_gradients``) writes G = w (p - y) in the
+    input dtype, and a weight of 1 / N put most of an fp16 G below fp16's normal range: dh
     0.39-0.42 off fp64 on an H100 (N = 8,192, Llama-3-8B and Gemma2-2B heads), as torch's fp16 logits without a loss
     scale. With weights near 1 G keeps fp16's digits; the gradients are gamma times the products, exactly: every path
     returns gamma beside its gradients for backward's cast to take (``paths.finish_gradients``: no pass of its own),
@@ -61,3 +67,36 @@ def addmm_f32(acc, a, b):
         torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
     else:
         acc += a.float() @ b.float()
+
+
+def scale_by(tensors, c: torch.Tensor | None = None, dtypes=None, gamma: torch.Tensor | None = None) -> list:
+    """Each tensor (None passes) times ``c * gamma`` (one-element fp32 tensors on their device; None: 1) in
+    ``dtypes[i]`` (None: its own dtype, in place), without reading them on the host: the kept gradients times the
+    upstream gradient and, for fp16, times gamma (``fp16_weights``) as they are cast from fp32 to fp16, in one pass
+    (other casts, as a bf16 bias's db, follow the scaling: the interpreter's bf16 casts truncate). On CUDA (and the
+    interpreter) a kernel, two tensors per launch, that touches no memory where the factor is 1 and nothing is cast
+    (``tiles._scale_kernel``); elsewhere torch."""
+    if gamma is not None:
+        c = gamma if c is None else c * gamma
+    out = list(tensors)
+    jobs = {False: [], True: []}  # (tensor, output) pairs in place / cast
+    for i, t in enumerate(tensors):
+        if t is None:
+            continue
+        dt = (dtypes[i] if dtypes else None) or t.dtype
+        if c is None or not t.numel():
+            out[i] = t.to(dt)
+        elif (t.is_cuda or interpreting()) and t.is_contiguous():
+            cast = dt == torch.float16 and t.dtype == torch.float32
+            out[i] = torch.empty_like(t, dtype=dt) if cast else t
+            jobs[cast].append((t, out[i]))
+        else:
+            wide = torch.float64 if t.dtype == torch.float64 else torch.float32
+            res = t.to(wide) * c.to(wide)
+            out[i] = t.copy_(res) if dt == t.dtype else res.to(dt)
+    if jobs[False] or jobs[True]:
+        from .tiles import scale_pairs
+
+        for cast, pairs in jobs.items():
+            scale_pairs(pairs, c, cast)
+    return [t if t is None or dtypes is None or dtypes[i] is None else t.to(dtypes[i]) for i, t in enumerate(out)]

@@ -1,17 +1,17 @@
-"""Chunked pure-torch implementation of the fused op: the CPU fallback.
+"""The chunked torch computation: the CPU fallback, the test oracle, and the op on GPUs where the fused pass does not
+run (fp32 and fp64 inputs, GPUs whose Triton dots are not tensor-core MMA, soft-caps above its limit).
 
-Same contract as the Triton kernels (``dispatch.forward_stats`` / ``backward.py``): the forward returns per-token
-statistics, the backward returns gradients for a per-token upstream gradient. Rows are processed in
-chunks so that at most ``chunk_rows x V`` logits exist at a time, never the whole ``N x V`` matrix.
-
-Half-precision inputs are computed in fp32 (the weight is upcast once per call), which is what the
-kernels do with their fp32 accumulators.
+One function, ``torch_pass``: rows go ``rows`` at a time, so at most two chunks of ``rows x V`` logits exist (fp32,
+fp64 for fp64 inputs; half-precision inputs are upcast, as the kernels' fp32 accumulators do), never the whole
+``N x V`` matrix. From each chunk's logits it takes the per-token statistics, and where a per-token weight ``grad``
+is given the gradients too, from the same logits: the training call's three matmuls (logits, dh, dW); given the lse
+(a recomputing backward) the statistics are skipped.
 """
 from __future__ import annotations
 
 import torch
 
-# Target size of one chunk of fp32 logits (elements): 2**24 = 64 MiB.
+# Target size of one chunk of logits (elements): 2**24, 64 MiB in fp32.
 _CHUNK_ELEMENTS = 1 << 24
 
 
@@ -23,113 +23,80 @@ def chunk_rows(n: int, v: int, chunk_elements: int | None = None) -> int:
     return max(1, min(n, chunk_elements // max(v, 1)))
 
 
-def _logits(h: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, softcap: float | None):
-    z = h @ w.T
-    if bias is not None:
-        z = z + bias
-    if softcap is None:
-        return z, None
-    t = torch.tanh(z / softcap)
-    return softcap * t, t
-
-
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def torch_forward(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    targets: torch.Tensor,
-    softcap: float | None,
-    chunk_elements: int | None = None,
-):
-    """Per-token (lse, target logit, sum of logits, argmax, entropy) for 2-D ``hidden`` (N, D).
-
-    ``targets`` (N,) int64 may hold any value outside [0, V) for ignored tokens (their target logit
-    is 0). Float outputs are fp32 (fp64 for fp64 inputs).
-    """
+def torch_pass(hidden, weight, bias, targets, softcap, rows: int | None = None, *, lse=None, grad=None,
+               smoothing=None, z_loss: float = 0.0, extra=None, need_dh=True, need_dw=True, need_db=True,
+               vocab: int | None = None):
+    """Per-token statistics ``(lse, target logit, sum of logits, argmax, entropy)`` of 2-D ``hidden`` (N, D) (not
+    computed where ``lse`` is given: None), and with ``grad`` (N,) the gradients ``(dh, dw, db)`` of
+    ``sum_n grad_n loss_n + extra_n lse_n`` (the z-loss ``z_loss lse^2`` in the loss; ``smoothing`` per token);
+    ``rows`` rows at a time (None: ``chunk_rows``). ``targets`` (N,) int64 may hold any value outside [0, V) for
+    ignored tokens (target logit 0, no target term); ``vocab``: the whole vocabulary where ``weight`` is a shard of it
+    (the uniform term's ``V``). Float outputs in the compute dtype (fp32, fp64 for fp64);
+    dh, dw, db None where not needed."""
     n, v = hidden.shape[0], weight.shape[0]
-    cd = _compute_dtype(hidden)
+    cd = compute_dtype(hidden)
+    dev = hidden.device
     w = weight.to(cd)
     b = bias.to(cd) if bias is not None else None
-    lse = torch.empty(n, dtype=cd, device=hidden.device)
-    zy = torch.empty_like(lse)
-    sz = torch.empty_like(lse)
-    ent = torch.empty_like(lse)
-    am = torch.empty(n, dtype=torch.int64, device=hidden.device)
-    step = chunk_rows(n, v, chunk_elements)
-    for s in range(0, n, step):
-        e = min(n, s + step)
-        z, _ = _logits(hidden[s:e].to(cd), w, b, softcap)
-        # everything from the logits shifted by the row maximum: entropy = log s - sum e (z - m) / s with
-        # e = exp(z - m), s = sum e. Going through lse = m + log s instead loses digits at large logits
-        # (one ulp of lse at |z| ~ 1e3 is 1e-4)
-        zmax = z.max(-1, keepdim=True).values
-        zs = z - zmax
-        ez = torch.exp(zs)
-        s_c = ez.sum(-1)
-        lse[s:e] = zmax[:, 0] + torch.log(s_c)
-        ent[s:e] = torch.log(s_c) - (ez * zs).sum(-1) / s_c
-        sz[s:e] = z.sum(-1)
-        am[s:e] = z.argmax(-1)
-        y = targets[s:e]
-        valid = (y >= 0) & (y < v)
-        zy[s:e] = torch.where(valid, z.gather(1, y.clamp(0, v - 1)[:, None])[:, 0], 0.0)
-    return lse, zy, sz, am, ent
-
-
-def torch_backward(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    targets: torch.Tensor,
-    lse: torch.Tensor,
-    grad: torch.Tensor,
-    smoothing: torch.Tensor,
-    softcap: float | None,
-    chunk_elements: int | None = None,
-    need_dh: bool = True,
-    need_dw: bool = True,
-    extra: torch.Tensor | None = None,
-):
-    """Gradients of ``sum_n grad_n * loss_n (+ extra-term)`` with respect to hidden, weight and bias.
-
-    ``grad`` (N,) is the upstream gradient of each token's loss (0 for ignored tokens),
-    ``smoothing`` (N,) each token's smoothing factor; ``extra`` (N,) adds ``extra_n * p_nv`` to the gradient with
-    respect to the logits (the z-loss term, the gradient of an lse output). Returns fp32 (fp64) gradients;
-    ``dh`` / ``dw`` are None when not needed (a frozen LM head computes no dW).
-    """
-    n, v = hidden.shape[0], weight.shape[0]
-    cd = _compute_dtype(hidden)
-    w = weight.to(cd)
-    b = bias.to(cd) if bias is not None else None
-    dh = torch.empty(hidden.shape, dtype=cd, device=hidden.device) if need_dh else None
-    dw = torch.zeros(weight.shape, dtype=cd, device=hidden.device) if need_dw else None
-    db = torch.zeros(v, dtype=cd, device=hidden.device) if bias is not None else None
-    step = chunk_rows(n, v, chunk_elements)
+    stats = None
+    if lse is None:
+        lse = torch.empty(n, dtype=cd, device=dev)
+        zy, sz, ent = torch.empty(3, n, dtype=cd, device=dev)
+        am = torch.empty(n, dtype=torch.int64, device=dev)
+        stats = (lse, zy, sz, am, ent)
+    train = grad is not None
+    dh = torch.empty(n, weight.shape[1], dtype=cd, device=dev) if train and need_dh else None
+    dw = torch.zeros(weight.shape, dtype=cd, device=dev) if train and need_dw else None
+    db = torch.zeros(v, dtype=cd, device=dev) if train and need_db and bias is not None else None
+    step = rows or chunk_rows(n, v)
     for s in range(0, n, step):
         e = min(n, s + step)
         h = hidden[s:e].to(cd)
-        z, t = _logits(h, w, b, softcap)
-        p = torch.exp(z - lse[s:e, None].to(cd))
-        g = p.clone() if extra is not None else p
+        z = h @ w.T
+        if b is not None:
+            z += b
+        if softcap is not None:
+            z.div_(softcap).tanh_().mul_(softcap)
         y = targets[s:e]
-        bs = smoothing[s:e].to(cd)
         valid = (y >= 0) & (y < v)
-        rows = torch.nonzero(valid)[:, 0]
-        g[rows, y[rows]] -= 1.0 - bs[rows]
-        g -= (bs / v)[:, None]
-        g *= grad[s:e, None].to(cd)
+        yc = y.clamp(0, v - 1)[:, None]
+        if stats is not None:
+            # everything from the logits shifted by the row maximum: entropy = log s - sum e (z - m) / s with
+            # e = exp(z - m), s = sum e (through lse = m + log s instead, large logits lose digits)
+            zmax, am[s:e] = z.max(-1)
+            zy[s:e] = torch.where(valid, z.gather(1, yc)[:, 0], 0.0)
+            sz[s:e] = z.sum(-1)
+            z -= zmax[:, None]
+            p = torch.exp(z)
+            s_c = p.sum(-1)
+            lse[s:e] = zmax + torch.log(s_c)
+            ent[s:e] = torch.log(s_c) - (p[:, None, :] @ z[:, :, None])[:, 0, 0] / s_c
+            if not train:
+                continue
+            p /= s_c[:, None]
+            z += zmax[:, None]  # (the capped logits back, for the cap's derivative)
+        elif train:
+            p = z - lse[s:e, None].to(cd)
+            p.exp_()
+        g_n = grad[s:e].to(cd)
+        bs = smoothing[s:e].to(cd)
+        pm = g_n * (1.0 + 2.0 * z_loss * lse[s:e].to(cd)) if z_loss else g_n
         if extra is not None:
-            g += extra[s:e, None].to(cd) * p
-        if t is not None:
-            g *= 1.0 - t * t
-        if need_dh:
-            dh[s:e] = g @ w
-        if need_dw:
-            dw += g.T @ h
+            pm = pm + extra[s:e].to(cd)
+        p *= pm[:, None]
+        p -= (g_n * bs / (vocab or v))[:, None]
+        p.scatter_add_(1, yc, torch.where(valid, -g_n * (1.0 - bs), 0.0)[:, None])
+        if softcap is not None:  # the cap's derivative 1 - tanh^2, from the capped logits
+            z.div_(softcap)
+            p *= z.mul_(z).neg_().add_(1.0)
+        if dh is not None:
+            torch.mm(p, w, out=dh[s:e])
+        if dw is not None:
+            dw.addmm_(p.T, h)
         if db is not None:
-            db += g.sum(0)
-    return dh, dw, db
+            db += p.sum(0)
+    return stats, dh, dw, db

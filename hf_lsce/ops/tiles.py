@@ -1,19 +1,14 @@
-"""The logit tiles the Triton kernels share: ``h W^T`` of a (rows, vocabulary columns) tile with an fp32
-accumulator, by pointer loads over D (``_logit_acc``) or, on Hopper and data-centre Blackwell in half precision, by
-tensor-descriptor (TMA) loads in the kernels' own flattened loops (``tma_ready`` says when the inputs allow them);
-the bias and soft-cap on a finished tile; the vocabulary splits of a (splits, row blocks) grid.
-
-The kernels: the fused pass's logits kernel (``fused_pass.py``: training, and the statistics alone for evaluation,
-``fused_pass.fused_statistics``) and the G kernels of the recomputing backward (``backward.py``). The statistics had a
-kernel of their own here (an online softmax per row, merged across splits in torch) until the fused kernel without
-its store of R measured as fast or faster at every head (docs/benchmarks.md, settled experiments:
-``eval_fused_stats.py``).
-"""
+"""The logit tiles the fused pass's kernel shares (``fused_pass.py``): ``h W^T`` of a (rows, vocabulary columns) tile
+with an fp32 accumulator by pointer loads over D (``_logit_acc``; with TMA loads the kernel's own flattened loop:
+``tma_ready`` says when the inputs allow them), the bias and soft-cap on a finished tile, a split's columns; and the
+kernel that scales the gradients kept from the forward (``matmul.scale_by``)."""
 
 # (no `from __future__ import annotations` in a kernel module: Triton 3.1's interpreter then misreads each kernel's
 # tl.constexpr parameters)
 import triton
 import triton.language as tl
+
+from .config import interpreting
 
 
 
@@ -29,26 +24,6 @@ def _dot(a, b, acc, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     if UPCAST:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-
-
-@triton.jit
-def _tile_offsets(N, V, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Row and vocabulary offsets (and bounds masks) of this program's (BLOCK_N, BLOCK_V) tile."""
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-    return offs_n, offs_v, offs_n < N, offs_v < V
-
-
-@triton.jit
-def _logit_tile(
-    H, W, B, offs_n, offs_v, mask_n, mask_v, D, stride_hn, stride_hd, stride_wv, stride_wd,
-    softcap, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
-):
-    """fp32 logits of one (BLOCK_N, BLOCK_V) tile; also tanh(z/cap) when soft-capped (else 0)."""
-    acc = _logit_acc(H, W, offs_n, offs_v, mask_n, mask_v, D, stride_hn, stride_hd, stride_wv, stride_wd, BLOCK_D,
-                     DOT_PRECISION, UPCAST, BLOCK_N, BLOCK_V)
-    return _finish_logits(acc, B, offs_v, mask_v, softcap, HAS_BIAS, SOFTCAP)
 
 
 @triton.jit
@@ -106,9 +81,33 @@ def tma_ready(config, *tensors) -> bool:
         and t.data_ptr() % 16 == 0 for t in tensors)
 
 
-def vocab_splits(config, rows: int, v: int, tile: int) -> int:
-    """How many vocabulary splits a grid of (splits, row blocks) gets: about ``config.min_programs`` programs for
-    ``rows`` rows, at least ``config.min_splits``, at most one per ``tile`` columns. The split is the grid's fast axis,
-    so the programs resident at once share a few row blocks of h and each split's W tile through L2."""
-    want = max(config.min_splits, round(config.min_programs / triton.cdiv(rows, config.block_n)))
-    return max(1, min(triton.cdiv(v, tile), want))
+@triton.jit(do_not_specialize=["blocks_x", "blocks"])  # (batch-dependent counts: one variant for all)
+def _scale_kernel(X, Y, XO, YO, C, nx, ny, blocks_x, blocks, CAST: tl.constexpr, BLOCK: tl.constexpr):
+    """XO = X * C[0] and YO = Y * C[0] (in place where XO is X), ``BLOCK`` elements at a time (blocks below
+    ``blocks_x`` in X, the rest in Y) with a stride of the grid over them. Unless CAST (outputs of their own, another
+    dtype), every program returns at once when C[0] == 1 (the usual upstream gradient), and the grid is small, so that
+    case costs a launch (one program per block was 90 us a call for dW at the Gemma2-2B head: 144,000 programs)."""
+    c = tl.load(C)
+    if CAST or c != 1.0:
+        for blk in range(tl.program_id(0), blocks, tl.num_programs(0)):
+            if blk < blocks_x:
+                offs = tl.cast(blk, tl.int64) * BLOCK + tl.arange(0, BLOCK)
+                x = tl.load(X + offs, mask=offs < nx, other=0.0)
+                tl.store(XO + offs, (x.to(tl.float32) * c).to(XO.dtype.element_ty), mask=offs < nx)
+            else:
+                offs = tl.cast(blk - blocks_x, tl.int64) * BLOCK + tl.arange(0, BLOCK)
+                y = tl.load(Y + offs, mask=offs < ny, other=0.0)
+                tl.store(YO + offs, (y.to(tl.float32) * c).to(YO.dtype.element_ty), mask=offs < ny)
+
+
+def scale_pairs(pairs, c, cast: bool) -> None:
+    """``_scale_kernel`` over (tensor, output) pairs, two per launch (``matmul.scale_by``)."""
+    block = 1024 if interpreting() else 4096
+    for k in range(0, len(pairs), 2):
+        x, xo = pairs[k]
+        y, yo = pairs[k + 1] if k + 1 < len(pairs) else (x[:0], xo[:0])
+        bx = triton.cdiv(x.numel(), block)
+        blocks = bx + triton.cdiv(y.numel(), block)
+        _scale_kernel[(min(blocks, 4 if interpreting() else 1024),)](
+            x, y, xo, yo, c, x.numel(), y.numel(), bx, blocks, CAST=cast, BLOCK=block,
+            num_warps=1 if interpreting() else 8)

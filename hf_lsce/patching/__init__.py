@@ -19,7 +19,8 @@ from .models import (MODEL_TABLE, check_supported, family_classes, supported_mes
 from .trainer import install_trainer_hooks, remove_trainer_hooks, route_smoothing
 from .versions import check_versions
 
-_SETTINGS = ("_lsce_label_smoothing", "_lsce_explicit_smoothing", "_lsce_fused_eval_loss", "_lsce_generic_spec")
+_SETTINGS = ("_lsce_label_smoothing", "_lsce_explicit_smoothing", "_lsce_fused_eval_loss", "_lsce_generic_spec",
+             "_lsce_memory")
 
 
 def _class_patched(cls: type) -> bool:
@@ -70,8 +71,24 @@ def validate_smoothing(value, name: str = "label_smoothing") -> float | None:
     return b
 
 
+def validate_memory(value, name: str = "memory") -> str:
+    """``value`` as the op's memory budget (``"auto"``, ``"low"``, a number of bytes, or a string of one as a YAML or
+    an environment variable gives it: ``2e9``), in the form the op takes; ValueError / TypeError naming ``name``."""
+    from ..ops.paths import check_memory
+
+    if isinstance(value, str) and value not in ("auto", "low"):
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    try:
+        return check_memory(value)
+    except (TypeError, ValueError) as e:
+        raise type(e)(str(e).replace("memory", name, 1)) from None
+
+
 def apply_lsce_patch(model=None, *, model_type: str | None = None, label_smoothing: float | None = None,
-                     fused_eval_loss: bool = False):
+                     fused_eval_loss: bool = False, memory: str | int = "auto"):
     """Make supported causal LMs compute their training loss with the fused op.
 
     Args:
@@ -86,6 +103,8 @@ def apply_lsce_patch(model=None, *, model_type: str | None = None, label_smoothi
             ``SFTTrainer`` without its deprecated ``label_smoothing_factor``.
         fused_eval_loss: also compute the evaluation loss (model in eval mode, labels given) with the
             fused op; the outputs then carry no logits.
+        memory: the op's memory budget at every training step: ``"auto"`` (the fastest computation that fits the
+            GPU's free memory), ``"low"`` or a number of bytes (``linear_cross_entropy``'s ``memory``).
 
     Returns the model (or None for a class patch). Raises ValueError for unsupported models, TypeError for
     arguments of the wrong kind, ImportError for a transformers or TRL older than the tested floors
@@ -93,6 +112,7 @@ def apply_lsce_patch(model=None, *, model_type: str | None = None, label_smoothi
     """
     check_versions()
     b = validate_smoothing(label_smoothing)
+    memory = validate_memory(memory)
     if not isinstance(fused_eval_loss, bool):
         raise TypeError(f"fused_eval_loss must be True or False, got {fused_eval_loss!r}.")
     if model_type is not None and not isinstance(model_type, str):
@@ -118,6 +138,7 @@ def apply_lsce_patch(model=None, *, model_type: str | None = None, label_smoothi
             target._lsce_label_smoothing = b
             target._lsce_explicit_smoothing = b
         target._lsce_fused_eval_loss = fused_eval_loss
+        target._lsce_memory = memory
     else:
         types_ = [model_type] if model_type is not None else list(MODEL_TABLE)
         for mt in types_:
@@ -130,6 +151,8 @@ def apply_lsce_patch(model=None, *, model_type: str | None = None, label_smoothi
                     cls._lsce_explicit_smoothing = b
                 if fused_eval_loss:
                     cls._lsce_fused_eval_loss = True
+                if memory != "auto":
+                    cls._lsce_memory = memory
     install_trainer_hooks()
     return model
 
@@ -164,5 +187,5 @@ def revert_lsce_patch(model=None, *, model_type: str | None = None) -> None:
 
 
 __all__ = ["apply_lsce_patch", "revert_lsce_patch", "is_patched", "find_patched", "route_smoothing",
-           "supported_message", "validate_smoothing",
+           "supported_message", "validate_smoothing", "validate_memory",
            "MODEL_TABLE", "ENGAGEMENT", "unwrap_model"]

@@ -276,7 +276,8 @@ def lsce_forward(self, *args, **kwargs):
     backbone_out = getattr(self, spec.backbone)(**kwargs, return_dict=True)
     head = output_head(self)
     targets, shift = (shift_labels, False) if shift_labels is not None else (labels, True)
-    op_kwargs = dict(label_smoothing=b, softcap=softcap_of(self), shift=shift)
+    op_kwargs = dict(label_smoothing=b, softcap=softcap_of(self), shift=shift,
+                     memory=getattr(self, "_lsce_memory", "auto"))
     scale = logit_scale_of(self, spec)
 
     token_stats = self.__dict__.get("_lsce_token_stats", False)

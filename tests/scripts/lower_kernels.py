@@ -1,17 +1,18 @@
 """Compile every Triton kernel of ``hf_lsce.ops`` for GPU targets on the CPU, with the installed Triton's own compiler
 (no GPU; any Triton from 3.0 on: only its public ``warmup`` API is used, with a stand-in driver naming the target).
 
-1. Record (a child process under ``TRITON_INTERPRET=1``): the op runs its paths on small CPU inputs (bf16 / fp16 /
-   fp32, trainable and frozen, bias, soft-caps on either side of the fused path's limit, fused / one-pass / two-pass /
-   low-memory, per-token losses with statistics) with each target's kernel configuration patched in (the GPU's logits
-   tiles: TMA on sm90, each generation's pointer tiles, Turing's cuBLAS route), and every kernel launch is recorded:
+1. Record (a child process under ``TRITON_INTERPRET=1``): the op runs its layouts on small CPU inputs (bf16 / fp16 /
+   fp32, trainable and frozen, bias, soft-caps on either side of the fused pass's limit, every layout of
+   ``budget.Plan``, per-token losses with statistics, an lse output's gradient) with each target's kernel configuration
+   patched in (the GPU's logits tiles: TMA on sm90, each generation's pointer tiles, Turing's torch computation), and
+   every kernel launch is recorded:
    the kernel, its arguments' dtypes, integer values and constexprs, warps and stages. The row kernels keep the
    interpreter's block sizes.
 2. Compile (this process, no interpreter): each distinct launch, through ``kernel.warmup`` for its target, to PTX and
    cubin. One JSON line per (target, kernel, specialisation): ``"ok"`` with the shared memory it takes, or the
-   compiler's last line. The autotuned G kernel is compiled in each of its autotuning configurations.
+   compiler's last line.
 3. The fp16 logits kernel's PTX for sm75 and sm80: Triton lowers its dot to tensor-core MMA from sm80 only (why
-   Turing and Volta take cuBLAS, ``config.KernelConfig.mma_dot``). Then each GPU generation's pointer tiles
+   Turing and Volta take the torch computation, ``config.KernelConfig.mma_dot``). Then each GPU generation's pointer tiles
    (``config.pointer_tiles``), compiled as a launch specialises them, with the shared memory they take.
 
 The interpreter never compiles a branch it does not take: a TMA loop left where pointer inputs reach it passed every
@@ -67,17 +68,14 @@ def _record(target: str) -> list[dict]:
             return config.KernelConfig(128, 256, 64, 8, 3, prec, 264, min_splits=2, tma=True, upcast_dot=upcast)
         return config.KernelConfig(bn, bv, bd, 8, stages, prec, 264, min_splits=2, upcast_dot=upcast, mma_dot=mma)
 
-    def grad(dtype, device):
-        cfg = config.fused_config(dtype, device)
-        if cfg.tma:
-            return cfg
-        prec = "ieee" if dtype == torch.float32 else "tf32"
-        size = (64, 64, 32, 4, 3) if dtype == torch.float32 else (128, 128, 64, 8, 3)
-        return config.KernelConfig(*size, prec, 1, upcast_dot=dtype == torch.bfloat16)
-
     config._fused_config = fused
-    config.grad_logits_config = grad
-    config.LOW_MEMORY_BYTES, config.LOW_MEMORY_CHUNK_BYTES = 0, 1  # memory="low" by several vocabulary chunks
+    import hf_lsce.ops.paths as paths
+    from hf_lsce.ops.budget import Plan
+
+    plans = {"rows": Plan("fused", "rows", rows=40), "row chunks": Plan("fused", "rows", rows=16),
+             "columns kept": Plan("fused", "columns", keep=96, cols=64), "columns": Plan("fused", "columns", cols=64),
+             "frozen": Plan("fused", "frozen", cols=64)}
+    real_plan = paths.plan_for
     launches: dict[str, dict] = {}
     original = InterpretedFunction.__getitem__
 
@@ -98,42 +96,38 @@ def _record(target: str) -> list[dict]:
     n, v, d = 40, 300, 40
     g = torch.Generator().manual_seed(0)
     bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
-    # (dtype, path, frozen, bias, softcap, memory, call): each kernel and flag the paths launch, once
-    cases = [(dt, path, frozen, bias, cap, "auto", "train") for dt in (bf16, fp16) for path in ("fused", "two-pass")
+    # (dtype, layout, frozen, bias, softcap, call): each kernel and flag the layouts launch, once
+    cases = [(dt, name, frozen, bias, cap, "train") for dt in (bf16, fp16) for name in plans
              for frozen in (False, True) for bias, cap in ((True, None), (False, 30.0))]
-    cases += [(bf16, "one-pass", False, True, 60.0, "auto", "train"), (fp16, "one-pass", True, False, None, "auto",
-              "train"), (fp32, None, False, True, 30.0, "auto", "train"), (bf16, "fused", False, False, 60.0, "auto",
-              "train"), (bf16, "fused", False, True, None, "low", "train"), (bf16, "fused", True, False, None, "low",
-              "train"), (fp16, "fused", False, False, None, "low", "train"), (bf16, "fused", False, False, None,
-              "auto", "tokens")]
-    cases += [(dt, None, True, bias, cap, "auto", "eval") for dt in (bf16, fp16, fp32) for bias, cap in
+    cases += [(fp32, None, False, True, 30.0, "train"), (bf16, "rows", False, False, 60.0, "train"),
+              (bf16, "rows", False, False, None, "tokens"), (bf16, "columns", False, True, 30.0, "lse")]
+    cases += [(dt, None, True, bias, cap, "eval") for dt in (bf16, fp16, fp32) for bias, cap in
               ((True, None), (False, 30.0), (False, 60.0))]
-    for dtype, path, frozen, bias, softcap, memory, call in cases:
-        if dtype == fp16 and softcap is not None and path == "fused":
-            continue  # (fp16 takes no soft-cap on the fused path: the op runs it two-pass)
-        if not mma and path not in (None, "one-pass"):
-            continue  # (Turing and Volta: the op's own route, cuBLAS's logits and the row kernels)
-        config.TRAIN_PATH = path
+    for dtype, name, frozen, bias, softcap, call in cases:
+        paths.plan_for = (lambda *a, _p=plans[name], **k: _p) if name else real_plan
         h = (torch.randn(n, d, generator=g) * 0.5).to(dtype).requires_grad_(call != "eval")
         w = (torch.randn(v, d, generator=g) * 0.5).to(dtype).requires_grad_(not frozen and call != "eval")
         b = (torch.randn(v, generator=g) * 0.1).to(dtype) if bias else None
         y = torch.randint(0, v, (n,), generator=g)
         y[::7] = -100
-        kw = dict(bias=b, softcap=softcap, label_smoothing=0.1, backend="triton", memory=memory)
+        kw = dict(bias=b, softcap=softcap, label_smoothing=0.1, backend="triton")
         try:
             if call == "train":
                 linear_cross_entropy(h, w, y, **kw).backward()
             elif call == "tokens":
                 out = linear_cross_entropy(h, w, y, reduction="none", **kw)
                 out.backward(torch.rand(out.shape, generator=g, dtype=out.dtype))
+            elif call == "lse":
+                loss, lse = linear_cross_entropy(h, w, y, return_lse=True, **kw)
+                (loss + lse.sum()).backward()
             else:
                 linear_cross_entropy(h, w, y, reduction="none", return_stats=True, **kw)
         except Exception as e:  # noqa: BLE001 - the record says which case failed under this Triton's interpreter
             text = str(e).strip().splitlines()
             launches[f"error {len(launches)}"] = dict(
-                error=f"{str(dtype)[6:]}, path {path}, frozen {frozen}, bias {bias}, softcap {softcap}, memory "
-                      f"{memory}, {call}: {type(e).__name__}: {text[-1][:300] if text else ''}")
-    config.TRAIN_PATH = None
+                error=f"{str(dtype)[6:]}, layout {name}, frozen {frozen}, bias {bias}, softcap {softcap}, {call}: "
+                      f"{type(e).__name__}: {text[-1][:300] if text else ''}")
+    paths.plan_for = real_plan
     return list(launches.values())
 
 
@@ -213,10 +207,6 @@ def _kernels():
                 found[name] = obj
             elif isinstance(obj, Autotuner):
                 tuners[obj.fn.__name__] = obj
-    from hf_lsce.ops.backward import grad_logits_autotuned  # (made at first use)
-
-    tuner = grad_logits_autotuned()
-    tuners[tuner.fn.__name__] = tuner
     return {name: (fn, tuners.get(name)) for name, fn in found.items()}
 
 
@@ -279,13 +269,13 @@ def _compile_extras(kernels: dict, job: str) -> None:
     half, f32, i32 = torch.float16, torch.float32, torch.int32
 
     def exp_tiles_args(dt):
-        return [dt, dt, dt, dt, f32, f32, f32, f32, f32, i32, f32, 1024, 4096, 64, 2, 4096, 64, 1, 64, 1, 16, 80.0,
-                1.0]
+        return [dt, dt, dt, dt, f32, f32, f32, f32, f32, i32, f32, f32, torch.int64, 1024, 4096, 64, 2, 4096, 0, 4096,
+                64, 1, 64, 1, 16, 80.0, 1.0]
 
     if job == "ptx":
         for arch in (75, 80):
             flags = dict(HAS_BIAS=False, DOT_PRECISION="tf32", UPCAST=False, STATS=False, FIXUP=False, STORE=True,
-                         SOFTCAP=False, ONLINE=True, TMA=False, BLOCK_N=128, BLOCK_V=128, BLOCK_D=64, num_warps=8,
+                         SOFTCAP=False, ONLINE=True, GRAD=False, TMA=False, BLOCK_N=128, BLOCK_V=128, BLOCK_D=64, num_warps=8,
                          num_stages=2)
             result, _, ptx = _compile(fn, exp_tiles_args(half), flags, arch)
             print(json.dumps(dict(ptx_arch=arch, result=result,
@@ -297,7 +287,7 @@ def _compile_extras(kernels: dict, job: str) -> None:
     for online in (False, True):
         dt = half if online else torch.bfloat16
         flags = dict(HAS_BIAS=True, DOT_PRECISION="tf32", UPCAST=False, STATS=True, FIXUP=not online, STORE=True,
-                     SOFTCAP=not online, ONLINE=online, TMA=False, BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd,
+                     SOFTCAP=not online, ONLINE=online, GRAD=False, TMA=False, BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd,
                      num_warps=8, num_stages=stages)
         result, shared, _ = _compile(fn, exp_tiles_args(dt), flags, arch)
         print(json.dumps(dict(card=card, arch=arch, smem=smem, tiles=[bn, bv, bd, stages], dtype=str(dt)[6:],

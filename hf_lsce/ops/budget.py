@@ -1,0 +1,243 @@
+"""The memory budget: what each way of computing the op holds beyond its inputs and the gradients it returns, and the
+fastest one within a budget (``memory=``: ``"auto"``, ``"low"`` or a number of bytes).
+
+A plan is one computation and one layout:
+
+* ``fused``, ``rows``: the fused pass keeps ``exp(z - c)`` (R) for ``rows`` rows at a time; every row at once writes
+  dW with one matmul, fewer rows add dW's fp32 accumulator (``4 V D`` bytes) and one pass over it per chunk;
+* ``fused``, ``columns`` (a trainable head): the fused pass over every column keeps R for the first ``keep``
+  columns, and the rest is recomputed ``cols`` columns at a time as G = dL/dz (one more logits matmul for that share),
+  with dh in an fp32 accumulator (``4 N D`` bytes): the layout that reaches small budgets;
+* ``fused``, ``frozen`` (no dW: LoRA): one logits pass over chunks of ``cols`` columns, dh in an fp32 accumulator;
+* ``torch``: the chunked torch computation (fp32 logits, ``rows`` rows at a time): CPU, fp32, GPUs without
+  tensor-core dots in Triton, soft-caps above the fused pass's limit.
+
+The byte models count every buffer the code allocates (``fused_pass``, ``reference``), so a call's measured peak stays
+within its budget plus ``SLACK_BYTES`` (allocator rounding). The cost model ranks plans in units of one logits matmul:
+it decides which plan runs, not a promise of time (docs/how_it_works.md gives measured times).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+# memory="low": at most this much, or the smallest plan with chunks of at least MIN_CHUNK_BYTES where that is more.
+LOW_BYTES = 180 << 20
+MIN_CHUNK_BYTES = 32 << 20
+# memory="auto": the budget is CUDA's free memory divided by this
+HEADROOM = 1.25
+# what a measured peak may exceed a plan's bytes by (allocations rounded to 512 bytes, 2 MiB segments)
+SLACK_BYTES = 1 << 20
+# The cost model: tensor-core rate over memory bandwidth (bf16 dense FLOP per byte: H100 295, H200 206, A100 156), and
+# the host time of one chunk (launches and slicing, measured about 0.36 ms per chunk on an H100: docs/benchmarks.md)
+# in seconds at an assumed 700 TFLOP/s.
+FLOP_PER_BYTE = 200.0
+RATE = 7e14
+CHUNK_SECONDS = 3.6e-4
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a training call runs and the extra memory it takes (``nbytes``)."""
+
+    computation: str  # "fused" or "torch"
+    layout: str  # "rows", "columns", "frozen"
+    rows: int = 0  # rows per chunk ("rows")
+    keep: int = 0  # columns whose R the statistics pass keeps ("columns")
+    cols: int = 0  # columns per chunk ("columns", "frozen")
+    nbytes: int = 0
+    cost: float = 0.0
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the byte and cost models read: rows, vocabulary, hidden size, which gradients, the input's byte size."""
+
+    n: int
+    v: int
+    d: int
+    need_dw: bool
+    need_db: bool
+    half: bool  # fp16 (its kept gradients are fp32, its R relative to running maxima)
+    soft: bool  # soft-capped
+    block_n: int = 128
+    block_v: int = 256
+    programs: int = 264  # the kernel grid's target programs (KernelConfig.min_programs)
+    item: int = 4  # bytes per element of the torch computation's dtype (8: fp64)
+    cast: bool = False  # the torch computation upcasts the inputs (half precision)
+
+
+def _pad8(x: int) -> int:
+    return -(-x // 8) * 8
+
+
+def _row_state(s: Shape, rows: int) -> int:
+    """Per-row fp32 outputs and scratch (12 rows of N floats, the argmax), the split buffers of one launch (about
+    ``programs`` row blocks' worth, at least 2 splits), the column sums and a row of ones."""
+    splits_rows = max(s.programs * s.block_n, 2 * rows)
+    return 56 * s.n + 8 * rows + 20 * min(splits_rows, rows * max(1, -(-s.v // s.block_v))) + 8 * s.d + 2 * s.v + 4096
+
+
+def _fp16_kept(s: Shape) -> int:
+    """fp16 keeps dh and dW in fp32 until backward (``matmul.kept_dtype``): the difference beyond fp16 gradients."""
+    return (2 * s.n * s.d + (2 * s.v * s.d if s.need_dw else 0)) if s.half else 0
+
+
+def rows_bytes(s: Shape, rows: int) -> int:
+    direct = rows >= s.n and s.need_dw and not s.half
+    extra = 2 if s.need_dw and not s.soft else 0
+    b = (rows + extra) * _pad8(s.v) * 2 + _row_state(s, rows)
+    if s.need_dw and not s.soft:
+        b += (rows + extra) * s.d * 2  # a o h for dW's product
+    if not s.soft:
+        b += rows * s.d * 4  # dh's fp32 product
+    if s.need_dw and not direct:
+        b += s.v * s.d * 4  # dW's fp32 accumulator
+    if s.half:
+        b += rows * -(-s.v // s.block_v) * 4  # the running maxima per tile
+    if s.need_db:
+        b += 8 * s.v
+    return b + _fp16_kept(s)
+
+
+def columns_bytes(s: Shape, keep: int, cols: int) -> int:
+    b = 4 * s.n * s.d + _row_state(s, s.n) + 16 * s.n  # dh's accumulator, the state, G's row terms
+    if keep:
+        b += (s.n + 2) * (_pad8(keep) * 2 + s.d * 2) + 4 * s.d  # R kept, a o h, the kept columns' sums
+    if keep < s.v:
+        b += s.n * _pad8(cols) * 2
+    if s.need_db:
+        b += 4 * s.v + 4 * s.n
+    return b + _fp16_kept(s)
+
+
+def frozen_bytes(s: Shape, cols: int) -> int:
+    return 4 * s.n * s.d + s.n * _pad8(cols) * 2 + _row_state(s, s.n) + 20 * s.n
+
+
+def torch_bytes(s: Shape, rows: int) -> int:
+    """The chunked torch computation (``reference.torch_pass``): two chunks of logits in the compute dtype and the
+    per-token statistics; for half-precision inputs also the upcast weight, dW and dh in the compute dtype and a
+    chunk's rows of h."""
+    b = 2 * rows * s.v * s.item + 8 * s.n * s.item + (2 * s.v * s.item if s.need_db else 0)
+    if s.cast:
+        b += rows * s.d * s.item + s.v * s.d * s.item * (2 if s.need_dw else 1) + s.n * s.d * s.item
+    return b
+
+
+def _mm_seconds(s: Shape) -> float:
+    return max(2.0 * s.n * s.d * s.v / RATE, 1e-9)
+
+
+def _cost(s: Shape, matmuls: float, chunks: int, traffic: float = 0.0) -> float:
+    """Time in logits matmuls: ``matmuls`` of them, ``traffic`` bytes moved, ``chunks`` chunks of host time beyond
+    the first pass."""
+    return matmuls + (traffic / (RATE / FLOP_PER_BYTE) + chunks * CHUNK_SECONDS) / _mm_seconds(s)
+
+
+def _largest(fixed: int, per: int, budget: int, cap: int, step: int) -> int:
+    """The largest count in [step, cap] (a multiple of ``step`` unless ``cap``) with ``fixed + per * count <= budget``,
+    or 0."""
+    if fixed + per * cap <= budget:
+        return cap
+    k = (budget - fixed) // per // step * step
+    return k if k >= step else 0
+
+
+def fused_plans(s: Shape, budget: int | None) -> list[Plan]:
+    """The fused computation's best plan of each layout within ``budget`` bytes (None: unlimited): rows (not fp16 with
+    a soft-cap, whose R fp16 cannot hold), columns (a trainable head or bias; a frozen one in fp16 or soft-capped),
+    frozen (a frozen head otherwise)."""
+    big = budget if budget is not None else 1 << 62
+    grads = 3.0 if s.need_dw else 2.0
+    plans = []
+    if not (s.half and s.soft):  # rows: bytes grow linearly with the rows per chunk (R, a o h, dh's rows)
+        base = rows_bytes(s, 0)
+        per = max(1, (rows_bytes(s, s.block_n) - base) // s.block_n)
+        rows = s.n if rows_bytes(s, s.n) <= big else _largest(base, per, big, s.n, s.block_n)
+        if rows:
+            chunks = -(-s.n // rows)
+            traffic = 8.0 * s.v * s.d * chunks + 6.0 * s.v * s.d if s.need_dw and rows < s.n else 0.0
+            plans.append(Plan("fused", "rows", rows=rows, nbytes=rows_bytes(s, rows),
+                              cost=_cost(s, grads, chunks - 1, traffic)))
+    full, step = _pad8(s.v), s.block_v
+    if s.need_dw or s.need_db or s.half or s.soft:  # columns: the share not kept recomputed, a chunk at a time
+        chunk_cols = max(step, min(full, 4 * MIN_CHUNK_BYTES // (2 * s.n) // step * step))
+        cands = []
+        widest = _largest(columns_bytes(s, 0, 0), 2 * s.n, big, full, step)  # nothing kept: the widest chunk
+        if widest:
+            cands.append((0, min(widest, s.v)))
+        if s.need_dw and not (s.half or s.soft):  # keep what the budget holds beside a chunk of the usual width
+            fixed = columns_bytes(s, step, chunk_cols) - (s.n + 2) * step * 2
+            keep = _largest(fixed, 2 * (s.n + 2), big, full, step)
+            if keep and keep < s.v:  # (everything kept: the rows layout, with less memory)
+                cands.append((keep, min(chunk_cols, s.v - keep)))
+        for keep, cols in cands:
+            rest = s.v - keep
+            plans.append(Plan("fused", "columns", keep=keep, cols=cols, nbytes=columns_bytes(s, keep, cols),
+                              cost=_cost(s, grads + rest / s.v, -(-rest // cols) if rest else 0)))
+    else:  # a frozen head by columns, every row at once, the logits once
+        cols = _largest(frozen_bytes(s, 0), 2 * s.n, big, full, step)
+        if cols:
+            cols = min(cols, s.v)
+            plans.append(Plan("fused", "frozen", cols=cols, nbytes=frozen_bytes(s, cols),
+                              cost=_cost(s, grads, -(-s.v // cols) - 1) - 1e-3))  # (ties: columns, measured faster)
+    return plans
+
+
+def torch_plan(s: Shape, budget: int | None) -> Plan | None:
+    """The torch computation within ``budget`` (None: chunks of ``reference``'s default size)."""
+    from .reference import chunk_rows
+
+    rows = chunk_rows(s.n, s.v)
+    if budget is not None:
+        base = torch_bytes(s, 0)
+        rows = min(rows, max(0, (budget - base) // max(1, torch_bytes(s, 1) - base)))
+        if rows < 1:
+            return None
+    return Plan("torch", "rows", rows=rows, nbytes=torch_bytes(s, rows), cost=0.0)
+
+
+def best(s: Shape, budget: int | None, computation: str) -> Plan | None:
+    """The fastest plan of ``computation`` within ``budget`` (None: unlimited), or None where none fits."""
+    if computation == "torch":
+        return torch_plan(s, budget)
+    plans = fused_plans(s, budget)
+    return min(plans, key=lambda p: (p.cost, p.nbytes)) if plans else None
+
+
+def smallest(s: Shape, computation: str, chunk_bytes: int = 0) -> int:
+    """The smallest budget a plan of ``computation`` works within, with chunks of at least ``chunk_bytes`` where the
+    shape has that much (0: the smallest chunk, one block of rows or columns)."""
+    if computation == "torch":
+        return torch_bytes(s, 1)
+    cols = min(_pad8(s.v), max(s.block_v, chunk_bytes // max(1, 2 * s.n) // s.block_v * s.block_v))
+    rows = min(s.n, max(s.block_n, chunk_bytes // max(1, 2 * _pad8(s.v)) // s.block_n * s.block_n))
+    cands = [] if s.half and s.soft else [rows_bytes(s, rows)]
+    if s.need_dw or s.need_db or s.half or s.soft:
+        cands.append(columns_bytes(s, 0, cols))
+    else:
+        cands.append(frozen_bytes(s, cols))
+    return min(cands)
+
+
+def low_budget(s: Shape, computation: str) -> int:
+    """memory="low": ``LOW_BYTES``, or the smallest plan with chunks of ``MIN_CHUNK_BYTES`` where that needs more."""
+    return max(LOW_BYTES, smallest(s, computation, MIN_CHUNK_BYTES))
+
+
+def describe(nbytes: int | float) -> str:
+    """Bytes as a short figure (``1.2 GB``, ``180 MB``)."""
+    if nbytes >= 1e9:
+        return f"{nbytes / 1e9:.1f} GB"
+    if nbytes >= 1e6:
+        return f"{math.ceil(nbytes / 1e6)} MB"
+    return f"{math.ceil(nbytes / 1e3)} kB"
+
+
+def recompute_cols(s: Shape, nbytes: int | None) -> int:
+    """Columns of G per chunk for a recomputing backward (``paths.dense_backward``) within ``nbytes`` (None: chunks of
+    ``4 * MIN_CHUNK_BYTES``), at least one block."""
+    base = columns_bytes(s, 0, 0)
+    room = base + 4 * MIN_CHUNK_BYTES if nbytes is None else nbytes
+    return min(s.v, max(s.block_v, _largest(base, 2 * s.n, room, _pad8(s.v), s.block_v)))
