@@ -131,7 +131,7 @@ def layouts(h, w, bias, cap, frozen):
     budgets "auto", "low" and the smallest."""
     (n, d), v = h.shape, w.shape[0]
     comp = paths.computation(h, w, cap, "triton")
-    least = bud.smallest(paths.shape_of(h, w, bias, cap, comp, not frozen, bias is not None and not frozen), comp)
+    least = bud.smallest(paths.shape_of(h, w, bias, cap, comp, not frozen, bias is not None), comp)  # (run_op: db)
     out = [("auto", "auto", None), ("low", "low", None), ("smallest budget", least, None)]
     if comp == "fused":
         out += [("rows, every row", "auto", bud.Plan("fused", "rows", rows=n)),
