@@ -120,17 +120,18 @@ def _route(device, dtype, frozen, n, d, v, backend) -> dict:
         return dict(path="?", loads=_line(e))
     plan = opts.plan
     if opts.computation == "torch":
-        why = "fp32 logits by cuBLAS" if device.type == "cuda" else "the CPU"
-        loads = f"chunked torch ({plan.rows} rows a chunk, {why})"
+        where = "cuBLAS" if device.type == "cuda" else "the CPU"
+        path, loads = "torch", f"chunks of {plan.rows} rows of fp32 logits ({where})"
     else:
         from .ops.tiles import tma_ready
 
         cfg = config.fused_config(dtype, device)
         loads = ("TMA" if tma_ready(cfg, h, w) else "pointer") + f" loads, {_tiles(cfg)}"
-    layout = {"rows": f"R for {plan.rows} rows a chunk", "frozen": f"{plan.cols} columns a chunk",
-              "columns": f"R kept for {plan.keep} columns, the rest recomputed {plan.cols} at a time"}[plan.layout]
+        path = "fused, " + {"rows": f"R for {plan.rows} rows a chunk", "frozen": f"{plan.cols} columns a chunk",
+                            "columns": f"R kept for {plan.keep} columns, the rest recomputed {plan.cols} at a time"
+                            }[plan.layout]
     del h, w
-    return dict(path=f"{opts.computation}, {layout}", memory=describe(plan.nbytes), loads=loads)
+    return dict(path=path, memory=describe(plan.nbytes), loads=loads)
 
 
 def _tiles(cfg) -> str:

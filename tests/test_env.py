@@ -30,7 +30,7 @@ def test_env_json_reports_versions_paths_and_a_passing_self_test(capsys):
                                                                info["cuda"])
     # the CPU takes the chunked torch path for every dtype and head, and the self-test checks each against fp64
     assert len(info["routes"]) == 6 and {r["path"] for r in info["routes"]} == {"torch"}
-    assert len(info["self_test"]) == 9 and info["passed"] is True
+    assert len(info["self_test"]) == 15 and info["passed"] is True  # (6 heads x 2 budgets, 3 evaluations)
     for check in info["self_test"]:
         assert check["ok"], check
         for key, err in check["errors"].items():
@@ -42,7 +42,7 @@ def test_env_text_and_exit_status_1_when_the_op_is_wrong(capsys, monkeypatch):
 
     assert main(["env", "--no-self-test"]) == 0
     out = capsys.readouterr().out
-    assert "training paths on cpu" in out and "self-test" not in out
+    assert "training computation on cpu" in out and "self-test" not in out
     real = ops.linear_cross_entropy
 
     def off_by_a_percent(*args, **kwargs):  # an op whose loss is 1 % off: the self-test must catch it
@@ -52,7 +52,7 @@ def test_env_text_and_exit_status_1_when_the_op_is_wrong(capsys, monkeypatch):
     monkeypatch.setattr(ops, "linear_cross_entropy", off_by_a_percent)
     assert main(["env"]) == 1
     out = capsys.readouterr().out
-    assert "FAIL bf16 trainable" in out and "self-test: FAILED" in out
+    assert "FAIL bf16 trainable, memory=auto" in out and "self-test: FAILED" in out
 
 
 def test_env_with_a_broken_cuda_says_why_and_tests_the_torch_path(capsys, monkeypatch):

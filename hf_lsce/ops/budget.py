@@ -24,16 +24,19 @@ from dataclasses import dataclass
 # memory="low": at most this much, or the smallest plan with chunks of at least MIN_CHUNK_BYTES where that is more.
 LOW_BYTES = 180 << 20
 MIN_CHUNK_BYTES = 32 << 20
-# memory="auto": the budget is CUDA's free memory divided by this
+# memory="auto": the budget is CUDA's free memory divided by this, and at most AUTO_MAX_BYTES. Without that cap, auto
+# kept R for every row of a large step (39 GB at 18 x 4,096 tokens of Gemma-3-270m): the Trainer's largest step that
+# ran three steps was 18 sequences, 1.2 x stock's; chunks past the cap cost the op about 10 % (H200, docs/benchmarks.md)
 HEADROOM = 1.25
+AUTO_MAX_BYTES = 4_500_000_000
 # what a measured peak may exceed a plan's bytes by (allocations rounded to 512 bytes, 2 MiB segments)
 SLACK_BYTES = 1 << 20
-# The cost model: tensor-core rate over memory bandwidth (bf16 dense FLOP per byte: H100 295, H200 206, A100 156), and
-# the host time of one chunk (launches and slicing, measured about 0.36 ms per chunk on an H100: docs/benchmarks.md)
-# in seconds at an assumed 700 TFLOP/s.
+# The cost model: tensor-core rate over memory bandwidth (bf16 dense FLOP per byte: H100 295, H200 206, A100 156), the
+# rate (FLOP/s), and what one more chunk costs beyond its share of the work (about 0.1 ms: 1,024 chunks of 256 columns
+# took 132 ms where 10 took 17.6, Gemma-3-270m head, N = 8,192, H200; docs/benchmarks.md).
 FLOP_PER_BYTE = 200.0
 RATE = 7e14
-CHUNK_SECONDS = 3.6e-4
+CHUNK_SECONDS = 1.1e-4
 
 
 @dataclass(frozen=True)

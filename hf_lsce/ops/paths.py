@@ -11,8 +11,9 @@ Two computations, both exact:
 * torch (``reference.py``): chunks of fp32 logits, for everything else (the CPU, fp32 and fp64 inputs, Turing and
   Volta, larger soft-caps).
 
-The budget (``memory=``): ``"auto"`` (CUDA's free memory over ``budget.HEADROOM``; read only where the fastest plan
-is larger than ``SMALL_BUFFER_FRACTION`` of the device: the query costs host time every call), ``"low"``
+The budget (``memory=``): ``"auto"`` (CUDA's free memory over ``budget.HEADROOM``, at most ``budget.AUTO_MAX_BYTES``;
+read only where the fastest plan is larger than ``SMALL_BUFFER_FRACTION`` of the device: the query costs host time
+every call), ``"low"``
 (``budget.low_budget``) or a number of bytes. A budget no plan fits, or one whose plan the device cannot hold, is a
 ``ValueError`` before any kernel runs.
 """
@@ -139,11 +140,11 @@ def plan_for(s: bud.Shape, comp: str, memory: str, device: torch.device) -> bud.
     if memory == "low":
         return bud.best(s, bud.low_budget(s, comp), comp)
     if memory == "auto":
-        plan = bud.best(s, None, comp)
+        plan = bud.best(s, bud.AUTO_MAX_BYTES if cuda else None, comp)
         if not cuda or bud.HEADROOM * plan.nbytes <= SMALL_BUFFER_FRACTION * device_memory(device):
             return plan
         free = free_cuda_memory(device)
-        plan = bud.best(s, int(free / bud.HEADROOM), comp)
+        plan = bud.best(s, min(int(free / bud.HEADROOM), bud.AUTO_MAX_BYTES), comp)
         if plan is None:
             least = bud.smallest(s, comp)
             raise ValueError(f"memory='auto': the GPU has {bud.describe(free)} free, and the op needs at least "
