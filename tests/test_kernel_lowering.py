@@ -75,8 +75,9 @@ def test_each_gpus_pointer_tiles_fit_its_shared_memory(lowered):
 
 # The integer arguments that change from batch to batch (row counts, the sequence length, split and block counts, a
 # chunk's first column, a number of items): Triton would compile a kernel again for each new divisibility by 16 of
-# one (and for a value of 1), inside a training step: docs/benchmarks.md#new-batch-lengths-one-compiled-kernel-for-all.
-PER_BATCH = {"n", "N", "seq", "splits", "NUM_SPLITS", "blocks", "blocks_x", "col0", "v_store", "items_value"}
+# one (and for a value of 1), inside a training step. (The logits kernel's V and v_store stay specialised on purpose:
+# fused_pass says why; a chunk's width is a multiple of the tile or the vocabulary's own.)
+PER_BATCH = {"n", "N", "seq", "splits", "NUM_SPLITS", "blocks", "blocks_x", "col0", "items_value"}
 
 
 def test_no_kernel_specialises_on_an_argument_that_changes_with_the_batch():

@@ -102,7 +102,7 @@ def token_loss_gradients(hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
     need_db = need_db and bias is not None
     opts = options(hidden, weight, bias, softcap, backend, z_loss, memory, True, need_dw, need_db)
     dh, dw, db = finish_gradients(loss_gradients(hidden, weight, bias, targets, lse, smoothing, grad, grad_lse, opts,
-                                                 need_dh, need_dw, need_db), None, hidden, weight, bias)
+                                                 need_dh, need_dw, need_db), None, hidden, weight, bias, opts)
     return (dh if need_dh else _none(hidden), dw if need_dw else _none(hidden),
             db if need_db and db is not None else _none(hidden))
 
@@ -162,7 +162,8 @@ def reduced_training_loss(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]
                    need_stats=need_stats, reduce=True)
     stats, (dh, dw, db, gamma) = statistics_and_gradients(hidden, weight, bias, targets, smoothing, token_weight,
                                                           opts, need_dh, need_dw, need_db)
-    dh, dw, db = scale_by((dh, dw, db), gamma=gamma)  # (fp16: times gamma, in place; kept in fp32: kept_dtype)
+    dh, dw, db = scale_by((dh, dw, db), gamma=gamma,  # (fp16: times gamma, in place; kept in fp32: kept_dtype)
+                          interpreted=opts.computation == "fused")
     lse, argmax, entropy = stats[0], stats[3], stats[4]
     per, nll = loss_terms(stats, smoothing, targets, weight.shape[0], z_loss)
     loss = per.sum() if denom is None else per.sum() / denom

@@ -274,7 +274,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             kept = statistics_and_gradients(hidden, weight, bias, targets, smoothing, token_weight, opts,
                                             need_dh, need_dw, need_db and bias is not None)[1]
         if kept_path and opts.reduce:  # grad_loss is the upstream scalar (not None: see above)
-            return *finish_gradients(kept, grad_loss.detach().float().reshape(1), hidden, weight, bias), *rest
+            return *finish_gradients(kept, grad_loss.detach().float().reshape(1), hidden, weight, bias, opts), *rest
         if bad is not None and grad_loss is not None:  # the NaN loss of a failed check passes no gradient
             grad_loss = torch.where(bad, 0.0, grad_loss)
         valid = targets >= 0
@@ -291,11 +291,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if c is not None:
                 c = None if math.isclose(c, 1.0, rel_tol=1e-6, abs_tol=0.0) else torch.full(
                     (1,), c, dtype=torch.float32, device=hidden.device)
-                return *finish_gradients(kept, c, hidden, weight, bias), *rest
+                return *finish_gradients(kept, c, hidden, weight, bias, opts), *rest
         del kept  # an upstream gradient the kept one cannot be scaled to: recompute below
         grads = loss_gradients(hidden, weight, bias, targets, lse, smoothing, grad, grad_lse, opts, need_dh,
                                need_dw, need_db and bias is not None)
-        dh, dw, db = finish_gradients(grads, None, hidden, weight, bias)
+        dh, dw, db = finish_gradients(grads, None, hidden, weight, bias, opts)
         return (dh if need_dh else None, dw if need_dw else None, db if need_db else None) + rest
 
 

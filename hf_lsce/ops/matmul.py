@@ -69,13 +69,15 @@ def addmm_f32(acc, a, b):
         acc += a.float() @ b.float()
 
 
-def scale_by(tensors, c: torch.Tensor | None = None, dtypes=None, gamma: torch.Tensor | None = None) -> list:
+def scale_by(tensors, c: torch.Tensor | None = None, dtypes=None, gamma: torch.Tensor | None = None,
+             interpreted: bool = True) -> list:
     """Each tensor (None passes) times ``c * gamma`` (one-element fp32 tensors on their device; None: 1) in
     ``dtypes[i]`` (None: its own dtype, in place), without reading them on the host: the kept gradients times the
     upstream gradient and, for fp16, times gamma (``fp16_weights``) as they are cast from fp32 to fp16, in one pass
     (other casts, as a bf16 bias's db, follow the scaling: the interpreter's bf16 casts truncate). On CUDA (and the
     interpreter) a kernel, two tensors per launch, that touches no memory where the factor is 1 and nothing is cast
-    (``tiles._scale_kernel``); elsewhere torch."""
+    (``tiles._scale_kernel``; ``interpreted=False``: not the interpreter's, for the torch computation's CPU tensors);
+    elsewhere torch."""
     if gamma is not None:
         c = gamma if c is None else c * gamma
     out = list(tensors)
@@ -86,7 +88,7 @@ def scale_by(tensors, c: torch.Tensor | None = None, dtypes=None, gamma: torch.T
         dt = (dtypes[i] if dtypes else None) or t.dtype
         if c is None or not t.numel():
             out[i] = t.to(dt)
-        elif (t.is_cuda or interpreting()) and t.is_contiguous():
+        elif (t.is_cuda or (interpreted and interpreting())) and t.is_contiguous():
             cast = dt == torch.float16 and t.dtype == torch.float32
             out[i] = torch.empty_like(t, dtype=dt) if cast else t
             jobs[cast].append((t, out[i]))

@@ -254,11 +254,12 @@ def loss_gradients(hidden, weight, bias, targets, lse, smoothing, grad, grad_lse
                           opts, need_dh, need_dw, need_db, extra=grad_lse.float().contiguous())
 
 
-def finish_gradients(grads, c, hidden, weight, bias) -> tuple:
+def finish_gradients(grads, c, hidden, weight, bias, opts: Options | None = None) -> tuple:
     """A computation's gradients ``(dh, dw, db, gamma)`` (None entries pass) times the upstream factor ``c`` (a
     one-element fp32 tensor; None: 1) and gamma (fp16's: ``matmul.fp16_weights``), in the inputs' dtypes, rounded
     once: a pass over each at most (``matmul.scale_by``; fp16's are kept in fp32 until here, ``matmul.kept_dtype``)."""
     from .matmul import scale_by
 
     *grads, gamma = grads
-    return tuple(scale_by(grads, c, (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None), gamma))
+    return tuple(scale_by(grads, c, (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None), gamma,
+                          interpreted=opts is None or opts.computation == "fused"))
