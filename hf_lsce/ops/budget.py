@@ -1,20 +1,12 @@
 """The memory budget: what each way of computing the op holds beyond its inputs and the gradients it returns, and the
-fastest one within a budget (``memory=``: ``"auto"``, ``"low"`` or a number of bytes).
+fastest one within a budget. A plan is a computation and a layout: ``fused`` ``rows`` (R for ``rows`` rows at a
+time; fewer than all add dW's fp32 accumulator), ``fused`` ``columns`` (R kept for ``keep`` columns, the rest
+recomputed ``cols`` at a time as G, dh in an fp32 accumulator: the small budgets), ``fused`` ``frozen`` (no dW: chunks
+of ``cols`` columns, the logits once), ``torch`` (chunks of ``rows`` rows of fp32 logits).
 
-A plan is one computation and one layout:
-
-* ``fused``, ``rows``: the fused pass keeps ``exp(z - c)`` (R) for ``rows`` rows at a time; every row at once writes
-  dW with one matmul, fewer rows add dW's fp32 accumulator (``4 V D`` bytes) and one pass over it per chunk;
-* ``fused``, ``columns`` (a trainable head): the fused pass over every column keeps R for the first ``keep``
-  columns, and the rest is recomputed ``cols`` columns at a time as G = dL/dz (one more logits matmul for that share),
-  with dh in an fp32 accumulator (``4 N D`` bytes): the layout that reaches small budgets;
-* ``fused``, ``frozen`` (no dW: LoRA): one logits pass over chunks of ``cols`` columns, dh in an fp32 accumulator;
-* ``torch``: the chunked torch computation (fp32 logits, ``rows`` rows at a time): CPU, fp32, GPUs without
-  tensor-core dots in Triton, soft-caps above the fused pass's limit.
-
-The byte models count every buffer the code allocates (``fused_pass``, ``reference``), so a call's measured peak stays
-within its budget plus ``SLACK_BYTES`` (allocator rounding). The cost model ranks plans in units of one logits matmul:
-it decides which plan runs, not a promise of time (docs/how_it_works.md gives measured times).
+The byte models count every buffer the code allocates, so a measured peak stays within its budget plus
+``SLACK_BYTES`` (benchmarks/check_gpu.py's budget section). The cost model ranks plans in logits matmuls: it picks,
+it does not promise (docs/how_it_works.md has the measured times).
 """
 from __future__ import annotations
 
@@ -54,7 +46,8 @@ class Plan:
 
 @dataclass(frozen=True)
 class Shape:
-    """What the byte and cost models read: rows, vocabulary, hidden size, which gradients, the input's byte size."""
+    """What the models read: rows, vocabulary, hidden size, which gradients, fp16, soft-cap, the kernel's blocks,
+    and the torch computation's element size and whether it upcasts."""
 
     n: int
     v: int
@@ -75,14 +68,13 @@ def _pad8(x: int) -> int:
 
 
 def _row_state(s: Shape, rows: int) -> int:
-    """Per-row fp32 outputs and scratch (12 rows of N floats, the argmax), the split buffers of one launch (about
-    ``programs`` row blocks' worth, at least 2 splits), the column sums and a row of ones."""
+    """Per-row outputs and scratch, one launch's split buffers, the column sums and a row of ones."""
     splits_rows = max(s.programs * s.block_n, 2 * rows)
     return 56 * s.n + 8 * rows + 20 * min(splits_rows, rows * max(1, -(-s.v // s.block_v))) + 8 * s.d + 2 * s.v + 4096
 
 
 def _fp16_kept(s: Shape) -> int:
-    """fp16 keeps dh and dW in fp32 until backward (``matmul.kept_dtype``): the difference beyond fp16 gradients."""
+    """fp16 keeps dh and dW in fp32 until backward: their bytes beyond fp16 gradients."""
     return (2 * s.n * s.d + (2 * s.v * s.d if s.need_dw else 0)) if s.half else 0
 
 
@@ -119,9 +111,8 @@ def frozen_bytes(s: Shape, cols: int) -> int:
 
 
 def torch_bytes(s: Shape, rows: int) -> int:
-    """The chunked torch computation (``reference.torch_pass``): two chunks of logits in the compute dtype and the
-    per-token statistics; for half-precision inputs also the upcast weight, dW and dh in the compute dtype and a
-    chunk's rows of h."""
+    """The torch computation: two chunks of logits, the statistics; half-precision inputs also the upcast weight, dW
+    and dh in fp32 and a chunk's rows of h."""
     b = 2 * rows * s.v * s.item + 8 * s.n * s.item + (2 * s.v * s.item if s.need_db else 0)
     if s.cast:
         b += rows * s.d * s.item + s.v * s.d * s.item * (2 if s.need_dw else 1) + s.n * s.d * s.item
@@ -139,8 +130,8 @@ def _cost(s: Shape, matmuls: float, chunks: int, traffic: float = 0.0) -> float:
 
 
 def _largest(fixed: int, per: int, budget: int, cap: int, step: int) -> int:
-    """The largest count in [step, cap] (a multiple of ``step`` unless ``cap``) with ``fixed + per * count <= budget``,
-    or 0."""
+    """The largest count in [step, cap] (a multiple of ``step`` unless ``cap``) with ``fixed + per * count <=
+    budget``, or 0."""
     if fixed + per * cap <= budget:
         return cap
     k = (budget - fixed) // per // step * step
@@ -148,9 +139,8 @@ def _largest(fixed: int, per: int, budget: int, cap: int, step: int) -> int:
 
 
 def fused_plans(s: Shape, budget: int | None) -> list[Plan]:
-    """The fused computation's best plan of each layout within ``budget`` bytes (None: unlimited): rows (not fp16 with
-    a soft-cap, whose R fp16 cannot hold), columns (a trainable head or bias; a frozen one in fp16 or soft-capped),
-    frozen (a frozen head otherwise)."""
+    """The fused computation's best plan of each layout within ``budget`` bytes (None: unlimited): rows (not fp16
+    with a soft-cap), columns (a trainable head or bias, or fp16 or a soft-cap), frozen (a frozen head otherwise)."""
     big = budget if budget is not None else 1 << 62
     grads = 3.0 if s.need_dw else 2.0
     plans = []
@@ -189,7 +179,7 @@ def fused_plans(s: Shape, budget: int | None) -> list[Plan]:
 
 
 def torch_plan(s: Shape, budget: int | None) -> Plan | None:
-    """The torch computation within ``budget`` (None: chunks of ``reference``'s default size)."""
+    """The torch computation within ``budget`` (None: ``reference``'s default chunk)."""
     from .reference import chunk_rows
 
     rows = chunk_rows(s.n, s.v)
@@ -210,8 +200,8 @@ def best(s: Shape, budget: int | None, computation: str) -> Plan | None:
 
 
 def smallest(s: Shape, computation: str, chunk_bytes: int = 0) -> int:
-    """The smallest budget a plan of ``computation`` works within, with chunks of at least ``chunk_bytes`` where the
-    shape has that much (0: the smallest chunk, one block of rows or columns)."""
+    """The smallest budget a plan of ``computation`` works within, chunks at least ``chunk_bytes`` where the shape
+    has that much (0: one block)."""
     if computation == "torch":
         return torch_bytes(s, 1)
     cols = min(_pad8(s.v), max(s.block_v, chunk_bytes // max(1, 2 * s.n) // s.block_v * s.block_v))
@@ -239,8 +229,8 @@ def describe(nbytes: int | float) -> str:
 
 
 def recompute_cols(s: Shape, nbytes: int | None) -> int:
-    """Columns of G per chunk for a recomputing backward (``paths.dense_backward``) within ``nbytes`` (None: chunks of
-    ``4 * MIN_CHUNK_BYTES``), at least one block."""
+    """Columns of G a chunk for a recomputing backward within ``nbytes`` (None: chunks of ``4 MIN_CHUNK_BYTES``), at
+    least one block."""
     base = columns_bytes(s, 0, 0)
     room = base + 4 * MIN_CHUNK_BYTES if nbytes is None else nbytes
     return min(s.v, max(s.block_v, _largest(base, 2 * s.n, room, _pad8(s.v), s.block_v)))

@@ -1,24 +1,10 @@
-"""Checks of the values that live on the device, without stalling the GPU.
-
-Every call of the op must refuse a target outside ``[0, V)`` that is not ``ignore_index`` (the kernels would read
-out of bounds), a tensor ``num_items_in_batch`` that is not a count, and a per-token ``label_smoothing`` outside
-``[0, 1]``. Reading those values on the host is a blocking synchronisation: the CPU waits for the GPU to drain
-before it can queue the next kernel, which a launch-bound training step (a small model) pays in throughput.
-
-So on CUDA the checks run on the device:
-
-* the bad entries are computed on the device (by ``prepare.py``'s one launch on the Triton path, with the per-token
-  inputs; by a few element-wise torch operations elsewhere), and the bad targets are treated as ignored, so the
-  kernels never read outside the weight;
-* the returned loss is NaN when any check failed, so the bad step is visible where the loss is logged;
-* a five-number summary is copied to pinned host memory without blocking, behind a CUDA event; the next call of
-  the op (or :func:`raise_pending_errors`, or the Trainer integration at the end of each step and of training)
-  reads it once the event has completed and raises the same ``ValueError`` the synchronous check gives.
-
-On the CPU (and under Triton's interpreter, whose tensors live on the CPU) reading the values costs nothing and
-the check is synchronous: the error comes from the call itself. ``HF_LSCE_SYNC_CHECKS=1`` makes CUDA checks
-synchronous too (debugging: the error then points at the offending call). Under CUDA-graph capture and
-``torch.compile`` tracing the summary is not queued (the NaN loss still marks the step).
+"""Checks of the values that live on the device, without stalling the GPU: a target outside ``[0, V)`` that is not
+``ignore_index``, a tensor ``num_items_in_batch`` that is not a count, a per-token ``label_smoothing`` outside
+``[0, 1]``. On CUDA the bad entries are found on the device (bad targets are treated as ignored, so the kernels never
+read outside the weight), the loss is NaN, and a summary goes to pinned host memory behind a CUDA event; the next call
+(or :func:`raise_pending_errors`, or the Trainer integration) raises the ``ValueError`` once it has arrived. On the CPU
+the check is synchronous, and ``HF_LSCE_SYNC_CHECKS=1`` makes CUDA's synchronous too (the error then points at the
+offending call). Under CUDA-graph capture and ``torch.compile`` tracing no summary is queued (the NaN loss marks it).
 """
 from __future__ import annotations
 

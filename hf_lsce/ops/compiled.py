@@ -1,25 +1,16 @@
-"""The op inside ``torch.compile`` graphs and CUDA-graph captures: ``torch.library`` custom operators.
+"""The op inside ``torch.compile`` graphs and CUDA-graph captures: ``torch.library`` custom operators, opaque to the
+compiler, that run the same code when the graph runs (the eager autograd function keeps state on its context, which
+cannot be traced):
 
-Eager calls run ``_LinearCrossEntropy`` (an ``autograd.Function`` whose forward already computes the training
-gradients and keeps them on its context for backward). That context state cannot be traced, so while Dynamo traces,
-``linear_cross_entropy`` calls the three operators below instead; each is opaque to the compiler and runs its Python
-body (the same kernels, chosen by the same code) when the compiled graph runs:
+* ``hf_lsce::check_values``: the device values' checks (``checks.check_device_values``), returning the NaN flag;
+* ``hf_lsce::token_losses`` (per-token losses and statistics, no gradient work) and its backward
+  ``hf_lsce::token_loss_gradients`` (``paths.loss_gradients``, with the per-token upstream gradient: one more logits
+  pass than eagerly);
+* ``hf_lsce::reduced_training_loss``: a reduced training loss whose forward computes the gradients, as eagerly; its
+  backward multiplies them by the upstream scalar.
 
-* ``hf_lsce::check_values``: the checks of device values (``checks.check_device_values``): synchronous on the CPU,
-  a device flag plus a deferred error on CUDA; returns the flag (the loss is NaN where it is set);
-* ``hf_lsce::token_losses``: per-token smoothed losses and statistics (``paths.statistics``: no gradient work),
-  differentiable through ``torch.library.register_autograd``;
-* ``hf_lsce::token_loss_gradients``: its backward: dh, dW, db of ``sum_n g_n loss_n`` (``g`` the upstream gradient of
-  the per-token losses) by the training computation the eager op would take (``paths.loss_gradients``), and the
-  recomputing backward when the lse output has a gradient;
-* ``hf_lsce::reduced_training_loss``: a reduced training loss (the Trainer's: sum / ``num_items_in_batch``) without
-  an lse output: as eagerly, its forward runs the training computation and returns the gradients of the loss with
-  the statistics; its backward multiplies them by the upstream scalar (a traced element-wise op).
-
-For per-token losses the reduction stays a traced torch op, so its gradient reaches the backward operator as the
-per-token ``g`` (the forward computes the statistics only: one more logits matmul than eagerly). No operator synchronises with the host on CUDA, so a compiled
-step can be captured in a CUDA graph; replays then run no Python, so the deferred error of a bad target is raised
-only for calls that ran eagerly (the NaN loss still marks it).
+None synchronises with the host on CUDA, so a compiled step can be captured in a CUDA graph (whose replays raise no
+deferred error: the NaN loss still marks a bad target).
 """
 from __future__ import annotations
 

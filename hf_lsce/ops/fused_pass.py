@@ -1,53 +1,20 @@
-"""The fused pass: one logits matmul for the loss and its gradients, no fp32 logits in memory; without its store of
-R, the per-token statistics (evaluation, the vocabulary-parallel forward: ``fused_statistics``).
+"""The fused computation: one logits matmul for the loss and its gradients, no fp32 logits in memory
+(docs/how_it_works.md has the derivation and the measurements).
 
-The logits kernel (``_exp_tiles_kernel``: with TMA loads one flattened loop over (vocabulary tile, D step)
-pairs, on Hopper; pointer loads with a D loop per tile on every other GPU with bf16 tensor cores, and under
-``HF_LSCE_TMA=0``) computes each logit tile once and, in the same epilogue, both folds it into the row statistics and
-stores it, as the shifted exponentials
+The logits kernel (``_exp_tiles_kernel``; TMA loads on Hopper, pointer loads elsewhere) computes each tile once and in
+its epilogue folds it into the rows' statistics and stores ``R = exp(z - c)`` in the input dtype, with a per-row
+offset fixed before the kernel (the mean logit plus ``C_SHIFT``; a row whose max passes it by more than
+``R_EXP_MAX`` is redone by a second, fix-up launch with its max as the offset). With ``S = sum_v R``:
 
-    R_nv = exp(z_nv - c_n)        (the input dtype, bf16)
+    dh = a o (R' W) - u colsum(W),   dW = R'^T (a o h) - 1 (u^T h)^T,   a = w k / S,   u = w b / V
 
-with a per-row offset ``c_n`` fixed *before* the kernel runs. The softmax is ``p_nv = R_nv / S_n`` with
-``S_n = sum_v R_nv`` (so ``lse_n = c_n + log S_n``): the missing normalisation is one factor per row, and a factor
-per row passes through both gradient products:
-
-    G = diag(a) R' - u 1^T,   a_n = w_n / S_n,   u_n = w_n b_n / V
-    dh = diag(a) (R' W) - u colsum(W)^T          dW = R'^T (a o h) - 1 (u^T h)^T
-
-(``w_n`` the token's weight in the reduced loss, ``b_n`` its smoothing; R' is R with the target entry
-``R_ny - (1 - b_n) S_n``, written from the kernel's fp32 target logit). So the gradients take three matmuls (the
-logits once, dh, dW) and 2 bytes per logit of memory traffic, where a materialising loss moves about 14 (fp32
-logits written and read twice).
-
-The offset: ``c_n = h_n . mean_v W_v + C_SHIFT`` (the mean logit, which is at most the row's max ``m_n``, plus a
-margin). R fits bf16 while ``m_n - c_n`` stays within ``R_EXP_MAX`` (R <= e^48, bf16 and fp32 reach e^88) and keeps
-the entries that matter (within about 60 nats of the max) above bf16's smallest normal number. A row past that
-(its max more than 72 nats above its mean logit; on real Gemma-3-270m text the largest gap was 40) is flagged on
-the device and redone by the same kernel with ``c_n = m_n`` (its exact max) in a second launch whose programs return
-at once on blocks without a flagged row. No host synchronisation.
-
-Layouts (``budget.Plan``, the fastest within the memory budget): ``rows``, R for every row at once, when dW is
-needed written by one matmul in the weight's dtype, the rank-one smoothing term riding in it as two extra rows (R's
-rows of ones against the hi and lo bf16 halves of ``-sum_n u_n h_n``), so dW is rounded once and no fp32 ``V x D``
-buffer is written, read back and cast; or R for a chunk of rows at a time, dW accumulated across chunks in fp32
-(``4 V D`` bytes, one rounding at the end; the last chunk's matmul also adds the rank-one term). ``columns``: the
-pass over every column keeps R for the first ``keep`` columns only (their share of dh and dW as above), and the rest
-is recomputed a chunk of columns at a time once the lse is known, the kernel's G epilogue writing
-``G = p (w k) - u - w (1 - b) [v = y]`` itself (``fused_gradients``), whose dW rows are complete (one rounding) and
-whose dh adds into an fp32 accumulator: one more logits matmul for the recomputed share, down to a few tens of MB.
-``frozen`` (no dW, no db: LoRA): chunks of vocabulary *columns*, every row at once, the logits once
-(``triton_fused_columns``). The z-loss ``lam lse^2`` multiplies p by ``k_n = 1 + 2 lam lse_n``, one more factor per
-row (``a_n = w_n k_n / S_n``, the target entry ``R_ny - (1 - b_n) S_n / k_n``). fp16's range cannot hold R with an
-offset fixed before the kernel: its rows layout (``online``) stores R relative to each row's running max and
-normalises it afterwards; its columns layout keeps nothing and writes G.
-
-Soft-capped logits (a cap up to ``SOFTCAP_MAX``): the cap's derivative ``1 - tanh^2`` is a factor per *logit*, so
-the uniform term ``u 1^T`` times it is no longer rank one and the factors above do not carry it. But a capped logit
-lies within ``cap`` of 0: with the offset ``c = cap`` every R is at most 1 and a normal bf16 number (no fix-up), and
-``log R`` gives the capped logit back. So a kernel forms G itself over R, in place, once the row statistics are known
-(``_softcap_grad_kernel``: the derivative from log R), and cuBLAS takes dh, dW and db from G; the columns layout's
-G epilogue multiplies by the derivative directly.
+(``w`` the token's weight, ``b`` its smoothing, ``k = 1 + 2 lam lse`` the z-loss's factor, R' R with the target
+entry ``R_y - (1 - b) S / k``). Layouts (``budget.Plan``): ``rows`` (R for every row, dW written by one matmul with the
+rank-one term as two extra rows; or chunks of rows with dW's fp32 accumulator), ``columns`` (R kept for the first
+``keep`` columns, the rest recomputed as G by the kernel's G epilogue once the lse is known: ``fused_gradients``),
+``frozen`` (no dW: chunks of columns, every row, the logits once: ``triton_fused_columns``). fp16 keeps R relative to
+each row's running max (``online``); a soft-cap (up to ``SOFTCAP_MAX``) takes the cap as the offset and its
+derivative from log R (``_softcap_grad_kernel``).
 """
 
 # (no `from __future__ import annotations` in a kernel module: Triton 3.1's interpreter then misreads each kernel's
@@ -60,22 +27,20 @@ from .config import interpreting
 from .matmul import MM_OUT_DTYPE, addmm_f32, fp16_weights, kept_dtype, mm_f32
 from .tiles import _dot, _finish_logits, _init_state, _logit_acc, _split_bounds, _tanh, tma_ready
 
-# c_n = mean logit + C_SHIFT; a row whose max exceeds c_n by more than R_EXP_MAX is redone with c_n = its max.
+# c = mean logit + C_SHIFT; a row whose max exceeds c by more than R_EXP_MAX (R <= e^48 in bf16) is redone with c = max
 C_SHIFT = 24.0
 R_EXP_MAX = 48.0
-# The largest soft-cap the fused path takes: the offset is the cap and a capped logit is above -cap, so R >= e^-80,
-# a normal bf16 (and fp32) number, and log R gives the capped logit back (the cap's derivative: _softcap_grad_kernel).
-# Gemma 2 caps at 30.
+# The largest soft-cap: the offset is the cap, so R >= e^-80 stays a normal bf16 number (Gemma 2 caps at 30)
 SOFTCAP_MAX = 40.0
+
+
 @triton.jit
 def _exp_epilogue(acc, v0, v_end, v_store, B, R, stride_rn, offs_n, mask_n, c, c2, m, s, t_acc, sz, am, softcap, MT,
                   stride_mt, pm, uu, ot, y, HAS_BIAS: tl.constexpr, STATS: tl.constexpr, STORE: tl.constexpr,
                   SOFTCAP: tl.constexpr, ONLINE: tl.constexpr, GRAD: tl.constexpr, BLOCK_V: tl.constexpr):
-    """One finished logit tile (``acc``, columns from ``v0``) folded into the rows' state and (STORE) its R stored
-    where its column is below ``v_store``: ``_exp_tiles_kernel``'s epilogue, shared by its loops. ONLINE (fp16): R
-    relative to the row's running max, which the tile's column of MT records, and the state kept relative to it (an
-    online softmax). GRAD: the tile of G = dL/dz itself, ``p pm - uu - ot [v = y]`` (times the cap's derivative),
-    with ``c2`` the rows' lse in base 2 (``y`` relative to this tile's columns)."""
+    """One finished tile (``acc``, columns from ``v0``) folded into the rows' state, its R stored below column
+    ``v_store`` (STORE). ONLINE (fp16): R and the state relative to the row's running max, recorded per tile in MT.
+    GRAD: the tile of G itself, ``p pm - uu - ot [v = y]`` (times the cap's derivative), ``c2`` the lse in base 2."""
     offs_v = v0 + tl.arange(0, BLOCK_V)
     mask_v = offs_v < v_end
     if GRAD:
@@ -148,22 +113,13 @@ def _exp_tiles_kernel(
     FIXUP: tl.constexpr, STORE: tl.constexpr, SOFTCAP: tl.constexpr, ONLINE: tl.constexpr, GRAD: tl.constexpr,
     TMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Per (vocabulary split, row block): R = exp(z - c) stored tile by tile, and per row over the split
-    S = sum R, the max and (STATS) T = sum R (z - c) (entropy) and the argmax. The target logit and the sum of logits
-    come from ``_offsets_kernel`` (a dot product per row), so the epilogue is a select, a max, an exponential, a sum
-    and a store per logit (STORE; without it, the statistics alone). FIXUP: the second launch, after the first wrote
-    every split's row maxima: a row whose max exceeds its offset by more than ``r_exp_max`` is flagged and redone
-    with its max as the offset (``_effective_offsets``, as ``_finish_rows_kernel`` does); only blocks holding a
-    flagged row run (the others return at once), and they redo every row of the block (the others with their own
-    offsets, the same R). SOFTCAP: the logits capped (``cap tanh(z / cap)``) before R, and per row the sum of the
-    capped logits into SZ_OUT (no dot product gives it); the offset is then ``cap`` itself (``_offsets_kernel``).
-    ONLINE (fp16, whose range cannot hold R with an offset fixed before the logits): R and the state relative to
-    each row's running max, recorded per tile in MT (``_normalize_kernel`` turns R into p afterwards); no C, no
-    fix-up. TMA: H and W are tensor descriptors (Hopper and data-centre Blackwell; loads past N, V and D zero-filled)
-    in one flattened loop over (vocabulary tile, D step) pairs; else pointers with masked loads (every GPU with
-    tensor-core dots, and the interpreter) in a D loop per vocabulary tile. GRAD: G stored in R's place from the
-    lse (C) and the rows' terms (TERMS: the factor of p, the uniform term, the target's; Y: targets, ``col0`` this
-    chunk's first column), no statistics."""
+    """Per (vocabulary split, row block): R = exp(z - c) stored tile by tile (STORE) and, per row over the split, S
+    = sum R, the max and (STATS) T = sum R (z - c) and the argmax. FIXUP: the second launch; a row whose max exceeds
+    its offset by more than ``r_exp_max`` is redone with its max as offset, and only blocks holding one run.
+    SOFTCAP: the offset is the cap, and the capped logits' sum goes to SZ_OUT. ONLINE: fp16's running maxima
+    (``online``). TMA: H and W are tensor descriptors, one flattened loop over (tile, D step) pairs; else pointer
+    loads, a D loop per tile. GRAD: G from the lse (C) and the rows' TERMS (the factor of p, the uniform term, the
+    target's) and Y (targets; ``col0`` the chunk's first column)."""
     n0 = tl.program_id(1) * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -221,33 +177,26 @@ def _exp_tiles_kernel(
 
 
 def supported(hidden, weight, softcap, config) -> bool:
-    """Whether the fused pass can run these inputs: on a GPU whose Triton dots are tensor-core MMA (``config.mma_dot``:
-    compute capability 8.0 or newer, with torch's fp32-output half matmuls, torch >= 2.9) or the interpreter, bf16 or
-    fp16 (a bias has hidden's dtype: the op's validation) with no soft-cap or one of at most ``SOFTCAP_MAX`` (fp16 with
-    a soft-cap by the columns layout alone, ``budget.fused_plans``). The kernel takes TMA loads where
-    ``tiles.tma_ready`` allows them, pointer loads elsewhere."""
+    """Whether the fused computation runs these inputs: bf16 or fp16 on a GPU whose Triton dots are tensor-core MMA
+    (compute capability 8.0 and newer, torch >= 2.9 for its fp32-output half matmuls) or the interpreter, with no
+    soft-cap or one up to ``SOFTCAP_MAX``."""
     return (hidden.dtype in (torch.bfloat16, torch.float16) and weight.dtype == hidden.dtype and config.mma_dot
             and (softcap is None or softcap <= SOFTCAP_MAX) and (MM_OUT_DTYPE or not hidden.is_cuda))
 
 
 def online(hidden) -> bool:
-    """fp16's mode of the pass: fp16 holds about 27 nats (e^-16.6 to e^11), too few for R with an offset fixed before
-    the logits, so the kernel stores R relative to each row's running max (per tile, in MT) and ``_normalize_kernel``
-    turns it into p once the row's lse is known (2 more bytes read and written per logit); the token weights are divided
-    by gamma (a power of two at least the largest: fp16 would hold a ~ 1 / N in a o h as subnormal numbers), dW is
-    accumulated in fp32, and the gradients are returned divided by gamma, which the op's backward multiplies back as
-    it casts them (``matmul.scale_by``: no pass of its own over dW). No soft-cap: its derivative needs every logit
-    back from R, and fp16's R does not keep the small ones."""
+    """fp16's rows layout: fp16 holds about 27 nats, too few for R with an offset fixed before the logits, so R is
+    kept relative to each row's running max and normalised into p once the lse is known (``_normalize_kernel``); the
+    token weights are divided by gamma (``matmul.fp16_weights``) and dW goes through fp32."""
     return hidden.dtype == torch.float16
 
 
 def _exp_tiles(config, h, weight, bias, c, r, stats: bool, bufs=None, descs=None, store: bool = True, softcap=None,
                mt=None, v_store: int | None = None, grad=None):
-    """Launch the kernel on the rows ``h`` (offsets ``c``, R into ``r`` for the columns below ``v_store``, default
-    all); returns (per-split buffers S, T, max, argmax, sum of capped logits; the tensor descriptors of h and W).
-    ``bufs`` given: the fix-up launch, into the buffers and with the descriptors ``descs`` the first launch returned.
-    ``mt`` given (fp16: ``online``): each tile's running maxima, (rows, tiles) fp32. ``grad`` = (terms, targets,
-    first column): G into ``r`` with ``c`` the lse (``fused_gradients``)."""
+    """Launch the logits kernel on the rows ``h`` (offsets ``c``; R into ``r`` below column ``v_store``); returns
+    (the per-split buffers S, T, max, argmax, sum of capped logits; the descriptors of h and W). ``bufs`` and
+    ``descs``: the fix-up launch's, from the first. ``mt``: fp16's running maxima. ``grad`` = (terms, targets, first
+    column): G into ``r``, ``c`` the lse."""
     n, d = h.shape
     v = weight.shape[0]
     splits = fused_splits(config, n, v)
@@ -278,9 +227,7 @@ def _exp_tiles(config, h, weight, bias, c, r, stats: bool, bufs=None, descs=None
 
 
 def fused_splits(config, rows: int, v: int) -> int:
-    """Vocabulary splits of the kernel's grid: as many as keep the programs within ``config.min_programs`` (about two
-    waves; rounding up, as ``tiles.vocab_splits`` does, left a nearly empty third wave at 17 row blocks: measured
-    22.3 ms against 14.5 for the statistics' own kernel then, at the Gemma2-2B shape), at least
+    """Vocabulary splits of the grid: as many as keep about ``config.min_programs`` programs (two waves), at least
     ``config.min_splits``."""
     blocks = triton.cdiv(rows, config.block_n)
     return max(1, min(triton.cdiv(v, config.block_v), max(config.min_splits, config.min_programs // blocks)))
@@ -289,11 +236,9 @@ def fused_splits(config, rows: int, v: int) -> int:
 @triton.jit(do_not_specialize=["n"])  # (batch-dependent counts: one variant for all)
 def _offsets_kernel(H, W, COLSUM, BIAS, BSUM, Y, C, SZ, ZY, n, V, D, stride_h, stride_w, shift, softcap,
                     HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Per row, from dot products of length D: the sum of logits ``sz = h . colsum(W) (+ sum of the bias)``, the
-    offset ``c = sz / V + shift`` (the mean logit plus the margin) and the target logit ``zy = h . W_y (+ bias_y)``
-    (0 for an ignored row), all in fp32. SOFTCAP: the target logit capped and the offset ``cap`` (a capped logit
-    lies within cap of 0, so every R = exp(z - cap) is at most 1 and, for cap <= ``SOFTCAP_MAX``, a normal bf16
-    number); no sum of logits (the exponentials' kernel adds the capped ones)."""
+    """Per row: the sum of logits ``h . colsum(W) (+ the bias's sum)``, the offset (the mean logit plus ``shift``)
+    and the target logit (0 where ignored or past V: another rank's), fp32. SOFTCAP: the target logit capped, the
+    offset the cap, no sum (the logits kernel adds the capped ones)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     mask_r = rows < n
     y = tl.load(Y + rows, mask=mask_r, other=-1)
@@ -325,7 +270,7 @@ def _offsets_kernel(H, W, COLSUM, BIAS, BSUM, Y, C, SZ, ZY, n, V, D, stride_h, s
 
 @triton.jit
 def _effective_offsets(M, c, rows, mask_r, n, splits, r_exp_max, BLOCK_R: tl.constexpr):
-    """(the offsets R was finally computed with, the flagged rows) from the splits' row maxima (``_offset_rule``)."""
+    """(the offsets R was computed with, the flagged rows) from the splits' row maxima (``_offset_rule``)."""
     m = tl.full((BLOCK_R,), float("-inf"), dtype=tl.float32)
     for k in range(0, splits):
         m = tl.maximum(m, tl.load(M + k * n + rows, mask=mask_r, other=float("-inf")))
@@ -334,8 +279,8 @@ def _effective_offsets(M, c, rows, mask_r, n, splits, r_exp_max, BLOCK_R: tl.con
 
 @triton.jit
 def _offset_rule(m, c, mask_r, r_exp_max):
-    """A row whose max ``m`` is more than ``r_exp_max`` above its offset ``c`` is flagged and takes its max as the
-    offset (the fix-up launch's); returns (offsets, flagged)."""
+    """A row whose max ``m`` passes its offset ``c`` by more than ``r_exp_max`` is flagged and takes its max as
+    offset: (offsets, flagged)."""
     flagged = mask_r & (m - c > r_exp_max)
     return tl.where(flagged, m, c), flagged
 
@@ -343,8 +288,7 @@ def _offset_rule(m, c, mask_r, r_exp_max):
 @triton.jit
 def _merge_splits(S, T, M, AM, rows, mask_r, n, splits, STATS: tl.constexpr, BLOCK_R: tl.constexpr,
                   ONLINE: tl.constexpr = False):
-    """Per row, the splits' (sum of R, T, max, first index of the max) merged; they share the row's offset (ONLINE:
-    each split's sums are relative to its own max, and the merged ones to the row's)."""
+    """Per row, the splits' sum of R, T, max and first argmax merged (ONLINE: each split relative to its own max)."""
     zero = tl.zeros((BLOCK_R,), dtype=tl.float32)
     s, t_acc = zero, zero
     m = tl.full((BLOCK_R,), float("-inf"), dtype=tl.float32)
@@ -375,9 +319,8 @@ def _merge_splits(S, T, M, AM, rows, mask_r, n, splits, STATS: tl.constexpr, BLO
 def _merge_columns_kernel(S, T, M, AM, C, S_RUN, T_RUN, M_RUN, AM_RUN, ACC, n, splits, D, stride_acc, col0,
                           r_exp_max, STATS: tl.constexpr, HAS_ACC: tl.constexpr, BLOCK_R: tl.constexpr,
                           BLOCK_D: tl.constexpr):
-    """One vocabulary chunk's splits (``triton_fused_columns``) folded into the rows' running sums, max and argmax. A
-    row whose offset the chunk raised (``_offset_rule``: its max past the running offset) has its running sums and
-    (HAS_ACC) its row of the dh accumulator scaled by exp(c_old - c_new), and C takes the new offset."""
+    """A chunk of columns' splits (``triton_fused_columns``) folded into the rows' running state; a row whose offset
+    the chunk raised has its running sums and (HAS_ACC) its row of dh's accumulator scaled by exp(c_old - c_new)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     mask_r = rows < n
     s, t_acc, m, am = _merge_splits(S, T, M, AM, rows, mask_r, n, splits, STATS, BLOCK_R)
@@ -405,8 +348,7 @@ def _merge_columns_kernel(S, T, M, AM, C, S_RUN, T_RUN, M_RUN, AM_RUN, ACC, n, s
 
 @triton.jit
 def _zloss_factor(lse, z_loss):
-    """The z-loss ``lam lse^2`` scales p by ``k = 1 + 2 lam lse``, a factor per row, kept off 0 (where ``a = w k / S``
-    would lose the target term; 2^-20 of p is far below half precision's rounding)."""
+    """The z-loss scales p by ``k = 1 + 2 lam lse``, kept off 0 (where ``a = w k / S`` would lose the target term)."""
     k = 1.0 + 2.0 * z_loss * lse
     return tl.where(tl.abs(k) < 9.5367431640625e-07, 9.5367431640625e-07, k)
 
@@ -419,13 +361,10 @@ def _finish_rows_kernel(
     STATS: tl.constexpr, GRAD: tl.constexpr, R_TARGET: tl.constexpr, SCALE_H: tl.constexpr, SOFTCAP: tl.constexpr,
     ONLINE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Per row: the splits merged (lse = c + log S with the offset R was computed with: ``_offset_rule``;
-    STATS: entropy and argmax; SOFTCAP: the sum of capped logits from the splits' SZS, written to SZ), the token's
-    loss and nll (``paths.token_loss_terms``' formula: 0 for an ignored token), and for the gradients (GRAD)
-    a = w k / S and u = w b / V (k = 1 + 2 z_loss lse), (R_TARGET) R's target entry made R_ny - (1 - b) S / k from
-    the fp32 target logit where R holds the target's column (below ``v_store``), and (SCALE_H) the rows of a o h in the input dtype for dW. ONLINE (``online``): the splits
-    relative to their own maxima, lse = m + log S, and a = w k (``_normalize_kernel`` makes R the probabilities and
-    sets the target entry)."""
+    """Per row: the splits merged (lse = c + log S; STATS: entropy and argmax; SOFTCAP: the capped logits' sum), the
+    token's loss and nll, and for the gradients (GRAD) a = w k / S and u = w b / V, R's target entry made ``R_y - (1
+    - b) S / k`` where it is below ``v_store`` (R_TARGET), and a o h for dW (SCALE_H). ONLINE: lse = m + log S and a
+    = w k (``_normalize_kernel`` sets the target)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     mask_r = rows < n
     s, t_acc, m, am = _merge_splits(S, T, M, AM, rows, mask_r, n, splits, STATS, BLOCK_R, ONLINE)
@@ -477,8 +416,8 @@ def _finish_rows_kernel(
 @triton.jit(do_not_specialize=["n"])  # (batch-dependent counts: one variant for all)
 def _dh_rows_kernel(T, A, U, COLSUM, DH, Y, W, SCALE, SMOOTH, n, D, stride_t, stride_dh, stride_w,
                     TARGET: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    """dh = a o (R' W) - u colsum(W), in dh's dtype (one rounding); TARGET (R without the target entry's change,
-    ``triton_fused_columns``): also - w (1 - b) W_y."""
+    """dh = a o T - u colsum(W) in DH's dtype (T = R' W, fp32); TARGET (R without the target's change): also - w (1
+    - b) W_y."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     mask_r = rows < n
     a = tl.load(A + rows, mask=mask_r, other=0.0)
@@ -503,10 +442,8 @@ def _dh_rows_kernel(T, A, U, COLSUM, DH, Y, W, SCALE, SMOOTH, n, D, stride_t, st
 @triton.jit(do_not_specialize=["n"])  # (batch-dependent counts: one variant for all)
 def _softcap_grad_kernel(R, A, U, SCALE, SMOOTH, Y, n, V, stride_r, softcap, BLOCK_R: tl.constexpr,
                          BLOCK_V: tl.constexpr):
-    """G over R in place (the input dtype) for soft-capped logits: ``(a R - u - w (1 - b) [v = y]) (1 - t^2)``, the
-    cap's derivative from R itself: ``z = cap + log R`` (the offset is ``cap``), so ``t = z / cap = 1 + q`` with
-    ``q = log(R) / cap`` and ``1 - t^2 = -q (2 + q)``, to R's relative precision (2^-9 in bf16: the derivative within
-    about 1e-4 at cap 30, where logits rounded to bf16 put it 4e-3 off)."""
+    """G over R in place for soft-capped logits, ``(a R - u - w (1 - b) [v = y]) (1 - t^2)``, the cap's derivative
+    from R itself: ``t = 1 + log(R) / cap``."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     mask_r = rows < n
@@ -525,9 +462,8 @@ def _softcap_grad_kernel(R, A, U, SCALE, SMOOTH, Y, n, V, stride_r, softcap, BLO
 @triton.jit(do_not_specialize=["n"])  # (batch-dependent counts: one variant for all)
 def _normalize_kernel(R, MT, LSE, ZY, SMOOTH, Y, n, V, stride_r, stride_mt, z_loss, BLOCK_R: tl.constexpr,
                       BLOCK_V: tl.constexpr):
-    """fp16 (``online``): R, relative to the running max its tile's column of MT records, made the probabilities
-    ``p = R exp(MT - lse)`` in place, and the target entry ``p_y - (1 - b) / k`` from the fp32 target logit
-    (``_finish_rows_kernel``'s R_TARGET with S = 1). One program per BLOCK_R rows of one kernel tile."""
+    """fp16 (``online``): R made the probabilities ``R exp(MT - lse)`` in place, the target entry ``p_y - (1 - b) /
+    k``."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     mask_r = rows < n
@@ -560,8 +496,7 @@ class _ExactBf16Reduction:
 
 @triton.jit(do_not_specialize=["n"])  # (batch-dependent counts: one variant for all)
 def _rank_one_rows_kernel(U, H, HI, LO, n, D, stride_h, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The rows HI and LO (hs's rows n and n + 1): the hi and lo halves, in hs's dtype, of ``-sum_r u_r h_r`` (fp32,
-    rows in order). (Row pointers from the host: Triton makes a specialised int argument of 1 a compile-time constant.)"""
+    """The rows HI and LO: the hi and lo halves, in hs's dtype, of ``-sum_r u_r h_r`` (fp32)."""
     cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask_d = cols < D
     acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
@@ -578,9 +513,8 @@ def _rank_one_rows_kernel(U, H, HI, LO, n, D, stride_h, BLOCK_R: tl.constexpr, B
 
 
 def _rank_one_rows(r_buf, hs, u_all, hidden, at: int, v: int, ones: bool = False) -> None:
-    """R's rows ``at`` and ``at + 1`` made ones (``ones``: they are already) and hs's the hi and lo halves of
-    ``-u^T h`` (all N rows of ``hidden``): a matmul over rows ``[0, at + 2)`` then adds dW's rank-one smoothing term
-    ``-1 (u^T h)^T`` in its fp32 accumulation, to about 2^-16 (``_rank_one_rows_kernel``)."""
+    """R's rows ``at``, ``at + 1`` made ones (unless ``ones``) and hs's the hi and lo halves of ``-u^T h``: a matmul
+    over rows ``[0, at + 2)`` then adds dW's rank-one term in its fp32 accumulation."""
     block_d = 16 if interpreting() else 64
     _rank_one_rows_kernel[(triton.cdiv(hs.shape[1], block_d),)](
         u_all, hidden, hs[at], hs[at + 1], hidden.shape[0], hs.shape[1], hidden.stride(0),
@@ -590,10 +524,8 @@ def _rank_one_rows(r_buf, hs, u_all, hidden, at: int, v: int, ones: bool = False
 
 
 def _direct_dw(r_buf, hs, u_all, hidden, n: int, v: int, out, rank_one: bool = True) -> None:
-    """dW's rows of R's ``v`` columns into ``out`` (the weight's dtype): R'^T (a o h) - 1 (u^T h)^T by one matmul over
-    every row and the rank-one term's two (``_rank_one_rows``; ``rank_one=False``, u = 0: the first product alone);
-    ``hs`` None (soft-capped: R holds G): G^T h. (A K padded to a multiple of 8 was no faster: docs/benchmarks.md,
-    settled experiments: direct_dw.py.)"""
+    """dW's rows of R's first ``v`` columns into ``out``: R'^T (a o h) and the rank-one term's two rows by one
+    matmul (``rank_one=False``: u = 0); ``hs`` None (soft-capped, R holds G): G^T h."""
     k = n
     if hs is None:
         hs = hidden
@@ -604,7 +536,7 @@ def _direct_dw(r_buf, hs, u_all, hidden, n: int, v: int, out, rank_one: bool = T
 
 
 def _mm_once(a, b, out) -> None:
-    """out (half precision) = a @ b, rounded once: split-K partial sums stay fp32 (the interpreter: fp32 math)."""
+    """out (half precision) = a @ b rounded once: split-K partial sums stay fp32 (off CUDA: fp32 math)."""
     if a.device.type != "cuda":
         out.copy_(a.float() @ b.float())
         return
@@ -613,11 +545,8 @@ def _mm_once(a, b, out) -> None:
 
 
 def _column_sums(weight, bias, ones=None):
-    """(``sum_v W_v``, the bias's sum or that same tensor without a bias) in fp32: the rows' sums of logits and
-    offsets (``_row_offsets``) and dh's uniform term. The first by one matmul with a row of ones (``ones``: one
-    given, (1, V) in the weight's dtype; fp32 accumulation and output): ``weight.sum(0, dtype=torch.float32)``
-    allocated a reduction buffer of 139-295 MB at the Gemma-3-270m, Llama-3-8B and Gemma2-2B heads (H100, memory
-    snapshot), more than the low-memory mode's budget."""
+    """(``sum_v W_v``, the bias's sum or that same tensor) in fp32, by a matmul with a row of ones (``ones``: one
+    given): a reduction's buffer would exceed the smallest budgets."""
     out = torch.empty(1, weight.shape[1], dtype=torch.float32, device=weight.device)
     if ones is None:
         ones = torch.ones(1, weight.shape[0], dtype=weight.dtype, device=weight.device)
@@ -626,8 +555,7 @@ def _column_sums(weight, bias, ones=None):
 
 
 def _row_offsets(h, weight, bias, sums, y, c, sz, zy, softcap=None) -> None:
-    """``_offsets_kernel`` on the rows ``h`` (``sums``: ``_column_sums``, None with a soft-cap): their offsets, sums
-    of logits and target logits into ``c``, ``sz`` and ``zy``."""
+    """``_offsets_kernel`` on the rows ``h``: offsets, sums of logits and target logits into ``c``, ``sz``, ``zy``."""
     grid, br, bd, warps = _rows_launch(h.shape[0])
     colsum, b_sum = sums if sums is not None else (c, c)
     _offsets_kernel[grid](h, weight, colsum, bias if bias is not None else colsum, b_sum, y, c, sz, zy, h.shape[0],
@@ -651,13 +579,11 @@ def pad8(x: int) -> int:
 def triton_fused_pass(hidden, weight, bias, targets, smoothing, scale, config, plan, need_dh=True, need_dw=True,
                       need_db=True, need_stats=False, z_loss: float = 0.0, softcap: float | None = None,
                       smoothed: bool = True):
-    """Statistics and gradients of ``sum_n scale_n loss_n`` for 2-D half-precision ``hidden`` (N, D) by the fused pass
-    in ``plan``'s layout (``budget.Plan``: rows, columns or frozen; ``supported`` says when it applies).
-    ``targets``: ids, -1 for ignored tokens; ``smoothing`` and ``scale``: fp32 per token. Returns ``(lse, zy, sz,
-    argmax, entropy, loss, nll), dh, dw, db, gamma`` (the token losses as ``paths.token_loss_terms`` gives them; dh, dw
-    in the inputs' dtype (fp32 for fp16: ``kept_dtype``), db fp32; None where not needed; argmax and entropy zeros
-    unless ``need_stats``; the gradients are gamma times these: gamma None but for fp16, ``online``).
-    ``smoothed=False``: ``smoothing`` is 0 for every token, so dW's and db's rank-one terms are skipped."""
+    """Statistics and gradients of ``sum_n scale_n loss_n`` for 2-D half-precision inputs in ``plan``'s layout
+    (``budget.Plan``; an input a layout does not serve takes the columns layout). ``targets``: ids, -1 where
+    ignored; ``smoothing``, ``scale``: fp32 per token; ``smoothed=False``: b is 0 everywhere (no rank-one term).
+    Returns ``(lse, zy, sz, argmax, entropy, loss, nll), dh, dw, db, gamma``: dh, dw in the inputs' dtype (fp32 for
+    fp16), db fp32, None where not needed; the gradients are gamma (None but for fp16) times these."""
     on, soft, need_db = online(hidden), softcap is not None, need_db and bias is not None
     frozen_ok = not (need_dw or need_db or soft or on)
     if plan.layout == "frozen" and frozen_ok:
@@ -689,10 +615,10 @@ def triton_fused_pass(hidden, weight, bias, targets, smoothing, scale, config, p
 
 def _r_pass(hidden, weight, bias, targets, smoothing, scale, config, rows, keep, db, need_dh, need_dw, need_stats,
             z_loss, softcap, smoothed):
-    """The pass that keeps R: ``rows`` rows at a time, R of the first ``keep`` columns (all, or the columns layout's
-    kept share, then one chunk of every row); returns (statistics, dh, dw), dh fp32 and without the other columns'
-    share where ``keep`` < V (``fused_gradients`` adds it), dw (V, D) with its first ``keep`` rows written; db's
-    first ``keep`` entries added into ``db``."""
+    """The pass that keeps R, ``rows`` rows at a time, R of the first ``keep`` columns (all, or the columns layout's
+    kept share, then every row at once); returns (statistics, dh, dw): dh fp32 and without the other columns' share
+    where ``keep`` < V, dw (V, D) with its first ``keep`` rows written; db's first ``keep`` entries added into
+    ``db``."""
     n, d = hidden.shape
     v = weight.shape[0]
     dev = hidden.device
@@ -790,8 +716,8 @@ def _r_pass(hidden, weight, bias, targets, smoothing, scale, config, rows, keep,
 
 
 def row_terms(lse, scale, smoothing, z_loss: float, v: int, extra=None) -> torch.Tensor:
-    """(3, N) fp32: each row's factor of p in G (``w k + e``, k = 1 + 2 z_loss lse, ``e`` an lse output's gradient),
-    its uniform term ``w b / V`` and its target term ``w (1 - b)`` (``fused_gradients``)."""
+    """(3, N) fp32: each row's factor of p in G (``w k + e``: ``e`` an lse output's gradient), uniform term ``w b /
+    V`` and target term ``w (1 - b)``."""
     pm = scale * (1.0 + 2.0 * z_loss * lse) if z_loss else scale
     if extra is not None:
         pm = pm + extra
@@ -800,11 +726,9 @@ def row_terms(lse, scale, smoothing, z_loss: float, v: int, extra=None) -> torch
 
 def fused_gradients(hidden, weight, bias, targets, lse, terms, softcap, config, cols: int, dh, dw, db, start: int = 0,
                     started: bool = False) -> None:
-    """G = dL/dz recomputed from the lse (the logits kernel's G epilogue, the input dtype) ``cols`` columns at a time
-    from column ``start``, as ``terms`` (``row_terms``) give it: ``dh`` (fp32, N x D; None: not needed) gets
-    ``G W`` added (written on the first chunk unless ``started``), each chunk's rows of ``dw`` and entries of ``db``
-    are written (one rounding). The columns layout's recomputed share, and the recomputing backward (an lse output's
-    gradient, the vocabulary-parallel head)."""
+    """G recomputed from the lse by the logits kernel's G epilogue, ``cols`` columns at a time from ``start``:
+    ``dh`` (fp32; None: not needed) gets G W added (written first unless ``started``), each chunk's rows of ``dw``
+    and entries of ``db`` are written once."""
     n = hidden.shape[0]
     v = weight.shape[0]
     cols = max(1, min(cols, v - start))
@@ -828,17 +752,11 @@ def fused_gradients(hidden, weight, bias, targets, lse, terms, softcap, config, 
 
 def triton_fused_columns(hidden, weight, bias, targets, smoothing, scale, config, cols: int | None = None,
                          need_stats=False, z_loss: float = 0.0, need_dh: bool = True, softcap: float | None = None):
-    """A frozen head's statistics and dh (LoRA: no dW, no db) by the fused pass over chunks of ``cols`` vocabulary
-    *columns* (None: all), every row at once, the logits computed once (the ``frozen`` layout of ``budget.Plan``).
-    R of a chunk needs only the offsets, fixed before the pass, and a factor per row passes through ``R W``, so dh's
-    unnormalised product adds up in an fp32 accumulator (``4 N D`` bytes) across chunks, as do the rows' sums of R;
-    the normalisation, the uniform term and the target's term (``- w (1 - b) W_y``, where the trainable head's layouts
-    change R's target entry) come once, at the end. A chunk that holds a row's max past its offset (``_offset_rule``)
-    redoes that row with the max as its offset and scales what the row accumulated so far by exp(c_old - c_new).
-    Returns what
-    ``triton_fused_pass`` returns, without dW, db and gamma (None: bf16); ``need_dh=False``: the statistics alone, no
-    R stored (``fused_statistics``), and then ``softcap`` may be given (the offset is the cap: no fix-up) and
-    ``smoothing`` and ``scale`` may be None (no loss wanted)."""
+    """A frozen head's statistics and dh by chunks of ``cols`` columns (None: all), every row at once, the logits
+    once: dh's unnormalised product and the rows' sums add up across chunks (a row whose max passes its running
+    offset is redone and its earlier sums rescaled), the normalisation and the uniform and target terms come at the
+    end. ``need_dh=False``: the statistics alone, no R stored (``fused_statistics``; a soft-cap allowed,
+    ``smoothing`` and ``scale`` may be None). Returns what ``triton_fused_pass`` returns, dW, db and gamma None."""
     soft = softcap is not None
     if soft and need_dh:
         raise ValueError("triton_fused_columns takes a softcap only for the statistics alone (need_dh=False).")
@@ -906,11 +824,9 @@ def statistics_supported(hidden, softcap, config) -> bool:
 
 def fused_statistics(hidden, weight, bias, targets, softcap, config, need_stats: bool = True, smoothing=None,
                      z_loss: float = 0.0):
-    """Per-token (lse, target logit, sum of logits, argmax, entropy) by the fused logits kernel without storing R
-    (``triton_fused_columns`` with ``need_dh=False``): evaluation, and the statistics before the columns layout's
-    gradients. A target past V (another rank's) has a target logit of 0. ``need_stats=False``:
-    argmax and entropy are zeros. ``smoothing`` (fp32 per token) given: also each token's loss and nll
-    (``paths.token_loss_terms``' formula, z-loss included), from the same row kernel."""
+    """Per-token (lse, target logit, sum of logits, argmax, entropy) by the logits kernel without R (argmax and
+    entropy zeros unless ``need_stats``; a target past V has a target logit of 0); with ``smoothing``, also each
+    token's loss and nll."""
     stats = triton_fused_columns(hidden, weight, bias, targets, smoothing, None, config, need_stats=need_stats,
                                  need_dh=False, softcap=softcap, z_loss=z_loss)[0]
     return stats if smoothing is not None else stats[:5]

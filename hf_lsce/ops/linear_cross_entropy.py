@@ -1,13 +1,10 @@
-"""``linear_cross_entropy``: fused linear layer + label-smoothed cross-entropy.
-
-The one public entry point of ``hf_lsce.ops``: it validates every argument (the only place that
-does), normalises shapes, and dispatches to the Triton kernels (CUDA, or the Triton interpreter when
-asked) or to the chunked torch implementation (every other device). Both compute, per token,
+"""``linear_cross_entropy``: fused linear layer + label-smoothed cross-entropy, the one public entry point of
+``hf_lsce.ops``. It validates every argument (the only place that does), normalises shapes, picks the computation
+and its plan within the memory budget (``paths.options``) and runs it; per token
 
     loss_n = (1 - b_n) (lse_n - z_{n,y_n}) + b_n (lse_n - mean_v z_nv),   z = h W^T + bias
 
-(z soft-capped as ``cap * tanh(z / cap)`` when ``softcap`` is given) without ever holding the N x V
-logits: the kernels return per-token statistics, from which the loss is a few O(N) torch ops.
+(z soft-capped as ``cap * tanh(z / cap)`` with ``softcap``), never holding the N x V logits.
 """
 from __future__ import annotations
 
@@ -51,9 +48,8 @@ TRITON_MIN_CAPABILITY = (7, 0)
 
 @functools.lru_cache(maxsize=None)
 def _triton_runs_on(device: torch.device) -> bool:
-    """Whether the op's Triton kernels can run on this CUDA device: a Triton at least ``config.TRITON_MIN`` and a GPU
-    it drives. Otherwise the op takes its chunked torch path (exact), with one warning per process and device (cached:
-    asked on every call)."""
+    """Whether the Triton kernels run on this CUDA device: a Triton of at least ``config.TRITON_MIN`` and a GPU it
+    drives; otherwise the torch computation, with one warning per process and device (cached)."""
     from .config import triton_problem
 
     problem = triton_problem()
@@ -210,16 +206,11 @@ def divide_summed_loss(total: torch.Tensor, num_items_in_batch, valid_count: tor
 
 class _LinearCrossEntropy(torch.autograd.Function):
     """Smoothed losses of 2-D inputs: the reduced loss ``sum_n loss_n / denom`` (``opts.reduce``; ``denom`` None:
-    the plain sum) or the per-token losses.
-
-    ``token_weight`` given (a training call): the forward computes the gradients of ``sum_n token_weight_n loss_n``
-    (``paths.statistics_and_gradients``). For a reduced loss that is the loss itself, and backward
-    multiplies the kept gradients by the upstream gradient, a device scalar, with no host synchronisation (a
-    kernel that returns at once when it is 1). For per-token losses backward checks that the upstream gradient is
-    that weighting times one constant c over the valid tokens (TRL's ``-log_probs.sum() / n`` gives that; one host
-    synchronisation) and returns the kept gradients times c. Any other upstream gradient (or one reaching the lse
-    output) is served by the recomputing backward, so the result is exact either way.
-    """
+    the sum) or per-token losses. A training call (``token_weight`` given) computes the gradients of ``sum_n
+    token_weight_n loss_n`` in the forward; backward multiplies them by the upstream gradient, a device scalar for a
+    reduced loss (no host synchronisation), one constant c over the valid tokens for per-token losses (TRL's
+    ``-log_probs.sum() / n``; one synchronisation to find c). Any other upstream gradient, or one reaching the lse
+    output, is computed again: exact either way."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, smoothing, token_weight, denom, bad, opts: Options):
@@ -346,9 +337,9 @@ def _autocast_inputs(hidden, weight, bias):
 
 def _prepare_targets(h2, targets, label_smoothing, ignore_index, vocab, shift, num_items_in_batch, reduction,
                      fast: bool) -> _Targets:
-    """The flat ids, smoothing, weights, the reduction's divisor and the checks of the device's values. ``fast`` (the
-    Triton backend on one device): one launch (prepare.py), unless the inputs are fp64, empty or traced; otherwise
-    torch operations, whose checks are synchronous on the CPU and a device flag on CUDA (checks.py)."""
+    """The flat ids, smoothing, weights, the reduction's divisor and the device values' checks: one launch
+    (prepare.py) with ``fast`` (the Triton backend on one device; not fp64, empty or traced), else torch operations
+    (checks.py)."""
     n, dtype = h2.shape[0], h2.dtype
     # The reduction's divisor of the summed token losses (None: the sum itself, or no reduction).
     divide = reduction == "mean" or (reduction == "sum" and num_items_in_batch is not None)
@@ -390,9 +381,9 @@ def _prepare_targets(h2, targets, label_smoothing, ignore_index, vocab, shift, n
 
 def _losses(h2, weight, bias, tg: _Targets, shard, opts: Options | None, softcap, backend, z_loss, memory: str,
             return_stats, return_lse, observed_b, training: bool):
-    """(loss, lse, argmax, nll, entropy) by one of three dispatches: the vocabulary-parallel head; a traced call
-    (``torch.compile``: the custom operators of compiled.py); the eager autograd function (``opts``). The loss is
-    reduced (``opts.reduce``), or per token (flat), and NaN where the device checks failed."""
+    """(loss, lse, argmax, nll, entropy) by the vocabulary-parallel head, the compiled operators (compiled.py, while
+    Dynamo traces) or the eager autograd function (``opts``); the loss reduced (``opts.reduce``) or per token, NaN
+    where the device checks failed."""
     reduce = opts.reduce
     lse = argmax = nll = entropy = None
     bad = tg.bad
@@ -492,15 +483,15 @@ def linear_cross_entropy(
             vocabulary ids) are the same on every rank. The log-sum-exp, target logit and sum of
             logits are reduced across the group (max and sum all-reduces); every rank returns the
             full loss, ``dW`` is its shard's, and ``dhidden`` is all-reduced. ``return_stats``,
-            ``return_lse`` and ``memory="low"`` are not available with it.
+            ``return_lse`` and a ``memory`` other than ``"auto"`` are not available with it.
         z_loss: coefficient lam of the z-loss ``lam * lse^2`` added to each token's loss (PaLM; Liger's
             ``lse_square_scale``), with its gradient ``2 lam lse p``.
         return_lse: also return the per-token log-sum-exp (shape of targets, fp32), differentiable: a loss
             built on it back-propagates (through the recomputing backward).
         memory: the memory budget of a training call, beyond its inputs and the gradients it returns: ``"auto"``
-            (the fastest computation that fits the GPU's free memory; the default), ``"low"`` (about 180 MB, or the
-            least with 32 MiB chunks where a head needs more), or a number of bytes: the fastest computation within
-            it (docs/how_it_works.md). A budget below what the shape needs (an fp32 ``4 N D`` accumulator and a
+            (the fastest computation that fits the GPU's free memory, at most 4.5 GB; the default), ``"low"`` (about
+            180 MB, or the least with 32 MiB chunks where a head needs more), or a number of bytes: the fastest
+            computation within it (docs/how_it_works.md). A budget below what the shape needs (an fp32 ``4 N D`` accumulator and a
             chunk), or one the GPU cannot hold, is a ``ValueError`` that names the smallest that works.
 
     Returns:

@@ -23,30 +23,25 @@ def mm_f32(a, b, out):
 
 
 def kept_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the gradients (dh, dW) a training path keeps until backward multiplies them by the upstream
-    gradient: fp32 for fp16 inputs, whose gradients at scale 1 (a token weight of 1 / N) fall into fp16's subnormal
-    range, where a loss scaler's factor applied afterwards could not give back the digits (dh 9.8e-3 and dW 2.2e-2 off
-    fp64 rounded first, 2.5-3.0e-4 kept: tests/test_paths.py); the input dtype otherwise. Cast once, in backward;
-    fp16 holds 2 (N + V) D bytes more until then."""
+    """The dtype of the gradients kept from the forward until backward: fp32 for fp16 inputs (at a token weight of 1
+    / N they would be subnormal in fp16, where a loss scaler's factor could not give their digits back), the input
+    dtype otherwise."""
     return torch.float32 if dtype == torch.float16 else dtype
 
 
 def power_of_two_scale(*tensors) -> torch.Tensor:
-    """The smallest power of two at least the largest magnitude in ``tensors`` (None and empty ones skipped), as a
-    one-element fp32 tensor on their device, with no host synchronisation: fp16's gradients are computed from weights
-    divided by it and multiplied back by it, exactly (``fp16_weights``, ``fused_pass.online``)."""
+    """The smallest power of two at least the largest magnitude in ``tensors`` (None and empty skipped), a
+    one-element fp32 tensor, no host synchronisation."""
     top = torch.stack([t.detach().abs().amax().float() for t in tensors if t is not None and t.numel()]).amax()
     return torch.exp2(torch.ceil(torch.log2(top.clamp_min(2.0 ** -100)))).reshape(1)
 
 
 def fp16_weights(dtype: torch.dtype, *weights):
-    """fp16 inputs: (the token weights / gamma, gamma), gamma = ``power_of_two_scale(*weights)`` (None entries pass);
-    other dtypes: (the weights, None). The G epilogue (``fused_pass.fused_gradients``) writes G = w (p - y) in the
-    input dtype, and a weight of 1 / N put most of an fp16 G below fp16's normal range: dh
-    0.39-0.42 off fp64 on an H100 (N = 8,192, Llama-3-8B and Gemma2-2B heads), as torch's fp16 logits without a loss
-    scale. With weights near 1 G keeps fp16's digits; the gradients are gamma times the products, exactly: every path
-    returns gamma beside its gradients for backward's cast to take (``paths.finish_gradients``: no pass of its own),
-    and the vocabulary-parallel backward multiplies it back before its all-reduce (``times_gamma``)."""
+    """fp16 inputs: (the token weights / gamma, gamma), gamma = ``power_of_two_scale(*weights)``; other dtypes: (the
+    weights, None). G = w (p - y) in fp16 at w ~ 1 / N would sit mostly below fp16's normal range (dh 0.4 off fp64
+    on an H100); with weights near 1 it keeps fp16's digits, and the gradients are gamma times the products,
+    multiplied back where backward casts them (``paths.finish_gradients``) or before the vocabulary-parallel
+    all-reduce (``times_gamma``)."""
     if dtype != torch.float16:
         return weights, None
     gamma = power_of_two_scale(*weights)

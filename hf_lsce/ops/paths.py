@@ -1,21 +1,12 @@
-"""Which computation a call takes and what it runs: the per-token statistics, a training call's statistics and
-gradients (computed in the forward), and the recomputing backward. Shared by the eager op
-(``linear_cross_entropy._LinearCrossEntropy``) and the compiled one (``compiled.py``), so that neither imports the
-other for them.
+"""Which computation a call takes and what it runs: the statistics, a training call's statistics and gradients (in
+the forward), the recomputing backward. Shared by the eager op and the compiled one (``compiled.py``).
 
-Two computations, both exact:
-
-* fused (``fused_pass.py``): bf16 and fp16 on a GPU whose Triton dots are tensor-core MMA (compute capability 8.0 and
-  newer, torch >= 2.9) and under the interpreter, soft-caps up to ``fused_pass.SOFTCAP_MAX``; its layout is the
-  fastest within the memory budget (``budget.py``);
-* torch (``reference.py``): chunks of fp32 logits, for everything else (the CPU, fp32 and fp64 inputs, Turing and
-  Volta, larger soft-caps).
-
-The budget (``memory=``): ``"auto"`` (CUDA's free memory over ``budget.HEADROOM``, at most ``budget.AUTO_MAX_BYTES``;
-read only where the fastest plan is larger than ``SMALL_BUFFER_FRACTION`` of the device: the query costs host time
-every call), ``"low"``
-(``budget.low_budget``) or a number of bytes. A budget no plan fits, or one whose plan the device cannot hold, is a
-``ValueError`` before any kernel runs.
+Two computations, both exact: the fused one (``fused_pass.py``: bf16 and fp16 where Triton's dots are tensor-core MMA,
+torch >= 2.9, soft-caps up to ``fused_pass.SOFTCAP_MAX``; the interpreter), in the layout the memory budget allows
+(``budget.py``); the chunked torch computation (``reference.py``) for everything else. The budget (``memory=``):
+``"auto"`` (CUDA's free memory over ``budget.HEADROOM``, at most ``budget.AUTO_MAX_BYTES``; read only where the
+fastest plan exceeds ``SMALL_BUFFER_FRACTION`` of the device, the query costing host time), ``"low"`` or bytes; one
+no plan fits, or the device cannot hold, is a ``ValueError`` before any kernel runs.
 """
 from __future__ import annotations
 
@@ -103,7 +94,7 @@ def check_memory(memory) -> str:
 
 
 def computation(hidden, weight, softcap, backend) -> str:
-    """``"fused"`` where the fused pass runs these inputs (``fused_pass.supported``), else ``"torch"``."""
+    """``"fused"`` where the fused computation runs these inputs (``fused_pass.supported``), else ``"torch"``."""
     from .config import fused_config, interpreting
 
     if backend != "triton" or not (hidden.is_cuda or interpreting()):
@@ -114,7 +105,7 @@ def computation(hidden, weight, softcap, backend) -> str:
 
 
 def shape_of(hidden, weight, bias, softcap, comp: str, need_dw: bool, need_db: bool) -> bud.Shape:
-    """The planner's view of a call (``budget.Shape``), with the fused kernels' block sizes on its device."""
+    """The planner's view of a call (``budget.Shape``), with the fused kernel's blocks on its device."""
     kw = {}
     if comp == "fused":
         from .config import fused_config
@@ -167,8 +158,7 @@ def plan_for(s: bud.Shape, comp: str, memory: str, device: torch.device) -> bud.
 
 def options(hidden, weight, bias, softcap, backend, z_loss, memory, training: bool, need_dw: bool, need_db: bool,
             need_stats=False, reduce=False, smoothed=True) -> Options:
-    """How a call runs: the computation, and for a training call (or the torch computation's chunks) the plan within
-    the memory budget."""
+    """How a call runs: the computation and, for a training call (or the torch computation's chunks), the plan."""
     comp = computation(hidden, weight, softcap, backend) if hidden.shape[0] else "torch"
     plan = None
     if hidden.shape[0] and (training or comp == "torch"):
@@ -185,8 +175,8 @@ def _config(hidden):
 
 
 def statistics(hidden, weight, bias, targets, opts, smoothing=None):
-    """Per-token (lse, target logit, sum of logits, argmax, entropy); with ``smoothing``, where the fused kernel gives
-    them, the tokens' losses and nll too (``loss_terms``)."""
+    """Per-token (lse, target logit, sum of logits, argmax, entropy); with ``smoothing``, where the fused kernel
+    gives them, the tokens' losses and nll too."""
     if opts.computation == "fused":
         from .fused_pass import fused_statistics
 
@@ -197,9 +187,8 @@ def statistics(hidden, weight, bias, targets, opts, smoothing=None):
 
 def statistics_and_gradients(hidden, weight, bias, targets, smoothing, token_weight, opts, need_dh, need_dw,
                              need_db):
-    """A training call's forward: (statistics, (dh, dw, db, gamma)), the gradients of ``sum_n token_weight_n loss_n``
-    gamma times dh, dw and db (gamma None but for fp16, multiplied back where backward casts them:
-    ``finish_gradients``), by the computation and plan ``opts`` names."""
+    """A training call's forward: (statistics, (dh, dw, db, gamma)), gamma times dh, dw and db the gradients of
+    ``sum_n token_weight_n loss_n`` (gamma None but for fp16: ``finish_gradients``)."""
     if opts.computation == "fused":
         from .fused_pass import triton_fused_pass
 
@@ -216,10 +205,9 @@ def statistics_and_gradients(hidden, weight, bias, targets, smoothing, token_wei
 
 def dense_backward(hidden, weight, bias, targets, lse, grad, smoothing, opts, need_dh=True, need_dw=True, need_db=True,
                    extra=None, vocab: int | None = None):
-    """(dh, dw, db, gamma): gamma (None: 1) times dh, dw and db are the gradients of ``sum_n grad_n loss_n +
-    extra_n lse_n`` given the lse (``vocab``: the whole vocabulary, where ``weight`` is a shard of it): the fused
-    computation's G epilogue by chunks of columns within the call's budget (``fused_pass.fused_gradients``), or the
-    torch computation."""
+    """(dh, dw, db, gamma) of ``sum_n grad_n loss_n + extra_n lse_n`` given the lse (``vocab``: the whole vocabulary
+    where ``weight`` is a shard): the fused kernel's G epilogue by chunks of columns within the call's budget, or
+    the torch computation."""
     need_db = need_db and bias is not None
     if opts.computation != "fused":
         _, dh, dw, db = torch_pass(hidden, weight, bias, targets, opts.softcap, opts.plan.rows if opts.plan else None,
@@ -244,9 +232,8 @@ def dense_backward(hidden, weight, bias, targets, lse, grad, smoothing, opts, ne
 
 
 def loss_gradients(hidden, weight, bias, targets, lse, smoothing, grad, grad_lse, opts, need_dh, need_dw, need_db):
-    """(dh, dw, db, gamma), as ``statistics_and_gradients``'s, of ``sum_n grad_n loss_n (+ grad_lse_n lse_n)``: the
-    training computation again with ``grad`` as the token weights (a second backward, an upstream gradient the kept
-    ones cannot be scaled to), or with an lse gradient the recomputing backward (``dense_backward``)."""
+    """(dh, dw, db, gamma) of ``sum_n grad_n loss_n (+ grad_lse_n lse_n)``: the training computation again with
+    ``grad`` as the token weights, or with an lse gradient ``dense_backward``."""
     if grad_lse is None:
         return statistics_and_gradients(hidden, weight, bias, targets, smoothing, grad.float(), opts, need_dh, need_dw,
                                         need_db)[1]
@@ -255,9 +242,8 @@ def loss_gradients(hidden, weight, bias, targets, lse, smoothing, grad, grad_lse
 
 
 def finish_gradients(grads, c, hidden, weight, bias, opts: Options | None = None) -> tuple:
-    """A computation's gradients ``(dh, dw, db, gamma)`` (None entries pass) times the upstream factor ``c`` (a
-    one-element fp32 tensor; None: 1) and gamma (fp16's: ``matmul.fp16_weights``), in the inputs' dtypes, rounded
-    once: a pass over each at most (``matmul.scale_by``; fp16's are kept in fp32 until here, ``matmul.kept_dtype``)."""
+    """Gradients ``(dh, dw, db, gamma)`` times the upstream factor ``c`` (a one-element tensor; None: 1) and gamma,
+    in the inputs' dtypes, rounded once (``matmul.scale_by``; the torch computation's by torch)."""
     from .matmul import scale_by
 
     *grads, gamma = grads

@@ -1,16 +1,8 @@
-"""The per-token inputs of a Triton call, and the checks of the values that live on the device, in one launch.
-
-A training call needs, from the user's targets, label smoothing and ``num_items_in_batch``: the (shifted) target ids
-with -1 for an ignored token, the per-token smoothing, the number of tokens that carry a loss, the reduction's divisor
-and each token's weight in the reduced loss; and the checks of ``checks.py`` (targets in ``[0, V)`` or
-``ignore_index``, smoothing in ``[0, 1]``, ``num_items_in_batch`` a count). In torch that is about forty small
-operations, and at a small batch their host time was a fifth of the op's (benchmarks/results, the host section of
-docs/benchmarks.md). Here one program computes all of them: a first sweep over the tokens counts (bad targets, the
-first bad value, valid tokens, bad smoothing values), then the divisor is known and a second sweep writes the
-per-token outputs (one program, so its time grows with the tokens: about 20 bytes a token over two sweeps, small
-beside the logits' N x V work). The summary it writes is the one ``checks._summary`` computes
-(``checks.check_summary`` reads it, at once or later), so the errors and the NaN loss are the same. The torch
-computation stays for the torch backend, ``torch.compile`` and the vocabulary-parallel op; tests hold the two equal.
+"""The per-token inputs of a Triton call and the checks of the device's values, in one launch: the (shifted) ids with
+-1 where ignored, the per-token smoothing, the count of loss tokens, the reduction's divisor and each token's weight,
+and ``checks.py``'s summary (in torch, about forty small operations whose host time was a fifth of a small batch's
+op). One program sweeps the tokens twice: the counts first, then the per-token outputs. The torch computation stays
+for the torch backend, ``torch.compile`` and the vocabulary-parallel op; tests hold the two equal.
 """
 
 # (no `from __future__ import annotations` in a kernel module: Triton 3.1's interpreter then misreads each kernel's

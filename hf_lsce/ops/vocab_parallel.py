@@ -1,18 +1,10 @@
-"""The fused op over a vocabulary shard (tensor-parallel LM head), exact across ranks.
+"""The op over a vocabulary shard (a tensor-parallel LM head), exact across ranks.
 
-Each rank holds rows ``[start, start + V_r)`` of the LM head. Per token it computes, on its shard
-only, the same statistics as the single-device op (log-sum-exp, target logit, sum of logits) with
-the same backends (Triton kernels or the chunked torch path), and three all-reduces make them
-global: ``lse = M + log sum_r exp(lse_r - M)`` with ``M = max_r lse_r`` (max, then sum), and the
-target logit and the sum of logits by sum (a token's target lives on exactly one rank; the others
-contribute 0). Every rank then holds the full per-token loss
-
-    (1 - b)(lse - z_y) + b(lse - sum_v z_v / V).
-
-Backward, on each rank's shard: ``dz = g (softmax(z) - (1 - b) onehot(y) - b / V)`` (times ``1 - tanh^2`` under
-soft-cap), with the global lse and the whole vocabulary's ``V`` (``paths.dense_backward``'s ``vocab``). ``dW`` is the
-shard's own; ``dh`` is a partial sum over the shard and is all-reduced, as a column-parallel linear's input gradient
-would be.
+Each rank holds rows ``[start, start + V_r)`` of the head and computes on its shard the statistics of the
+single-device op; three all-reduces make them global (``lse = M + log sum_r exp(lse_r - M)``, the target logit and the
+sum of logits by sum), so every rank holds the full per-token loss. Backward on each shard: G with the global lse and
+the whole vocabulary's ``V`` (``paths.dense_backward``'s ``vocab``); ``dW`` is the shard's, ``dh`` is all-reduced, as a
+column-parallel linear's input gradient.
 """
 from __future__ import annotations
 
