@@ -1,23 +1,12 @@
 """In-process probe for the framework end-to-end runs (tools/frameworks_e2e.py): on the trainer a framework builds,
-it records every training compute_loss's loss (full precision, not the 4-digit log), the lm_head calls that returned
-logits, and hf_lsce's engagement count, and writes them to $LSCE_PROBE_OUT as JSON when training ends (one file per
-rank, ``$LSCE_PROBE_OUT.rankR``, when several processes train). A test harness, not part of the package: the
-frameworks reach it through their own hooks (Axolotl: a plugin; LLaMA-Factory: its Trainer's train).
+it records every training loss at full precision (not the 4-digit log), the lm_head calls that returned logits,
+hf_lsce's engagement, each step's time and tokens and the device's peak memory, and writes them to $LSCE_PROBE_OUT as
+JSON when training ends (``$LSCE_PROBE_OUT.rankR`` per rank under several processes). A test harness, not part of the
+package: the frameworks reach it through their own hooks (Axolotl: a plugin; LLaMA-Factory: its Trainer's train).
 
-``LSCE_PROBE_HF_SMOOTHING=b`` (b > 0) gives the trainer transformers' own ``LabelSmoother(epsilon=b)``, which is what
-``label_smoothing_factor: b`` does in the HF Trainer (logits, then smoothing on them): the stock smoothed reference for
-a framework whose config has no such key (Axolotl drops it).
-
-``LSCE_PROBE_PROFILE=FILE`` profiles optimizer steps 7 to 9 (torch.profiler, CPU and CUDA) and writes FILE: the
-profiled steps' wall time, the device's busy time, the kernels launched, and the operators by self CPU time and by self
-CUDA time (where a host-bound step's time goes). ``LSCE_PROBE_PROFILE_STEPS=A,B`` profiles steps A+1 to B instead.
-Under several processes rank 0 alone profiles.
-
-``LSCE_PROBE_NO_CUDNN_ATTENTION=1`` turns off cuDNN's scaled-dot-product attention (``torch.backends.cuda.
-enable_cudnn_sdp(False)``; SDPA then takes its flash or memory-efficient kernels) for every variant alike: on the GPU
-image's torch it builds a graph on the host for each sequence length it has not met, which stalled single steps for
-1 to 5 s (profiled: ``aten::_cudnn_attention_forward``, 3.4 s of host time in three steps), and it takes 2.6 to
-4.2 ms of host time a call where nothing stalls."""
+``LSCE_PROBE_HF_SMOOTHING=b`` gives the trainer transformers' ``LabelSmoother(epsilon=b)``, what
+``label_smoothing_factor: b`` does in the HF Trainer: the stock smoothed reference where a framework's config has no
+such key (Axolotl drops it)."""
 from __future__ import annotations
 
 import json
@@ -31,56 +20,17 @@ from transformers import Trainer
 # the distributions whose versions each record names (what ran where: docs/frameworks.md's versions table)
 VERSIONED = ("torch", "triton", "transformers", "accelerate", "peft", "trl", "bitsandbytes", "liger-kernel",
              "deepspeed", "axolotl", "llamafactory", "hf-lsce")
-PROFILE_STEPS = (6, 9)  # profiled: from the start of the step after global step 6 to the end of step 9 (3 steps)
-
-
-def profile_steps() -> tuple[int, int]:
-    """The global steps the profile starts after and ends at: ``LSCE_PROBE_PROFILE_STEPS=A,B`` or PROFILE_STEPS."""
-    text = os.environ.get("LSCE_PROBE_PROFILE_STEPS")
-    if not text:
-        return PROFILE_STEPS
-    a, b = (int(x) for x in text.split(","))
-    if not 0 <= a < b:
-        raise ValueError(f"LSCE_PROBE_PROFILE_STEPS={text!r}: give A,B with 0 <= A < B (steps A+1 to B are profiled)")
-    return a, b
-
-
-def _start_profiler():
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    prof = profile(activities=acts)
-    prof.start()
-    return prof
-
-
-def _write_profile(prof, wall_s: float, out: str, steps: int) -> None:
-    prof.stop()
-    ev = prof.key_averages()
-    cuda_us = sum(getattr(e, "self_device_time_total", 0) or 0 for e in ev)
-    launches = sum(e.count for e in ev if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC",
-                                                     "cuLaunchKernelEx"))
-    head = (f"{steps} steps: wall {wall_s / steps * 1e3:.1f} ms/step, device busy {cuda_us / steps / 1e3:.1f} ms/step "
-            f"(self CUDA time summed), kernel launches {launches / steps:.0f}/step\n\n")
-    by_cpu = ev.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70)
-    by_cuda = ev.table(sort_by="self_device_time_total", row_limit=20, max_name_column_width=70)
-    with open(out, "w") as f:
-        f.write(head + "By self CPU time:\n" + by_cpu + "\nBy self CUDA time:\n" + by_cuda)
 
 
 class _Timer:
     """Each optimizer step's wall time (the device synchronised at its start and end), the input tokens it trained
     on (the attention mask's ones, or every position of a packed batch), and the device's peak memory over training:
-    the figures of tools/frameworks_gpu.py. Synchronising at step boundaries only adds no wait inside a step."""
+    synchronising at step boundaries only adds no wait inside a step."""
 
     def __init__(self, record: dict):
         self.record = record
         self.t0 = None
         self.tokens = 0
-        rank0 = os.environ.get("RANK", "0") == "0"
-        self.profile_out = os.environ.get("LSCE_PROBE_PROFILE") if rank0 else None
-        self.profile_steps = profile_steps()
-        self.prof = self.prof_t0 = None
 
     def _sync(self):
         if torch.cuda.is_available():
@@ -106,9 +56,6 @@ class _Timer:
 
             def on_step_begin(self, args, state, control, **kw):
                 timer._sync()
-                if timer.profile_out and state.global_step == timer.profile_steps[0] and timer.prof is None:
-                    timer.prof = _start_profiler()
-                    timer.prof_t0 = time.perf_counter()
                 timer.t0, timer.tokens = time.perf_counter(), 0
 
             def on_step_end(self, args, state, control, **kw):
@@ -118,10 +65,6 @@ class _Timer:
                 if torch.cuda.is_available():  # (a framework may reset the peak during training: the largest seen)
                     timer.record["peak_gib"] = max(timer.record["peak_gib"] or 0.0,
                                                    torch.cuda.max_memory_allocated() / 2**30)
-                first, last = timer.profile_steps
-                if timer.prof is not None and state.global_step == last:
-                    _write_profile(timer.prof, time.perf_counter() - timer.prof_t0, timer.profile_out, last - first)
-                    timer.prof = None
 
             def on_train_end(self, args, state, control, **kw):
                 if torch.cuda.is_available():
@@ -152,9 +95,6 @@ def install(trainer) -> None:
     record = dict(versions=versions(), losses=[], lm_head_logit_calls=0, fused_calls=None, patched=False, confirmed=False,
                   step_seconds=[], step_tokens=[], step_label_tokens=[], peak_gib=None)
     timer = _Timer(record)
-    if os.environ.get("LSCE_PROBE_NO_CUDNN_ATTENTION") == "1":
-        torch.backends.cuda.enable_cudnn_sdp(False)
-    record["cudnn_attention"] = torch.backends.cuda.cudnn_sdp_enabled()
     trainer.add_callback(timer.callback())
     hf_b = float(os.environ.get("LSCE_PROBE_HF_SMOOTHING") or 0)
     if hf_b > 0:
@@ -162,7 +102,6 @@ def install(trainer) -> None:
 
         trainer.label_smoother = LabelSmoother(epsilon=hf_b)
     record["hf_label_smoother"] = hf_b
-    # (how the Trainer normalises each rank's loss: tools/frameworks_gpu.py's judge_multi)
     record["average_tokens_across_devices"] = getattr(trainer.args, "average_tokens_across_devices", None)
     head = trainer.model.get_output_embeddings() if hasattr(trainer.model, "get_output_embeddings") else None
 
