@@ -196,19 +196,24 @@ def _cmd_train_ats(args) -> int:
     return 0
 
 
-def _cmd_demo(args) -> int:
+def _console_logging() -> None:
+    """hf_lsce's progress on the console (demo, sweep), the HTTP and dataset libraries' chatter off."""
     import logging
 
-    from .demo import format_report, run_demo
-    from .outputs import output_folder
-
-    if not 0 < args.label_smoothing <= 1:
-        raise ValueError(f"--label-smoothing must lie in (0, 1] (the demo compares it with 0); got {args.label_smoothing}")
     from .run import ConsoleHandler
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", handlers=[ConsoleHandler()])
     for noisy in ("httpx", "urllib3", "datasets", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _cmd_demo(args) -> int:
+    from .demo import format_report, run_demo
+    from .outputs import output_folder
+
+    if not 0 < args.label_smoothing <= 1:
+        raise ValueError(f"--label-smoothing must lie in (0, 1] (the demo compares it with 0); got {args.label_smoothing}")
+    _console_logging()
     with output_folder(args.output_dir, command="demo", overwrite=args.overwrite):
         report = run_demo(args.output_dir, label_smoothing=args.label_smoothing, model=args.model, dataset=args.dataset,
                           eval_tasks=args.eval_tasks, data_dir=args.data_dir,
@@ -219,16 +224,11 @@ def _cmd_demo(args) -> int:
 
 
 def _cmd_sweep(args) -> int:
-    import logging
-
     from .outputs import output_folder
-    from .run import ConsoleHandler
     from .sweep import format_sweep, parse_b_values, run_sweep
 
     b_values = parse_b_values(args.b)  # a bad --b fails before any folder is made
-    logging.basicConfig(level=logging.INFO, format="%(message)s", handlers=[ConsoleHandler()])
-    for noisy in ("httpx", "urllib3", "datasets", "filelock"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    _console_logging()
     with output_folder(args.output_dir, command="sweep", overwrite=args.overwrite):
         report = run_sweep(args.output_dir, model=args.model, b_values=b_values, dataset=args.dataset,
                            eval_tasks=args.eval_tasks, data_dir=args.data_dir,
@@ -359,66 +359,66 @@ def _cmd_diagnose(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="hf-lsce", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--debug", action="store_true", help="show the traceback of an error instead of one line")
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    c = sub.add_parser("env", help="versions, GPUs, the op's training path here and a self-test against fp64 (paste "
-                                   "it into a bug report)")
+def _args_env(sub) -> None:
+    c = sub.add_parser("env", help="versions, GPUs, the op's training computation here and a self-test against fp64 "
+                                   "(paste it into a bug report)")
     c.add_argument("--json", action="store_true", help="print the report as JSON, for tools")
-    c.add_argument("--no-self-test", action="store_true", help="versions and paths only")
+    c.add_argument("--no-self-test", action="store_true", help="versions and computations only")
     c.add_argument("--device", default=None, help="the device to report and test (default: cuda:0, else the CPU)")
-    c.add_argument("--tokens", type=_positive_int, default=8192, help="tokens per call for the paths (default 8192)")
+    c.add_argument("--tokens", type=_positive_int, default=8192, help="tokens per call for the plans (default 8192)")
     c.add_argument("--head", type=_head, default=(2048, 128256),
-                   help="the LM head's D,V for the paths (default 2048,128256: Llama-3.2-1B)")
+                   help="the LM head's D,V for the plans (default 2048,128256: Llama-3.2-1B)")
     c.set_defaults(func=_cmd_env)
+
+
+def _finetune_args(c, eval_tasks: str, what: str) -> None:
+    """The arguments ``demo`` and ``sweep`` share: the model, the data, the budget and the output folder."""
+    c.add_argument("--model", default="smollm2-135m-instruct",
+                   help="installed checkpoint (smollm2-135m-instruct, gemma-3-270m), .gguf file, folder or hub name")
+    c.add_argument("--dataset", default=None, help="instruction data: an Alpaca-style JSON/JSONL file, or real QA sets "
+                                                   "rendered as instructions (default: trivia_qa,nq_open)")
+    c.add_argument("--eval-tasks", default=eval_tasks, help="held-out tasks")
+    c.add_argument("--data-dir", default=None, help="local evaluation data (e.g. ../shared/data); default: the "
+                                                    "installed evaluation data")
+    c.add_argument("--budget", choices=["auto", "cpu", "gpu", "tiny"], default="auto",
+                   help="SFT steps and batch, items per task (auto: gpu with CUDA, else cpu)")
+    c.add_argument("--steps", type=_positive_int, default=None, help=f"SFT steps{what} (default: the budget's)")
+    c.add_argument("--limit", default=None, help="items per task: N, or per task (mmlu=100,arc_easy=200)")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--tiny", action="store_true", help="the smallest run (CI): same as --budget tiny")
+    c.add_argument("--overwrite", action="store_true")
+
+
+def _args_demo(sub) -> None:
     d = sub.add_parser("demo", help="the end-to-end story on a real model: calibration, SFT with and without "
                                     "smoothing, ATS, what moved",
                        description="Score a real checkpoint on real ARC-Easy / SciQ / PIQA / MMLU items, diagnose "
-                                   "whether smoothing will help it (hf-lsce diagnose), fine-tune it with label smoothing 0 and b through the "
-                                   "fused op (TRL SFTTrainer), fit ATS and temperature scaling, and report accuracy / "
-                                   "ECE / RMS / NLL with paired-bootstrap intervals and reliability diagrams.")
-    d.add_argument("--model", default="smollm2-135m-instruct",
-                   help="installed checkpoint (smollm2-135m-instruct, gemma-3-270m), .gguf file, folder or hub name")
-    d.add_argument("--dataset", default=None, help="instruction data: an Alpaca-style JSON/JSONL file, or real QA sets "
-                                                   "rendered as instructions (default: trivia_qa,nq_open)")
-    d.add_argument("--eval-tasks", default="arc_easy,sciq,piqa,mmlu",
-                   help="held-out tasks (default: three where small models are above chance, and MMLU)")
-    d.add_argument("--data-dir", default=None, help="local evaluation data (e.g. ../shared/data); default: the "
-                                                    "installed evaluation data")
+                                   "whether smoothing will help it (hf-lsce diagnose), fine-tune it with label "
+                                   "smoothing 0 and b through the fused op (TRL SFTTrainer), fit ATS and temperature "
+                                   "scaling, and report accuracy / ECE / RMS / NLL with paired-bootstrap intervals and "
+                                   "reliability diagrams.")
+    _finetune_args(d, "arc_easy,sciq,piqa,mmlu", "")
     d.add_argument("--label-smoothing", type=_unit_float, default=0.1)
-    d.add_argument("--budget", choices=["auto", "cpu", "gpu", "tiny"], default="auto",
-                   help="auto: gpu with CUDA, else cpu (see the README for the time measured on 2 cores)")
-    d.add_argument("--steps", type=_positive_int, default=None, help="SFT steps (default: the budget's)")
-    d.add_argument("--ats-steps", type=_positive_int, default=None, help="ATS / temperature-scaling steps (default: the budget's)")
-    d.add_argument("--limit", default=None, help="items per task: N, or per task (mmlu=100,hellaswag=50)")
-    d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--tiny", action="store_true", help="the smallest run (CI): same as --budget tiny")
+    d.add_argument("--ats-steps", type=_positive_int, default=None,
+                   help="ATS / temperature-scaling steps (default: the budget's)")
     d.add_argument("--output-dir", default="hf_lsce_demo")
-    d.add_argument("--overwrite", action="store_true")
     d.set_defaults(func=_cmd_demo)
+
+
+def _args_sweep(sub) -> None:
     w = sub.add_parser("sweep", help="choose b from data: short fine-tunings over b, held-out ECE and signed gap",
                        description="Fine-tune one checkpoint briefly at each b (and 0) from the same weights, data "
                                    "order and seed through the fused op (TRL SFTTrainer), score every run on the same "
                                    "held-out items, compare each b with 0 by paired bootstraps, flag under-confidence, "
                                    "and suggest the b of lowest ECE among those that measurably lowered it.")
-    w.add_argument("--model", default="smollm2-135m-instruct",
-                   help="installed checkpoint (smollm2-135m-instruct, gemma-3-270m), .gguf file, folder or hub name")
+    _finetune_args(w, "arc_easy,sciq,mmlu", " per b")
     w.add_argument("--b", default="0,0.05,0.1,0.2", help="the grid of b, comma-separated (0 is always added)")
-    w.add_argument("--dataset", default=None, help="instruction data: an Alpaca-style JSON/JSONL file, or real QA sets "
-                                                   "rendered as instructions (default: trivia_qa,nq_open)")
-    w.add_argument("--eval-tasks", default="arc_easy,sciq,mmlu", help="held-out tasks")
-    w.add_argument("--data-dir", default=None, help="local evaluation data (default: the installed evaluation data)")
-    w.add_argument("--budget", choices=["auto", "cpu", "gpu", "tiny"], default="auto",
-                   help="the demo's budgets: SFT steps and batch, items per task (auto: gpu with CUDA, else cpu)")
-    w.add_argument("--steps", type=_positive_int, default=None, help="SFT steps per b (default: the budget's)")
-    w.add_argument("--limit", default=None, help="items per task: N, or per task (mmlu=100,arc_easy=200)")
-    w.add_argument("--seed", type=int, default=0)
-    w.add_argument("--tiny", action="store_true", help="the smallest run (CI): same as --budget tiny")
     w.add_argument("--json", default=None, help="also write the report here")
     w.add_argument("--output-dir", default="hf_lsce_sweep")
-    w.add_argument("--overwrite", action="store_true")
     w.set_defaults(func=_cmd_sweep)
+
+
+def _args_eval(sub) -> None:
     e = sub.add_parser("eval", help="accuracy and calibration (ECE, RMS, ...) on MMLU, HellaSwag, ARC",
                        description="Score multiple-choice tasks with a causal LM; print Acc/ECE/RMS per task, "
                                    "write calibration.json and reliability diagrams.")
@@ -445,6 +445,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--output-dir", default="calibration_eval")
     e.add_argument("--overwrite", action="store_true", help="replace results already in --output-dir")
     e.set_defaults(func=_cmd_eval)
+
+
+def _args_train_ats(sub) -> None:
     a = sub.add_parser("train-ats", help="fit an adaptive-temperature-scaling head on a frozen causal LM",
                        description="Train an ATSCalibrator head with the selective smoothing loss on instruction "
                                    "data (JSON/JSONL with instruction/input/output, or a hub dataset name).")
@@ -468,6 +471,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --output-dir")
     a.add_argument("--overwrite", action="store_true")
     a.set_defaults(func=_cmd_train_ats)
+
+
+def _args_diagnose(sub) -> None:
     g = sub.add_parser("diagnose", help="will label smoothing help this model's calibration, and with which b?",
                        description="Measures the model on held-out data: its signed calibration gap (mean confidence "
                                    "minus accuracy) per task and on instruction tokens, and what smoothing at b would "
@@ -515,6 +521,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0, help="the probe's seed")
     g.add_argument("--overwrite", action="store_true", help="let the probe replace an earlier one in --probe-dir")
     g.set_defaults(func=_cmd_diagnose)
+
+
+def _args_run(sub) -> None:
     r = sub.add_parser("run", help="run an unmodified HF/TRL training script with the patch applied",
                        usage="hf-lsce run SCRIPT.py [ARGS...] | hf-lsce run -m MODULE [ARGS...]",
                        description="Patch every supported model class, then run SCRIPT (or -m MODULE, e.g. "
@@ -524,6 +533,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("script", nargs="?", default=None)
     r.add_argument("script_args", nargs=argparse.REMAINDER)
     r.set_defaults(func=_cmd_run)
+
+
+def _args_llamafactory(sub) -> None:
     lf = sub.add_parser("llamafactory", help="LLaMA-Factory's training with the patch: llamafactory train CONFIG.yaml",
                         usage="hf-lsce llamafactory train CONFIG.yaml [key=value ...]",
                         description="Check CONFIG.yaml, patch every supported model class, then run LLaMA-Factory's "
@@ -531,6 +543,19 @@ def build_parser() -> argparse.ArgumentParser:
                                     "(docs/frameworks.md).")
     lf.add_argument("lf_args", nargs=argparse.REMAINDER)
     lf.set_defaults(func=_cmd_run)
+
+
+COMMANDS = (_args_env, _args_demo, _args_sweep, _args_eval, _args_train_ats, _args_diagnose, _args_run,
+            _args_llamafactory)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """``hf-lsce`` and its commands, each built by its own ``_args_*`` function."""
+    p = _Parser(prog="hf-lsce", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--debug", action="store_true", help="show the traceback of an error instead of one line")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for add in COMMANDS:
+        add(sub)
     return p
 
 
