@@ -2,7 +2,7 @@
 from .ops import LCEStats, linear_cross_entropy
 from .patching import apply_lsce_patch, is_patched, revert_lsce_patch
 
-__version__ = "0.1.0"
+__version__ = "1.0.0"
 
 
 def __getattr__(name):  # heavier parts load on first use
