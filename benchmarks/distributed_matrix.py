@@ -16,7 +16,7 @@ losses logged, and the largest relative difference of any weight from the refere
 the steps after the first) and peak memory per GPU, stock and patched, at growing tokens per GPU until one runs out of
 memory (a row saying so, at that size; the next configuration still runs); on 2 GPUs.
 
-Rows already in OUT/rows are not run again (a device call can resume). Writes OUT/distributed_matrix.json and
+Rows already in OUT/rows are not run again (an interrupted run resumes). Writes OUT/distributed_matrix.json and
 .md. Needs 2 or more GPUs, transformers, TRL, DeepSpeed.
 """
 from __future__ import annotations
