@@ -97,7 +97,7 @@ def test_page_snippets_run(page, scratch, monkeypatch):
 
 
 # ----------------------------------------------------------------------------------------- links and paths
-LINK_PAGES = PAGES + [ROOT / "benchmarks" / "README.md", ROOT / "examples" / "README.md", ROOT / "tools" / "gpu" / "README.md"]
+LINK_PAGES = PAGES + [ROOT / "benchmarks" / "README.md", ROOT / "examples" / "README.md", ROOT / "CHANGELOG.md"]
 # a path written in backticks: a repository folder, then more (the shared data beside the clone is not ours)
 PATH_RE = re.compile(r"`((?:benchmarks|docs|examples|hf_lsce|tests|tools)/[^`\s*{}]+)`")
 
