@@ -31,6 +31,10 @@ from hf_lsce.patching import versions
     (dict(lsce=False, label_smoothing_factor=0.1), "label_smoothing_factor: 0.1 with lsce: false would train "
      "unsmoothed: Axolotl has no label smoothing .* Set lsce: true, or remove label_smoothing_factor"),
     (dict(lsce=False, lsce_label_smoothing=0.2), "lsce_label_smoothing: 0.2 with lsce: false"),
+    (dict(lsce_memory="fast"), "lsce_memory='fast' was retired in 1.0"),
+    (dict(lsce_memory="plenty"), "lsce_memory must be 'auto', 'low' or a number of bytes, got 'plenty'"),
+    (dict(lsce_memory=-1), "lsce_memory=-1: a budget is a positive number of bytes"),
+    (dict(lsce_memory=True), "lsce_memory must be 'auto', 'low' or a number of bytes, got True \\(bool\\)"),
 ])
 def test_axolotl_keys_refused_with_one_line_naming_the_key(data, match):
     with pytest.raises(ValueError, match=match) as e:
@@ -109,6 +113,8 @@ def test_axolotl_zero3_config_that_would_train_in_fp32_is_refused(tmp_path, yaml
     (dict(label_smoothing_factor="0.1"), None, "label_smoothing_factor must be None or a float .* \\(str\\)"),
     (dict(use_asft_loss=True), None, "use_asft_loss: true"),
     (dict(stage="sft"), "bert", "model type 'bert' .* is not in hf_lsce's table"),
+    (dict(lsce_memory="plenty"), None, "lsce_memory must be 'auto', 'low' or a number of bytes, got 'plenty'"),
+    (dict(lsce_memory=0), None, "lsce_memory=0: a budget is a positive number of bytes"),
 ])
 def test_llamafactory_config_refused(cfg, model_type, match):
     with pytest.raises(ValueError, match=match):
@@ -361,9 +367,9 @@ def test_plugin_refuses_a_family_outside_the_table_and_patches_the_built_model(t
         p.pre_model_load(DictDefault(model_config_type="llama", bf16=True, deepspeed=str(ds)))
     p.pre_model_load(DictDefault(model_config_type="llama"))
     model = tiny_model("llama").train()
-    p.post_model_load(DictDefault(lsce_label_smoothing=0.1), model)
+    p.post_model_load(DictDefault(lsce_label_smoothing=0.1, lsce_memory="2e9"), model)
     try:
-        assert is_patched(model) and model._lsce_label_smoothing == 0.1
+        assert is_patched(model) and model._lsce_label_smoothing == 0.1 and model._lsce_memory == "2000000000"
         rows = TokenRows(4).rows
         ids, lab = torch.stack([r["input_ids"] for r in rows]), torch.stack([r["labels"] for r in rows])
         before = ENGAGEMENT.fused_calls

@@ -813,15 +813,6 @@ def triton_fused_columns(hidden, weight, bias, targets, smoothing, scale, config
     return (lse, zy, sz, am, ent, loss, nll), dh, None, None, None
 
 
-def statistics_supported(hidden, softcap, config) -> bool:
-    """Whether ``fused_statistics`` runs these inputs: half precision where Triton's dots are tensor-core MMA (or the
-    interpreter; fp32 takes the torch computation), no soft-cap or one of at most
-    ``SOFTCAP_MAX`` (whose offset, the cap, keeps every ``exp(z - cap)`` at least e^-80, a normal fp32 number). No R
-    is stored, so fp16 needs no running maxima and takes a soft-cap."""
-    return (hidden.dtype in (torch.bfloat16, torch.float16) and config.mma_dot
-            and (softcap is None or softcap <= SOFTCAP_MAX))
-
-
 def fused_statistics(hidden, weight, bias, targets, softcap, config, need_stats: bool = True, smoothing=None,
                      z_loss: float = 0.0):
     """Per-token (lse, target logit, sum of logits, argmax, entropy) by the logits kernel without R (argmax and
