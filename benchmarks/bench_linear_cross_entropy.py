@@ -372,7 +372,7 @@ def main():
     ap.add_argument("--methods", default=",".join(DEFAULT_METHODS))
     ap.add_argument("--no-softcap", action="store_true", help="skip the soft-capped Gemma2-2B configuration")
     ap.add_argument("--errors", action="store_true", help="gradient errors against fp64 (slow: fp64 logits)")
-    ap.add_argument("--out-dir", default="bench_out")
+    ap.add_argument("--out", "--out-dir", dest="out_dir", default="bench_out", help="folder for the JSON and tables")
     ap.add_argument("--stem", default="bench_linear_cross_entropy")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="the inputs' dtype")

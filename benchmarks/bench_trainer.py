@@ -410,7 +410,7 @@ def main():
                     help="a subset, e.g. hf:0.1,hf_lsce:0.1 (default: all five); a method ending in +compile runs with "
                          "the Trainer's torch_compile=True (+compile-cg: mode reduce-overhead) and is compared with "
                          "hf with the same suffix")
-    ap.add_argument("--out-dir", default="bench_out")
+    ap.add_argument("--out", "--out-dir", dest="out_dir", default="bench_out", help="folder for the JSON and tables")
     ap.add_argument("--deadline-s", type=float, default=None)
     ap.add_argument("--repeats", type=int, default=1,
                     help="run every method this many times, interleaved (hf, hf_lsce, hf, hf_lsce, ...), and report "

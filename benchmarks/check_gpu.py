@@ -436,7 +436,7 @@ SECTIONS = dict(paths=paths_section, real=real_section, eval=eval_section, edge=
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out-dir", default=os.environ.get("OUT", "gpu_out"))
+    ap.add_argument("--out", "--out-dir", dest="out_dir", default="gpu_out", help="folder for the JSON")
     ap.add_argument("--sections", default=",".join(SECTIONS))
     args = ap.parse_args()
     if not torch.cuda.is_available():

@@ -171,7 +171,7 @@ def markdown(rows: list[dict], kind: str) -> str:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("what", choices=["matrix", "8b"])
-    p.add_argument("--out", default=os.environ.get("OUT", "distributed_out"))
+    p.add_argument("--out", default="distributed_out")
     p.add_argument("--full", action="store_true", help="every engine x precision x trainer x patch combination")
     p.add_argument("--only", default="", help="matrix: comma-separated prefixes of the row names to run")
     p.add_argument("--gpus", type=int, default=None, help="matrix: processes (GPUs) per run, 2, 4 or 8 (default: "

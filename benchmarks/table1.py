@@ -648,7 +648,7 @@ def main():
     ap.add_argument("--max-length", type=int, default=512, help="ATS training sequence length")
     ap.add_argument("--deadline-s", type=float, default=None)
     ap.add_argument("--resume", action="store_true", help="keep the runs already in table1.json")
-    ap.add_argument("--out-dir", default="table1_out")
+    ap.add_argument("--out", "--out-dir", dest="out_dir", default="table1_out")
     ap.add_argument("--smoke", action="store_true", help="CPU, a tiny model, two steps, a few items")
     ap.add_argument("--report-only", action="store_true", help="rebuild the tables and pictures from --out-dir")
     args = ap.parse_args()
