@@ -155,6 +155,9 @@ def test_auto_reads_free_memory_only_for_large_plans_and_refuses_what_does_not_f
     FREE[0] = 3 * 10 ** 9  # less than every row's R: the fastest plan within 3 GB / 1.25
     plan = paths.plan_for(big, "fused", "auto", cuda)
     assert plan.layout == "columns" and plan.nbytes <= 3 * 10 ** 9 / bud.HEADROOM
+    huge = bud.Shape(1 << 18, 262144, 5376, True, False, half=False, soft=False)  # Gemma-3-27B, 262k tokens
+    FREE[0] = 80 * 10 ** 9  # past the automatic cap, the smallest plan that free memory holds
+    assert paths.plan_for(huge, "fused", "auto", cuda) == bud.best(huge, bud.smallest(huge, "fused"), "fused")
     FREE[0] = 10 ** 6
     with pytest.raises(ValueError, match="memory='auto': the GPU has 1 MB free"):
         paths.plan_for(big, "fused", "auto", cuda)

@@ -489,7 +489,8 @@ def linear_cross_entropy(
         return_lse: also return the per-token log-sum-exp (shape of targets, fp32), differentiable: a loss
             built on it back-propagates (through the recomputing backward).
         memory: the memory budget of a training call, beyond its inputs and the gradients it returns: ``"auto"``
-            (the fastest computation that fits the GPU's free memory, at most 4.5 GB; the default), ``"low"`` (about
+            (the fastest computation that fits the GPU's free memory, at most 4.5 GB unless the
+            smallest plan needs more; the default), ``"low"`` (about
             180 MB, or the least with 32 MiB chunks where a head needs more), or a number of bytes: the fastest
             computation within it (docs/how_it_works.md). A budget below what the shape needs (an fp32 ``4 N D`` accumulator and a
             chunk), or one the GPU cannot hold, is a ``ValueError`` that names the smallest that works.

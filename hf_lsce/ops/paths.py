@@ -130,12 +130,13 @@ def plan_for(s: bud.Shape, comp: str, memory: str, device: torch.device) -> bud.
     cuda = device.type == "cuda"
     if memory == "low":
         return bud.best(s, bud.low_budget(s, comp), comp)
-    if memory == "auto":
-        plan = bud.best(s, bud.AUTO_MAX_BYTES if cuda else None, comp)
+    if memory == "auto":  # (the cap never below the smallest plan: a large step is limited by free memory only)
+        cap = max(bud.AUTO_MAX_BYTES, bud.smallest(s, comp)) if cuda else None
+        plan = bud.best(s, cap, comp)
         if not cuda or bud.HEADROOM * plan.nbytes <= SMALL_BUFFER_FRACTION * device_memory(device):
             return plan
         free = free_cuda_memory(device)
-        plan = bud.best(s, min(int(free / bud.HEADROOM), bud.AUTO_MAX_BYTES), comp)
+        plan = bud.best(s, min(int(free / bud.HEADROOM), cap), comp)
         if plan is None:
             least = bud.smallest(s, comp)
             raise ValueError(f"memory='auto': the GPU has {bud.describe(free)} free, and the op needs at least "
