@@ -45,6 +45,7 @@ import triton.testing
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from hf_lsce import linear_cross_entropy  # noqa: E402
+from hf_lsce.ops import budget as bud  # noqa: E402
 
 SHAPES = {  # (N, D, V)
     "smollm2-135m": (8192, 576, 49152),
@@ -157,8 +158,7 @@ def measure(fn, h, w, y, b, cap, head, do_bench, cuda):
     out = dict(fwdbwd_ms=do_bench(step, warmup=50 if cuda else 1, rep=400 if cuda else 3, return_mode="median"))
     if PLANS:
         p = PLANS[-1]
-        out["plan"] = f"{p.computation}: " + (f"rows by {p.rows}" if p.layout == "rows" else f"{p.layout}, keep "
-                                               f"{p.keep}, by {p.cols}")
+        out["plan"] = bud.describe_plan(p)
         out["plan_mb"] = p.nbytes / 1e6
     hh.grad = ww.grad = None
     gc.collect()
@@ -270,7 +270,6 @@ def run_config(rows, fns, shape, head, b, cap, methods, with_errors, cuda, do_be
 def budget_for(what: str, measured: dict, h, w, cap, head) -> int | None:
     """The budget of ``hf_lsce@what``: bytes (``1.1e9``), or a peer's measured extra memory at this configuration,
     raised to the smallest budget that holds exact gradients where the peer keeps less (None: the peer did not run)."""
-    from hf_lsce.ops import budget as bud
     from hf_lsce.ops.paths import computation, shape_of
 
     try:

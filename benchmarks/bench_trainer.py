@@ -36,7 +36,7 @@ import time
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)  # the package from this checkout where it is not installed (a GPU machine's copy)
+sys.path.insert(0, ROOT)  # the package from this checkout where it is not installed
 HALF = [torch.bfloat16]  # the Trainer's mixed precision: bf16, or fp16 with --fp16
 # Real models' configurations with random weights (no checkpoint to stage). distributed_matrix.py uses "llama3-8b".
 CONFIGS = {
@@ -239,6 +239,7 @@ def run_one(name, method, b, batch, seq, steps, out_dir, device, warmup=2, check
     import hf_lsce.ops.fused_pass as fp
 
     import hf_lsce.ops.paths as paths
+    from hf_lsce.ops import budget as bud
 
     real_pass, pass_dtypes = fp.triton_fused_pass, set()  # which dtype the fused path ran in (not under compile)
     fp.triton_fused_pass = lambda h, *a, **k: pass_dtypes.add(str(h.dtype)[6:]) or real_pass(h, *a, **k)
@@ -264,8 +265,7 @@ def run_one(name, method, b, batch, seq, steps, out_dir, device, warmup=2, check
         row["first_batch_own_loss"], row["first_batch_patched_loss"] = losses
     if plans:
         p = plans[-1]
-        row["plan"] = (f"{p.computation}, {p.layout}" + (f" by {p.rows} rows" if p.layout == "rows" else
-                       f", {p.keep} kept, by {p.cols}") + f", {p.nbytes / 1e9:.2f} GB")
+        row["plan"] = f"{bud.describe_plan(p)}, {bud.describe(p.nbytes)}"
     if compiled:  # what Dynamo did: graphs compiled and graph breaks (a break or a recompile costs each step)
         c = torch._dynamo.utils.counters
         row["compiled_graphs"] = int(c["stats"].get("unique_graphs", 0))

@@ -129,7 +129,7 @@ def paths_section(emit):
 def layouts(h, w, bias, cap, frozen):
     """(name, memory, a plan forced or None) for every layout the fused computation has at this shape, and the
     budgets "auto", "low" and the smallest."""
-    (n, d), v = h.shape, w.shape[0]
+    n, v = h.shape[0], w.shape[0]
     comp = paths.computation(h, w, cap, "triton")
     least = bud.smallest(paths.shape_of(h, w, bias, cap, comp, not frozen, bias is not None), comp)  # (run_op: db)
     out = [("auto", "auto", None), ("low", "low", None), ("smallest budget", least, None)]
@@ -423,7 +423,7 @@ def budget_section(emit):
                 plan = plans[-1]
                 limit = budget if isinstance(budget, int) else plan.nbytes
                 emit(dict(section="budget", shape=shape, head="frozen" if frozen else "trainable", budget=budget,
-                          plan=f"{plan.layout} rows {plan.rows} keep {plan.keep} cols {plan.cols}",
+                          plan=bud.describe_plan(plan),
                           plan_bytes=plan.nbytes, measured_extra=extra, ok=extra <= limit + bud.SLACK_BYTES))
                 del hh, ww
         del h, w, y

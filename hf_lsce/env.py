@@ -102,7 +102,7 @@ def routes(device: torch.device, tokens: int, head: tuple[int, int]) -> list[dic
 
 
 def _route(device, dtype, frozen, n, d, v, backend) -> dict:
-    from .ops.budget import describe
+    from .ops.budget import describe, describe_plan
     from .ops.paths import options
 
     if device.type == "cuda":  # (a meta tensor would do, but the free memory is what "auto" reads)
@@ -127,9 +127,7 @@ def _route(device, dtype, frozen, n, d, v, backend) -> dict:
 
         cfg = config.fused_config(dtype, device)
         loads = ("TMA" if tma_ready(cfg, h, w) else "pointer") + f" loads, {_tiles(cfg)}"
-        path = "fused, " + {"rows": f"R for {plan.rows} rows a chunk", "frozen": f"{plan.cols} columns a chunk",
-                            "columns": f"R kept for {plan.keep} columns, the rest recomputed {plan.cols} at a time"
-                            }[plan.layout]
+        path = describe_plan(plan)
     del h, w
     return dict(path=path, memory=describe(plan.nbytes), loads=loads)
 

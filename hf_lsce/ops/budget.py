@@ -17,8 +17,9 @@ from dataclasses import dataclass
 LOW_BYTES = 180 << 20
 MIN_CHUNK_BYTES = 32 << 20
 # memory="auto": the budget is CUDA's free memory divided by this, and at most AUTO_MAX_BYTES. Without that cap, auto
-# kept R for every row of a large step (39 GB at 18 x 4,096 tokens of Gemma-3-270m): the Trainer's largest step that
-# ran three steps was 18 sequences, 1.2 x stock's; chunks past the cap cost the op about 10 % (H200, docs/benchmarks.md)
+# kept R for every row of a large step (32 GB at 15 x 4,096 tokens of Gemma-3-270m), which left too little for the
+# optimizer's next step: the Trainer's largest three-step batch was 15-18 sequences, 26 with the cap (H200,
+# docs/benchmarks.md)
 HEADROOM = 1.25
 AUTO_MAX_BYTES = 4_500_000_000
 # what a measured peak may exceed a plan's bytes by (allocations rounded to 512 bytes, 2 MiB segments)
@@ -226,6 +227,14 @@ def describe(nbytes: int | float) -> str:
     if nbytes >= 1e6:
         return f"{math.ceil(nbytes / 1e6)} MB"
     return f"{math.ceil(nbytes / 1e3)} kB"
+
+
+def describe_plan(p: Plan) -> str:
+    """A plan in words, as ``hf-lsce env`` and the benchmarks print it."""
+    if p.computation == "torch":
+        return f"torch, chunks of {p.rows} rows of fp32 logits"
+    return "fused, " + {"rows": f"R for {p.rows} rows a chunk", "frozen": f"{p.cols} columns a chunk",
+                        "columns": f"R kept for {p.keep} columns, the rest recomputed {p.cols} at a time"}[p.layout]
 
 
 def recompute_cols(s: Shape, nbytes: int | None) -> int:
