@@ -21,11 +21,14 @@
    its gradients against the eager patched model, one fused call per compiled step. (Compiled throughput:
    ``bench_trainer.py --methods hf:0.1,hf_lsce:0.1,hf+compile:0.1,hf_lsce+compile:0.1``.)
 
-7. budget: at the Gemma-3-270m and Llama-3-8B heads (N = 8,192), trainable and frozen, budgets from the smallest to
+7. strides: hidden and weight transposed or rows of a wider tensor, bias, labels and per-token smoothing of stride 2,
+   all together (also under ``torch.compile``), in every layout, trainable and frozen, bf16 and fp16: equal to the
+   same values made contiguous.
+8. budget: at the Gemma-3-270m and Llama-3-8B heads (N = 8,192), trainable and frozen, budgets from the smallest to
    unlimited: the measured peak beyond the inputs and the gradients stays within the budget (plus
    ``budget.SLACK_BYTES``), and the plan's own byte count.
 
-    python benchmarks/check_gpu.py [--out-dir DIR] [--sections paths,real,eval,edge,behaviour,compile,budget]
+    python benchmarks/check_gpu.py [--out-dir DIR] [--sections paths,strides,real,eval,edge,behaviour,compile,budget]
 """
 from __future__ import annotations
 
@@ -389,6 +392,79 @@ def compile_section(emit):
               grad_err_vs_eager=max(rel(p.grad, q.grad) for p, q in zip(comp_m.parameters(), eager_m.parameters()))))
 
 
+def _views(h, w, bias, y, b):
+    """Layouts users hand the op, each equal in value to the contiguous tensors: (name, h, w, bias, y, b)."""
+    def every_second(t):
+        return torch.stack([t, t], -1)[..., 0]
+    ht, wt = h.T.contiguous().T, w.T.contiguous().T
+    return [("hidden transposed", ht, w, bias, y, b), ("hidden rows of a wider tensor", torch.cat([h, h], 1)[:, h.shape[1]:],
+            w, bias, y, b), ("weight column-major", h, wt, bias, y, b),
+            ("weight rows of a wider tensor", h, torch.cat([w, w], 1)[:, w.shape[1]:], bias, y, b),
+            ("bias stride 2", h, w, every_second(bias), y, b), ("labels stride 2", h, w, bias, every_second(y), b),
+            ("smoothing stride 2", h, w, bias, y, every_second(b)),
+            ("all together", ht, wt, every_second(bias), every_second(y), every_second(b))]
+
+
+def _run_as_given(h, w, bias, y, b, items, frozen, fn=None, **kw):
+    """(loss, dh, dW, db) of the op on the tensors as they are laid out (``run_op`` clones, which makes a sliced view
+    contiguous); ``fn``: a compiled call of the op."""
+    hh, ww = h.detach().requires_grad_(), w.detach().requires_grad_(not frozen)
+    bb = bias.detach().requires_grad_(not frozen)
+    if fn is None:
+        loss = linear_cross_entropy(hh, ww, y, bias=bb, label_smoothing=b, reduction="sum", num_items_in_batch=items,
+                                    **kw)
+    else:
+        loss = fn(hh, ww, y, bb, b)
+    loss.backward()
+    return loss.detach(), hh.grad, ww.grad, bb.grad
+
+
+def strides_section(emit):
+    """Strided and transposed inputs in every layout of the budget, eager and compiled, against the same values made
+    contiguous (the kernels honour every stride: TMA loads where rows are contiguous, pointer loads otherwise)."""
+    g = torch.Generator(device=DEV).manual_seed(5)
+    for n, d, v, dt in ((1500, 640, 32771, torch.bfloat16), (1024, 576, 32768, torch.bfloat16),
+                        (900, 1536, 30000, torch.float16)):
+        w = (torch.randn(v, d, device=DEV, generator=g) / d ** 0.5).to(dt)
+        h = (torch.randn(n, d, device=DEV, generator=g) * 3).to(dt)
+        bias = (torch.randn(v, device=DEV, generator=g) * 0.1).to(dt)
+        y = torch.randint(0, v, (n,), device=DEV, generator=g)
+        y[::7] = -100
+        b = torch.rand(n, device=DEV, generator=g) * 0.2
+        items = int((y >= 0).sum())
+        for frozen in (False, True):
+            for path, mem, plan in layouts(h, w, bias, None, frozen):
+                real_plan = paths.plan_for
+                if plan is not None:
+                    paths.plan_for = lambda *a, _p=plan, **k: _p
+                try:
+                    dense = _run_as_given(h, w, bias, y, b, items, frozen, memory=mem)
+                    for name, *args in _views(h, w, bias, y, b):
+                        got = _run_as_given(*args, items, frozen, memory=mem)
+                        err = errors(got, (float(dense[0]),) + dense[1:])
+                        ok = err["loss_err"] < 1e-6 and all(e is None or e < 1e-3 for e in err.values())
+                        emit(dict(section="strides", N=n, D=d, V=v, dtype=str(dt)[6:], view=name, path=path,
+                                  head="frozen" if frozen else "trainable", ok=ok, **err))
+                finally:
+                    paths.plan_for = real_plan
+        fn = torch.compile(lambda *a: linear_cross_entropy(*a[:3], bias=a[3], label_smoothing=a[4], reduction="sum",
+                                                           num_items_in_batch=items), fullgraph=True)
+        _, ht, wt, bt, yt, st = _views(h, w, bias, y, b)[-1]
+        base = dict(section="strides", N=n, D=d, V=v, dtype=str(dt)[6:], view="all together", path="torch.compile",
+                    head="trainable")
+        try:
+            torch._dynamo.reset()
+            outs = [_run_as_given(h, w, bias, y, b, items, False),
+                    _run_as_given(ht, wt, bt, yt, st, items, False, fn=fn)]
+        except Exception as e:  # noqa: BLE001 - a failed row, the next shape still runs
+            emit(dict(base, ok=False, error=f"{type(e).__name__}: {str(e)[:1500]}"))
+        else:
+            err = errors(outs[1], (float(outs[0][0]),) + outs[0][1:])
+            emit(dict(base, ok=err["loss_err"] < 1e-6 and all(e < 1e-3 for e in err.values()), **err))
+        del h, w, y
+        torch.cuda.empty_cache()
+
+
 def budget_section(emit):
     """The measured peak of a training call (forward and backward) beyond its inputs and gradients, against its
     budget and its plan's byte count, from the smallest budget to unlimited."""
@@ -430,8 +506,8 @@ def budget_section(emit):
         torch.cuda.empty_cache()
 
 
-SECTIONS = dict(paths=paths_section, real=real_section, eval=eval_section, edge=edge_section,
-                behaviour=behaviour_section, compile=compile_section, budget=budget_section)
+SECTIONS = dict(paths=paths_section, strides=strides_section, real=real_section, eval=eval_section,
+                edge=edge_section, behaviour=behaviour_section, compile=compile_section, budget=budget_section)
 
 
 def main():
@@ -463,7 +539,7 @@ def main():
     for r in rows:
         if "dh_err" not in r:
             continue
-        case = " ".join(str(r[k]) for k in ("shape", "N", "D", "V", "dtype", "head") if k in r)
+        case = " ".join(str(r[k]) for k in ("shape", "N", "D", "V", "dtype", "head", "view") if k in r)
         case += (" cap" if r.get("softcap") else "") + (f" z-loss {r['z_loss']:g}" if r.get("z_loss") else "")
         print(f"| {r['section']} | {case} | {r.get('path', '-')} | {fmt(r.get('loss_err'))} | {fmt(r.get('dh_err'))} | "
               f"{fmt(r.get('dw_err'))} | {fmt(r.get('db_err'))} | {r.get('sync_free', '-')} |")

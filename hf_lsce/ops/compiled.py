@@ -101,9 +101,11 @@ def token_loss_gradients(hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
 @token_loss_gradients.register_fake
 def _(hidden, weight, bias, targets, lse, smoothing, grad, grad_lse, softcap, backend, z_loss, memory, need_dh,
       need_dw, need_db):
-    return (torch.empty_like(hidden) if need_dh else _none(hidden),
-            torch.empty_like(weight) if need_dw else _none(hidden),
-            torch.empty_like(bias) if need_db and bias is not None else _none(hidden))
+    # (the gradients are new contiguous tensors whatever the inputs' strides: empty_like would copy a transposed
+    # weight's, which the compiled graph then asserts)
+    return (hidden.new_empty(hidden.shape) if need_dh else _none(hidden),
+            weight.new_empty(weight.shape) if need_dw else _none(hidden),
+            bias.new_empty(bias.shape) if need_db and bias is not None else _none(hidden))
 
 
 def _setup_context(ctx, inputs, output):
@@ -144,9 +146,9 @@ def reduced_training_loss(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]
     need_db = need_db and bias is not None
     if n == 0:
         e = torch.zeros(0, dtype=dt, device=hidden.device)
-        kept = (torch.zeros_like(hidden, dtype=kept_dtype(hidden.dtype)) if need_dh else _none(hidden),
-                torch.zeros_like(weight, dtype=kept_dtype(weight.dtype)) if need_dw
-                else _none(hidden), torch.zeros_like(bias) if need_db else _none(hidden))
+        kept = (hidden.new_zeros(hidden.shape, dtype=kept_dtype(hidden.dtype)) if need_dh else _none(hidden),
+                weight.new_zeros(weight.shape, dtype=kept_dtype(weight.dtype)) if need_dw
+                else _none(hidden), bias.new_zeros(bias.shape) if need_db else _none(hidden))
         return (torch.zeros((), dtype=dt, device=hidden.device), e, torch.zeros(0, dtype=torch.long,
                 device=hidden.device), e.clone(), e.clone(), *kept)
     opts = options(hidden, weight, bias, softcap, backend, z_loss, memory, True, need_dw, need_db,
@@ -171,9 +173,9 @@ def _(hidden, weight, bias, targets, smoothing, token_weight, denom, softcap, ba
     n, dt = hidden.shape[0], _stats_dtype(hidden)
     return (hidden.new_empty((), dtype=dt), hidden.new_empty(n, dtype=dt), hidden.new_empty(n, dtype=torch.long),
             hidden.new_empty(n, dtype=dt), hidden.new_empty(n, dtype=dt),
-            torch.empty_like(hidden, dtype=kept_dtype(hidden.dtype)) if need_dh else _none(hidden),
-            torch.empty_like(weight, dtype=kept_dtype(weight.dtype)) if need_dw else _none(hidden),
-            torch.empty_like(bias) if need_db and bias is not None else _none(hidden))
+            hidden.new_empty(hidden.shape, dtype=kept_dtype(hidden.dtype)) if need_dh else _none(hidden),
+            weight.new_empty(weight.shape, dtype=kept_dtype(weight.dtype)) if need_dw else _none(hidden),
+            bias.new_empty(bias.shape) if need_db and bias is not None else _none(hidden))
 
 
 def _setup_reduced(ctx, inputs, output):

@@ -111,7 +111,7 @@ def _exp_tiles_kernel(
     softcap,
     HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, STATS: tl.constexpr,
     FIXUP: tl.constexpr, STORE: tl.constexpr, SOFTCAP: tl.constexpr, ONLINE: tl.constexpr, GRAD: tl.constexpr,
-    TMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    TMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
 ):
     """Per (vocabulary split, row block): R = exp(z - c) stored tile by tile (STORE) and, per row over the split, S
     = sum R, the max and (STATS) T = sum R (z - c) and the argmax. FIXUP: the second launch; a row whose max exceeds
@@ -162,7 +162,8 @@ def _exp_tiles_kernel(
             for v0 in range(v_start, v_end, BLOCK_V):
                 offs_w = v0 + tl.arange(0, BLOCK_V)
                 acc = _logit_acc(H, W, offs_n.to(tl.int64), offs_w.to(tl.int64), mask_n, offs_w < V, D, stride_hn,
-                                 stride_hd, stride_wv, stride_wd, BLOCK_D, DOT_PRECISION, UPCAST, BLOCK_N, BLOCK_V)
+                                 stride_hd, stride_wv, stride_wd, BLOCK_D, DOT_PRECISION, UPCAST, BLOCK_N, BLOCK_V,
+                                 EVEN_D)
                 m, s, t_acc, sz, am = _exp_epilogue(acc, v0, v_end, v_store, B, R, stride_rn, offs_n, mask_n, c, c2,
                                                     m, s, t_acc, sz, am, softcap, MT, stride_mt, pm, uu, ot, y,
                                                     HAS_BIAS, STATS, STORE, SOFTCAP, ONLINE, GRAD, BLOCK_V)
@@ -222,7 +223,7 @@ def _exp_tiles(config, h, weight, bias, c, r, stats: bool, bufs=None, descs=None
         HAS_BIAS=bias is not None, DOT_PRECISION=config.dot_precision, UPCAST=config.upcast_dot,
         STATS=stats, FIXUP=fixup, STORE=store, SOFTCAP=softcap is not None, ONLINE=mt is not None,
         GRAD=grad is not None, TMA=use_tma, BLOCK_N=config.block_n,
-        BLOCK_V=config.block_v, BLOCK_D=config.block_d, num_warps=config.num_warps, num_stages=config.num_stages)
+        BLOCK_V=config.block_v, BLOCK_D=config.block_d, EVEN_D=d % config.block_d == 0, num_warps=config.num_warps, num_stages=config.num_stages)
     return bufs, descs
 
 
@@ -234,7 +235,8 @@ def fused_splits(config, rows: int, v: int) -> int:
 
 
 @triton.jit(do_not_specialize=["n"])  # (batch-dependent counts: one variant for all)
-def _offsets_kernel(H, W, COLSUM, BIAS, BSUM, Y, C, SZ, ZY, n, V, D, stride_h, stride_w, shift, softcap,
+def _offsets_kernel(H, W, COLSUM, BIAS, BSUM, Y, C, SZ, ZY, n, V, D, stride_h, stride_hd, stride_w, stride_wd, shift,
+                    softcap,
                     HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     """Per row: the sum of logits ``h . colsum(W) (+ the bias's sum)``, the offset (the mean logit plus ``shift``)
     and the target logit (0 where ignored or past V: another rank's), fp32. SOFTCAP: the target logit capped, the
@@ -249,11 +251,11 @@ def _offsets_kernel(H, W, COLSUM, BIAS, BSUM, Y, C, SZ, ZY, n, V, D, stride_h, s
     for d0 in range(0, D, BLOCK_D):
         cols = d0 + tl.arange(0, BLOCK_D)
         mask_d = cols < D
-        h = tl.load(H + rows[:, None].to(tl.int64) * stride_h + cols[None, :], mask=mask_r[:, None] & mask_d[None, :],
-                    other=0.0).to(tl.float32)
+        h = tl.load(H + rows[:, None].to(tl.int64) * stride_h + cols[None, :].to(tl.int64) * stride_hd,
+                    mask=mask_r[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
         if not SOFTCAP:
             acc += tl.sum(h * tl.load(COLSUM + cols, mask=mask_d, other=0.0)[None, :], axis=1)
-        w_y = tl.load(W + y_row[:, None] + cols[None, :], mask=has_y[:, None] & mask_d[None, :], other=0.0)
+        w_y = tl.load(W + y_row[:, None] + cols[None, :].to(tl.int64) * stride_wd, mask=has_y[:, None] & mask_d[None, :], other=0.0)
         acc_y += tl.sum(h * w_y.to(tl.float32), axis=1)
     if HAS_BIAS:
         if not SOFTCAP:
@@ -357,7 +359,7 @@ def _zloss_factor(lse, z_loss):
 def _finish_rows_kernel(
     S, T, M, AM, SZS, C, ZY, SZ, Y, SMOOTH, SCALE, H, R, HS,
     LSE_OUT, ENT_OUT, AM_OUT, A_OUT, U_OUT, LOSS_OUT, NLL_OUT,
-    n, splits, v_store, D, stride_h, stride_r, stride_hs, inv_v, r_exp_max, z_loss,
+    n, splits, v_store, D, stride_h, stride_hd, stride_r, stride_hs, inv_v, r_exp_max, z_loss,
     STATS: tl.constexpr, GRAD: tl.constexpr, R_TARGET: tl.constexpr, SCALE_H: tl.constexpr, SOFTCAP: tl.constexpr,
     ONLINE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -408,13 +410,13 @@ def _finish_rows_kernel(
             for d0 in range(0, D, BLOCK_D):
                 cols = d0 + tl.arange(0, BLOCK_D)
                 m2 = mask_r[:, None] & (cols < D)[None, :]
-                h = tl.load(H + rows[:, None].to(tl.int64) * stride_h + cols[None, :], mask=m2, other=0.0)
+                h = tl.load(H + rows[:, None].to(tl.int64) * stride_h + cols[None, :].to(tl.int64) * stride_hd, mask=m2, other=0.0)
                 tl.store(HS + rows[:, None].to(tl.int64) * stride_hs + cols[None, :],
                          (h.to(tl.float32) * a[:, None]).to(HS.dtype.element_ty), mask=m2)
 
 
 @triton.jit(do_not_specialize=["n"])  # (batch-dependent counts: one variant for all)
-def _dh_rows_kernel(T, A, U, COLSUM, DH, Y, W, SCALE, SMOOTH, n, D, stride_t, stride_dh, stride_w,
+def _dh_rows_kernel(T, A, U, COLSUM, DH, Y, W, SCALE, SMOOTH, n, D, stride_t, stride_dh, stride_w, stride_wd,
                     TARGET: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     """dh = a o T - u colsum(W) in DH's dtype (T = R' W, fp32); TARGET (R without the target's change): also - w (1
     - b) W_y."""
@@ -434,7 +436,8 @@ def _dh_rows_kernel(T, A, U, COLSUM, DH, Y, W, SCALE, SMOOTH, n, D, stride_t, st
         t = tl.load(T + rows[:, None].to(tl.int64) * stride_t + cols[None, :], mask=m2, other=0.0)
         g = a[:, None] * t - u[:, None] * tl.load(COLSUM + cols, mask=mask_d, other=0.0)[None, :]
         if TARGET:
-            w_y = tl.load(W + y_row[:, None] + cols[None, :], mask=has_y[:, None] & mask_d[None, :], other=0.0)
+            w_y = tl.load(W + y_row[:, None] + cols[None, :].to(tl.int64) * stride_wd, mask=has_y[:, None] & mask_d[None, :],
+                          other=0.0)
             g -= tw[:, None] * w_y.to(tl.float32)
         tl.store(DH + rows[:, None].to(tl.int64) * stride_dh + cols[None, :], g.to(DH.dtype.element_ty), mask=m2)
 
@@ -495,7 +498,7 @@ class _ExactBf16Reduction:
 
 
 @triton.jit(do_not_specialize=["n"])  # (batch-dependent counts: one variant for all)
-def _rank_one_rows_kernel(U, H, HI, LO, n, D, stride_h, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+def _rank_one_rows_kernel(U, H, HI, LO, n, D, stride_h, stride_hd, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     """The rows HI and LO: the hi and lo halves, in hs's dtype, of ``-sum_r u_r h_r`` (fp32)."""
     cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask_d = cols < D
@@ -503,8 +506,8 @@ def _rank_one_rows_kernel(U, H, HI, LO, n, D, stride_h, BLOCK_R: tl.constexpr, B
     for r0 in range(0, n, BLOCK_R):
         rows = r0 + tl.arange(0, BLOCK_R)
         mask_r = rows < n
-        h = tl.load(H + rows[:, None].to(tl.int64) * stride_h + cols[None, :], mask=mask_r[:, None] & mask_d[None, :],
-                    other=0.0).to(tl.float32)
+        h = tl.load(H + rows[:, None].to(tl.int64) * stride_h + cols[None, :].to(tl.int64) * stride_hd,
+                    mask=mask_r[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
         acc += tl.sum(h * tl.load(U + rows, mask=mask_r, other=0.0)[:, None], axis=0)
     acc = -acc
     hi = acc.to(HI.dtype.element_ty)
@@ -517,7 +520,7 @@ def _rank_one_rows(r_buf, hs, u_all, hidden, at: int, v: int, ones: bool = False
     over rows ``[0, at + 2)`` then adds dW's rank-one term in its fp32 accumulation."""
     block_d = 16 if interpreting() else 64
     _rank_one_rows_kernel[(triton.cdiv(hs.shape[1], block_d),)](
-        u_all, hidden, hs[at], hs[at + 1], hidden.shape[0], hs.shape[1], hidden.stride(0),
+        u_all, hidden, hs[at], hs[at + 1], hidden.shape[0], hs.shape[1], *hidden.stride(),
         BLOCK_R=8 if interpreting() else 64, BLOCK_D=block_d, num_warps=1 if interpreting() else 4)
     if not ones:
         r_buf[at:at + 2, :v].fill_(1.0)
@@ -559,7 +562,7 @@ def _row_offsets(h, weight, bias, sums, y, c, sz, zy, softcap=None) -> None:
     grid, br, bd, warps = _rows_launch(h.shape[0])
     colsum, b_sum = sums if sums is not None else (c, c)
     _offsets_kernel[grid](h, weight, colsum, bias if bias is not None else colsum, b_sum, y, c, sz, zy, h.shape[0],
-                          weight.shape[0], h.shape[1], h.stride(0), weight.stride(0), C_SHIFT,
+                          weight.shape[0], h.shape[1], *h.stride(), *weight.stride(), C_SHIFT,
                           float(softcap) if softcap is not None else 1.0, HAS_BIAS=bias is not None,
                           SOFTCAP=softcap is not None, BLOCK_R=br, BLOCK_D=bd, num_warps=warps)
 
@@ -672,7 +675,7 @@ def _r_pass(hidden, weight, bias, targets, smoothing, scale, config, rows, keep,
             _exp_tiles(config, h, weight, bias, c, r, need_stats, bufs=st, descs=descs, v_store=keep)  # flagged rows
         _finish_rows_kernel[grid](
             *st, c, zy_c, sz_c, y, b_c, w_c, h, r, h if hs is None else hs, lse_c, ent_c, am_c, a, u, loss_c,
-            nll_c, nr, st[0].shape[0], keep, d, h.stride(0), r.stride(0), 0 if hs is None else hs.stride(0), 1.0 / v,
+            nll_c, nr, st[0].shape[0], keep, d, *h.stride(), r.stride(0), 0 if hs is None else hs.stride(0), 1.0 / v,
             R_EXP_MAX, float(z_loss), STATS=need_stats, GRAD=grad, R_TARGET=not (soft or on), SCALE_H=hs is not None,
             SOFTCAP=soft, ONLINE=on, BLOCK_R=br, BLOCK_D=bd, num_warps=warps)
         if on and grad:
@@ -690,7 +693,7 @@ def _r_pass(hidden, weight, bias, targets, smoothing, scale, config, rows, keep,
             t = dh if part else (dh32 if nr == rows else dh32[:nr])
             mm_f32(r, w_keep, t)
             _dh_rows_kernel[grid](t, a, u, colsum, dh_c, y, weight, a, a, nr, d, t.stride(0), dh.stride(0),
-                                  weight.stride(0), TARGET=False, BLOCK_R=br, BLOCK_D=bd, num_warps=warps)
+                                  *weight.stride(), TARGET=False, BLOCK_R=br, BLOCK_D=bd, num_warps=warps)
         if need_dw and not direct:
             k, rhs = nr, h
             if not soft:
@@ -802,14 +805,14 @@ def triton_fused_columns(hidden, weight, bias, targets, smoothing, scale, config
     state = st[:4] if one else (s_run, t_run, c, am_run)
     _finish_rows_kernel[grid](
         *state, st[4], c, zy, sz, targets, smoothing, scale, hidden, r_buf, hidden,
-        lse, ent, am, a, u, loss, nll, n, state[0].shape[0] if one else 1, v, d, hidden.stride(0), r_buf.stride(0), 0,
+        lse, ent, am, a, u, loss, nll, n, state[0].shape[0] if one else 1, v, d, *hidden.stride(), r_buf.stride(0), 0,
         1.0 / v, R_EXP_MAX, float(z_loss), STATS=need_stats, GRAD=need_dh, R_TARGET=False, SCALE_H=False,
         SOFTCAP=soft, ONLINE=False, BLOCK_R=br, BLOCK_D=bd, num_warps=warps)
     dh = None
     if need_dh:
         dh = torch.empty(n, d, dtype=hidden.dtype, device=dev)
         _dh_rows_kernel[grid](acc, a, u, colsum, dh, targets, weight, scale, smoothing, n, d, acc.stride(0),
-                              dh.stride(0), weight.stride(0), TARGET=True, BLOCK_R=br, BLOCK_D=bd, num_warps=warps)
+                              dh.stride(0), *weight.stride(), TARGET=True, BLOCK_R=br, BLOCK_D=bd, num_warps=warps)
     return (lse, zy, sz, am, ent, loss, nll), dh, None, None, None
 
 

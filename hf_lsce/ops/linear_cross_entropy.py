@@ -509,6 +509,8 @@ def linear_cross_entropy(
               num_items_in_batch, backend, shift, return_stats)
     memory = _validate_options(z_loss, return_lse, memory, process_group)
     backend = _resolve_backend(backend, hidden.device)
+    if bias is not None and bias.stride(0) != 1:  # (V elements: a copy costs nothing; the kernels then read it densely)
+        bias = bias.contiguous()
     if shift and hidden.dim() < 2:
         raise ValueError("shift=True needs hidden of shape (..., T, D).")
     h2 = hidden.reshape(-1, weight.shape[1])

@@ -30,18 +30,29 @@ def _dot(a, b, acc, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 def _logit_acc(
     H, W, offs_n, offs_v, mask_n, mask_v, D, stride_hn, stride_hd, stride_wv, stride_wd, BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    EVEN_D: tl.constexpr,
 ):
-    """h W^T of one (BLOCK_N, BLOCK_V) tile in fp32, by pointer loads over D in BLOCK_D steps (rows outside
-    ``mask_n`` / ``mask_v`` read as 0): the loop of every pointer kernel's logit tile."""
+    """h W^T of one (BLOCK_N, BLOCK_V) tile in fp32, by pointer loads over D in BLOCK_D steps: the loop of every
+    pointer kernel's logit tile. Rows outside ``mask_n`` and columns outside ``mask_v`` read row / column 0 (their
+    logits are garbage the epilogue masks), so only D's tail is masked, and not at all where BLOCK_D divides D
+    (EVEN_D); the pointers advance by BLOCK_D columns a step."""
+    rows = tl.where(mask_n, offs_n, 0)
+    cols = tl.where(mask_v, offs_v, 0)
+    offs_d = tl.arange(0, BLOCK_D)
+    h_at = H + rows[:, None] * stride_hn + offs_d[None, :].to(tl.int64) * stride_hd
+    w_at = W + cols[:, None] * stride_wv + offs_d[None, :].to(tl.int64) * stride_wd
     acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D):
-        offs_d = d0 + tl.arange(0, BLOCK_D)
-        mask_d = offs_d < D
-        h = tl.load(H + offs_n[:, None] * stride_hn + offs_d[None, :] * stride_hd,
-                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)
-        w = tl.load(W + offs_v[:, None] * stride_wv + offs_d[None, :] * stride_wd,
-                    mask=mask_v[:, None] & mask_d[None, :], other=0.0)
+        if EVEN_D:
+            h = tl.load(h_at)
+            w = tl.load(w_at)
+        else:
+            mask_d = (offs_d < D - d0)[None, :]
+            h = tl.load(h_at, mask=mask_d, other=0.0)
+            w = tl.load(w_at, mask=mask_d, other=0.0)
         acc = _dot(h, tl.trans(w), acc, DOT_PRECISION, UPCAST)
+        h_at += BLOCK_D * stride_hd
+        w_at += BLOCK_D * stride_wd
     return acc
 
 
@@ -74,10 +85,11 @@ def _split_bounds(V, NUM_SPLITS, BLOCK_V: tl.constexpr):
 
 
 def tma_ready(config, *tensors) -> bool:
-    """Whether the TMA kernel can read these 2-D tensors: the config asks for it, rows are contiguous,
-    and the base address and row stride are 16-byte aligned (what a tensor descriptor requires)."""
+    """Whether the TMA kernel can read these 2-D tensors: the config asks for it, rows are contiguous and do not
+    overlap (not an ``expand``), and the base address and row stride are 16-byte aligned (what a tensor descriptor
+    requires). Any other layout takes the pointer loads, which honour every stride."""
     return config.tma and all(
-        t.dim() == 2 and t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0
+        t.dim() == 2 and t.stride(1) == 1 and t.stride(0) >= t.shape[1] and (t.stride(0) * t.element_size()) % 16 == 0
         and t.data_ptr() % 16 == 0 for t in tensors)
 
 
