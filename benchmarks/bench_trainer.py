@@ -11,8 +11,10 @@ For each model, the same data (real instruction text packed into sequences) and 
   M+compile        method M with the Trainer's torch_compile=True (inductor; the patched forward compiles whole,
                    the op as custom operators), compared with hf+compile (only with --methods); M+compile-cg the
                    same with torch_compile_mode="reduce-overhead" (CUDA graphs), compared with hf+compile-cg
-  liger     b=0    the Trainer's own use_liger_kernel=True (Liger-Kernel's fused linear cross-entropy; it drops
-                   the Trainer's smoothing, so only b = 0)
+  liger     b=0    the Trainer's own use_liger_kernel=True (Liger-Kernel's kernels and its fused linear
+                   cross-entropy; with --methods liger:0.1 the Trainer's smoothing, which builds the logits)
+  hf_lsce_liger    apply_lsce_patch(model) and use_liger_kernel=True: Liger's RMSNorm / RoPE / MLP kernels beside
+                   hf_lsce's loss (the whole step; only with --methods, e.g. hf_lsce_liger:0.1)
 
 ``--lora``: PEFT LoRA (r = 16 on q, k, v, o) on bf16 base weights, the head frozen. Each row: tokens/s (steps after two
 warm-up steps), peak memory, lm_head and fused calls (0 and one per micro-batch when the patch engaged), a patched
@@ -214,7 +216,7 @@ def run_one(name, method, b, batch, seq, steps, out_dir, device, warmup=2, check
         model = with_lora(model)
     data = _Data(ids, seq)
     losses = None
-    if method_base == "hf_lsce":
+    if method_base in ("hf_lsce", "hf_lsce_liger"):
         apply_lsce_patch(model)
         if check:  # up to 2 rows: the check's full logits must fit beside the step
             rows = [data[i] for i in range(min(batch, 2))]
@@ -231,7 +233,7 @@ def run_one(name, method, b, batch, seq, steps, out_dir, device, warmup=2, check
                              use_cpu=not cuda, report_to=[], save_strategy="no", logging_steps=10 ** 6,
                              optim=OPTIMIZER if cuda else "adamw_torch", seed=0, disable_tqdm=True,
                              dataloader_drop_last=True, gradient_checkpointing=checkpointing,
-                             use_liger_kernel=method_base == "liger", torch_compile=compiled,
+                             use_liger_kernel=method_base in ("liger", "hf_lsce_liger"), torch_compile=compiled,
                              **({"torch_compile_mode": "reduce-overhead"} if compile_kind == "compile-cg" else {}))
     timer = _Timer(warmup)
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[timer.cb, *callbacks])
@@ -435,7 +437,7 @@ def main():
         methods = METHODS if not args.methods else [(m.split(":")[0], float(m.split(":")[1]))
                                                     for m in args.methods.split(",")]
         for rep, (method, b) in [(k, mb) for k in range(args.repeats) for mb in methods]:
-            if method == "liger" and args.no_liger:
+            if method in ("liger", "hf_lsce_liger") and args.no_liger:
                 continue
             if args.deadline_s is not None and time.time() - start > args.deadline_s:
                 print(f"deadline: skipping {name} {method} b={b}", flush=True)

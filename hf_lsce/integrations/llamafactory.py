@@ -10,15 +10,13 @@ model class (as ``hf-lsce run`` does) and runs LLaMA-Factory's own training entr
 (``run_exp``, what ``llamafactory.launcher`` runs) in this process. The ``lsce_calibration_*`` keys
 (``calibration_keys``) attach ``CalibrationCallback``; they are taken out of the configuration handed to
 LLaMA-Factory, whose parser refuses keys it does not know. ``enable_liger_kernel: true`` keeps Liger-Kernel's other
-kernels (RMSNorm, RoPE, SwiGLU, ...) and leaves the loss to hf_lsce (``liger_kernels_without_its_loss``).
+kernels (RMSNorm, RoPE, SwiGLU, ...) and leaves the loss to hf_lsce (``patching.liger.apply_liger_kernels``).
 ``llamafactory-cli train`` itself would start ``torchrun`` children on a machine with several GPUs, which a patch in
 this process does not reach; launched by ``torchrun`` as above, each rank runs this module and patches itself.
 ``lsce_memory`` sets the op's memory budget (``auto``, ``low`` or bytes). The YAML is read, never written.
 """
 from __future__ import annotations
 
-import inspect
-import logging
 import os
 import sys
 
@@ -70,9 +68,13 @@ def check_config(cfg: dict, model_type: str | None = None) -> None:
     if cfg.get("use_asft_loss"):
         raise ValueError("use_asft_loss: true replaces the training loss with the ASFT loss, as hf_lsce does; keep "
                          "one: remove use_asft_loss or train with llamafactory-cli train.")
-    if cfg.get("enable_liger_kernel") and installed_version("liger-kernel") is None:
-        raise ValueError("enable_liger_kernel: true asks for Liger-Kernel's kernels, and liger-kernel is not "
-                         "installed: pip install liger-kernel, or remove enable_liger_kernel.")
+    if cfg.get("enable_liger_kernel"):
+        if installed_version("liger-kernel") is None:
+            raise ValueError("enable_liger_kernel: true asks for Liger-Kernel's kernels, and liger-kernel is not "
+                             "installed: pip install liger-kernel, or remove enable_liger_kernel.")
+        from ..patching.liger import without_its_loss
+
+        without_its_loss(None, "enable_liger_kernel")  # (a liger-kernel outside the tested range: one line)
     if cfg.get("quantization_bit") is not None and cfg.get("quantization_method", "bnb") == "bnb":
         problem = quantization_problem(f"quantization_bit: {cfg['quantization_bit']}")
         if problem is not None:
@@ -80,26 +82,6 @@ def check_config(cfg: dict, model_type: str | None = None) -> None:
     if model_type is not None and model_type not in MODEL_TABLE:
         raise ValueError(f"model type {model_type!r} (model_name_or_path) is not in hf_lsce's table "
                          f"({', '.join(sorted(MODEL_TABLE))}); train it with llamafactory-cli train.")
-
-
-def liger_kernels_without_its_loss(model_type: str | None) -> None:
-    """``enable_liger_kernel: true`` under the route: Liger-Kernel's kernels for ``model_type`` (RMSNorm, RoPE,
-    SwiGLU / GeGLU, ...), put in place before the model loads, as LLaMA-Factory does it, but with Liger's two loss
-    kernels off, so that the model's forward stays the one hf_lsce patches. LLaMA-Factory is then handed the config
-    without the key: its own call turns Liger's fused loss on, which would take the forward from hf_lsce."""
-    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
-
-    log = logging.getLogger("hf_lsce")
-    apply = MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_type)
-    if apply is None:  # (LLaMA-Factory, too, only warns and trains without them)
-        log.warning("enable_liger_kernel: Liger-Kernel has no kernels for model type %r; training without them",
-                    model_type)
-        return
-    params = inspect.signature(apply).parameters
-    off = {k: False for k in ("fused_linear_cross_entropy", "cross_entropy") if k in params}
-    apply(**off)
-    log.info("enable_liger_kernel: Liger-Kernel's kernels for %s, its loss kernels off (%s); hf_lsce computes the "
-             "loss", model_type, ", ".join(f"{k}=False" for k in off))
 
 
 def _model_type(cfg: dict) -> str | None:
@@ -135,12 +117,13 @@ def main(argv: list[str] | None = None) -> None:
         callback = calibration_callback({k: cfg.get(k) for k in KEYS})  # (its sets load now, before the model)
     except ValueError as e:
         raise SystemExit(f"hf-lsce llamafactory: {e}") from None
+    from ..patching.liger import apply_liger_kernels
     from ..run import patch_classes
     from llamafactory.train.tuner import run_exp
 
     patch_classes("hf-lsce llamafactory", memory=cfg.pop("lsce_memory", None))
     if cfg.pop("enable_liger_kernel", False):  # (not handed on: LLaMA-Factory's own call would fuse Liger's loss)
-        liger_kernels_without_its_loss(model_type)
+        apply_liger_kernels(model_types=[model_type], where="enable_liger_kernel")
     # LLaMA-Factory's own training entry (what its launcher runs), with the configuration it would read, less the
     # route's keys (its parser refuses keys it does not know); the callback is bound to the trainer at train()
     run_exp(args={k: v for k, v in cfg.items() if k not in KEYS}, callbacks=[callback] if callback else None)

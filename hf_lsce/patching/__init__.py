@@ -14,6 +14,7 @@ import types
 import torch
 
 from .forward import ENGAGEMENT, ORIGINAL_CLASS_FORWARDS, is_ours, make_patched_forward
+from .liger import apply_liger_kernels
 from .models import (MODEL_TABLE, check_supported, family_classes, supported_message, table_spec, unwrap_model,
                      verify_generic)
 from .trainer import install_trainer_hooks, remove_trainer_hooks, route_smoothing
@@ -88,7 +89,7 @@ def validate_memory(value, name: str = "memory") -> str:
 
 
 def apply_lsce_patch(model=None, *, model_type: str | None = None, label_smoothing: float | None = None,
-                     fused_eval_loss: bool = False, memory: str | int = "auto"):
+                     fused_eval_loss: bool = False, memory: str | int = "auto", liger_kernels: bool | dict = False):
     """Make supported causal LMs compute their training loss with the fused op.
 
     Args:
@@ -105,6 +106,10 @@ def apply_lsce_patch(model=None, *, model_type: str | None = None, label_smoothi
             fused op; the outputs then carry no logits.
         memory: the op's memory budget at every training step: ``"auto"`` (the fastest computation that fits the
             GPU's free memory), ``"low"`` or a number of bytes (``linear_cross_entropy``'s ``memory``).
+        liger_kernels: also put Liger-Kernel's other kernels (RMSNorm, RoPE, SwiGLU / GeGLU...) on the model (or, for
+            a class patch, on the families' classes), its loss kernels off: the whole step fused, for code outside a
+            Trainer (a Trainer or SFTTrainer does this for ``use_liger_kernel=True``). A dict is Liger's kernel
+            configuration (``{"rope": False}``). Needs liger-kernel (``patching.liger.LIGER_TESTED``).
 
     Returns the model (or None for a class patch). Raises ValueError for unsupported models, TypeError for
     arguments of the wrong kind, ImportError for a transformers or TRL older than the tested floors
@@ -117,6 +122,16 @@ def apply_lsce_patch(model=None, *, model_type: str | None = None, label_smoothi
         raise TypeError(f"fused_eval_loss must be True or False, got {fused_eval_loss!r}.")
     if model_type is not None and not isinstance(model_type, str):
         raise TypeError(f"model_type must be a string such as 'llama', got {model_type!r}.")
+    if not isinstance(liger_kernels, (bool, dict)):
+        raise TypeError(f"liger_kernels must be True, False or a dict of Liger-Kernel's kernel switches, got "
+                        f"{liger_kernels!r}.")
+    if liger_kernels:
+        from .versions import installed_version
+
+        if installed_version("liger-kernel") is None:
+            raise ImportError("apply_lsce_patch(liger_kernels=...) puts Liger-Kernel's kernels beside the fused loss, "
+                              "and liger-kernel is not installed: pip install liger-kernel, or leave liger_kernels "
+                              "out.")
     if model is not None:
         if isinstance(model, (str, bytes)) or not isinstance(model, torch.nn.Module):
             raise TypeError(
@@ -139,6 +154,9 @@ def apply_lsce_patch(model=None, *, model_type: str | None = None, label_smoothi
             target._lsce_explicit_smoothing = b
         target._lsce_fused_eval_loss = fused_eval_loss
         target._lsce_memory = memory
+        if liger_kernels:
+            apply_liger_kernels(target, config=liger_kernels if isinstance(liger_kernels, dict) else None,
+                                where="apply_lsce_patch(liger_kernels=...)")
     else:
         types_ = [model_type] if model_type is not None else list(MODEL_TABLE)
         for mt in types_:
@@ -153,6 +171,10 @@ def apply_lsce_patch(model=None, *, model_type: str | None = None, label_smoothi
                     cls._lsce_fused_eval_loss = True
                 if memory != "auto":
                     cls._lsce_memory = memory
+        if liger_kernels:
+            apply_liger_kernels(model_types=[mt for mt in types_ if family_classes(mt, missing_ok=True)],
+                                config=liger_kernels if isinstance(liger_kernels, dict) else None,
+                                where="apply_lsce_patch(liger_kernels=...)")
     install_trainer_hooks()
     return model
 

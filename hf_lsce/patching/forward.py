@@ -223,11 +223,15 @@ def lsce_forward(self, *args, **kwargs):
     num_items = kwargs.pop("num_items_in_batch", None)
     b = smoothing_of(self, kwargs.pop("label_smoothing", None))
     fused_lm_head = bool(kwargs.pop("fused_lm_head", False))
+    # Liger's protocol (the Trainer's evaluation with use_liger_kernel and prediction_loss_only): the loss without
+    # logits, which the fused op gives; unknown to the family's own forward
+    skip_logits = bool(kwargs.pop("skip_logits", False))
     logits_to_keep = kwargs.get("logits_to_keep", 0)
     return_dict = kwargs.pop("return_dict", None)
     has_labels = labels is not None or shift_labels is not None
     keep_all = isinstance(logits_to_keep, int) and logits_to_keep == 0
-    fused = has_labels and keep_all and (self.training or fused_lm_head or getattr(self, "_lsce_fused_eval_loss", False))
+    fused = has_labels and keep_all and (self.training or fused_lm_head or skip_logits
+                                         or getattr(self, "_lsce_fused_eval_loss", False))
 
     if not fused:
         if fused_lm_head:

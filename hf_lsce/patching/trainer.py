@@ -22,6 +22,7 @@ an extra forward pass is replaced by one accurate line when the patch handles th
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import warnings
 
@@ -150,7 +151,7 @@ def _verify_engaged(trainer, target, b: float, source: str, before: int) -> None
             f"{name}: the fused op ran with label_smoothing={sorted(set(used))}, but {source} asks for {b}. A "
             "label_smoothing argument passed to the forward overrides it; remove it, or patch with the value you want.")
     reason = _not_engaged_reason(trainer, target)
-    if b > 0:
+    if b > 0 or getattr(trainer.args, "use_liger_kernel", False):  # (Liger beside the patch: its loss must not run)
         raise LsceNotEngagedError(
             f"{name} is patched by hf_lsce and {source} asks for smoothing {b}, but this training step did not run "
             f"through the fused op: {reason}.")
@@ -372,9 +373,35 @@ def _bind_calibration_callbacks(trainer) -> None:
             callback.trainer = trainer
 
 
+def _hooked_init(orig):
+    @functools.wraps(orig)
+    def __init__(self, *args, **kwargs):
+        """A patched model and ``use_liger_kernel``: the Trainer gets arguments whose ``liger_kernel_config`` turns
+        Liger's loss kernels off (``liger.trainer_args``), for a Trainer that applies Liger in ``__init__``
+        (transformers before 5.x); later ones apply it when ``train()`` starts, which ``_hooked_train`` covers."""
+        from . import find_patched
+        from .liger import trainer_args
+
+        try:
+            bound = inspect.signature(orig).bind(self, *args, **kwargs)
+        except TypeError:  # (the Trainer's own error, unchanged)
+            return orig(self, *args, **kwargs)
+        given = bound.arguments.get("args")
+        if given is not None and find_patched(bound.arguments.get("model")) is not None:
+            bound.arguments["args"] = trainer_args(given)
+        orig(*bound.args, **bound.kwargs)
+    _HOOKS.add(__init__)
+    return __init__
+
+
 def _hooked_train(orig):
     @functools.wraps(orig)
     def train(self, *args, **kwargs):
+        from . import find_patched
+        from .liger import trainer_args
+
+        if find_patched(getattr(self, "model", None)) is not None:  # (also a model patched after the Trainer was built)
+            self.args = trainer_args(self.args)
         _bind_calibration_callbacks(self)
         out = orig(self, *args, **kwargs)
         # The op checks its targets on the device and reports a bad batch at its next call (ops/checks.py); the last
@@ -391,7 +418,8 @@ def _targets():
     """(owner, attribute, hook factory) for everything hooked; TRL's only when it is installed."""
     from transformers import Trainer
 
-    out = [(Trainer, "compute_loss", _hooked_compute_loss), (Trainer, "train", _hooked_train)]
+    out = [(Trainer, "__init__", _hooked_init), (Trainer, "compute_loss", _hooked_compute_loss),
+           (Trainer, "train", _hooked_train)]
     if "_get_num_items_in_batch" in Trainer.__dict__:
         out.append((Trainer, "_get_num_items_in_batch", _hooked_num_items))
     try:
