@@ -179,14 +179,8 @@ def floor_ms(h, w, head, do_bench):
     g = torch.randn(h.shape[0], w.shape[0], device=h.device, dtype=h.dtype)
 
     def run():
-        _ = h @ w.T
-        if head != "eval":
-            _ = g @ w
-        if head == "trainable":
-            _ = g.T @ h
-    ms = do_bench(run, warmup=50, rep=400, return_mode="median")
-    del g
-    return ms
+        _ = h @ w.T, (g @ w if head != "eval" else None), (g.T @ h if head == "trainable" else None)
+    return do_bench(run, warmup=50, rep=400, return_mode="median")
 
 
 @torch.no_grad()
@@ -336,12 +330,9 @@ def plot(rows, path):
             r["shape"], r["head"], r["b"], r["softcap"]) == c), None)
         if floor:
             ax.axhline(floor, color="grey", lw=0.8, ls=":", label="matmul floor")
-        ax.set_xscale("log")
+        ax.set(xscale="log", xlabel="extra memory, MB", ylabel="fwd+bwd ms (median)")
         ax.set_title(f"{c[0]}, {c[1]}, b={c[2]}" + (f", cap {c[3]:g}" if c[3] else ""), fontsize=8)
-        ax.set_xlabel("extra memory, MB", fontsize=7)
-        ax.set_ylabel("fwd+bwd ms (median)", fontsize=7)
-        ax.tick_params(labelsize=7)
-        ax.legend(fontsize=6)
+        ax.tick_params(labelsize=7), ax.legend(fontsize=6)
     for ax in list(axes.flat)[len(configs):]:
         ax.axis("off")
     fig.tight_layout()

@@ -13,8 +13,7 @@ For each model, the same data (real instruction text packed into sequences) and 
                    same with torch_compile_mode="reduce-overhead" (CUDA graphs), compared with hf+compile-cg
   liger     b=0    the Trainer's own use_liger_kernel=True (Liger-Kernel's kernels and its fused linear
                    cross-entropy; with --methods liger:0.1 the Trainer's smoothing, which builds the logits)
-  hf_lsce_liger    apply_lsce_patch(model) and use_liger_kernel=True: Liger's RMSNorm / RoPE / MLP kernels beside
-                   hf_lsce's loss (the whole step; only with --methods, e.g. hf_lsce_liger:0.1)
+  hf_lsce_liger    the patch and use_liger_kernel=True: Liger's other kernels beside hf_lsce's loss (with --methods)
 
 ``--lora``: PEFT LoRA (r = 16 on q, k, v, o) on bf16 base weights, the head frozen. Each row: tokens/s (steps after two
 warm-up steps), peak memory, lm_head and fused calls (0 and one per micro-batch when the patch engaged), a patched
