@@ -401,7 +401,8 @@ def test_strided_inputs_under_torch_compile():
                                     backend="triton")
     views = _views(h, w, b, y, sm)["all together"]
     results = []
-    for fn, args in ((loss_fn, (h, w, b, y, sm)), (None, (views["h"], views["w"], views["b"], views["y"], views["sm"]))):
+    strided = tuple(views[k] for k in ("h", "w", "b", "y", "sm"))
+    for fn, args in ((loss_fn, (h, w, b, y, sm)), (None, strided)):
         if fn is None:
             torch._dynamo.reset()
             fn = torch.compile(loss_fn, fullgraph=True, backend="aot_eager")

@@ -223,7 +223,8 @@ def _exp_tiles(config, h, weight, bias, c, r, stats: bool, bufs=None, descs=None
         HAS_BIAS=bias is not None, DOT_PRECISION=config.dot_precision, UPCAST=config.upcast_dot,
         STATS=stats, FIXUP=fixup, STORE=store, SOFTCAP=softcap is not None, ONLINE=mt is not None,
         GRAD=grad is not None, TMA=use_tma, BLOCK_N=config.block_n,
-        BLOCK_V=config.block_v, BLOCK_D=config.block_d, EVEN_D=d % config.block_d == 0, num_warps=config.num_warps, num_stages=config.num_stages)
+        BLOCK_V=config.block_v, BLOCK_D=config.block_d, EVEN_D=d % config.block_d == 0, num_warps=config.num_warps,
+        num_stages=config.num_stages)
     return bufs, descs
 
 
@@ -255,7 +256,8 @@ def _offsets_kernel(H, W, COLSUM, BIAS, BSUM, Y, C, SZ, ZY, n, V, D, stride_h, s
                     mask=mask_r[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
         if not SOFTCAP:
             acc += tl.sum(h * tl.load(COLSUM + cols, mask=mask_d, other=0.0)[None, :], axis=1)
-        w_y = tl.load(W + y_row[:, None] + cols[None, :].to(tl.int64) * stride_wd, mask=has_y[:, None] & mask_d[None, :], other=0.0)
+        w_y = tl.load(W + y_row[:, None] + cols[None, :].to(tl.int64) * stride_wd,
+                      mask=has_y[:, None] & mask_d[None, :], other=0.0)
         acc_y += tl.sum(h * w_y.to(tl.float32), axis=1)
     if HAS_BIAS:
         if not SOFTCAP:
@@ -410,7 +412,8 @@ def _finish_rows_kernel(
             for d0 in range(0, D, BLOCK_D):
                 cols = d0 + tl.arange(0, BLOCK_D)
                 m2 = mask_r[:, None] & (cols < D)[None, :]
-                h = tl.load(H + rows[:, None].to(tl.int64) * stride_h + cols[None, :].to(tl.int64) * stride_hd, mask=m2, other=0.0)
+                h = tl.load(H + rows[:, None].to(tl.int64) * stride_h + cols[None, :].to(tl.int64) * stride_hd,
+                            mask=m2, other=0.0)
                 tl.store(HS + rows[:, None].to(tl.int64) * stride_hs + cols[None, :],
                          (h.to(tl.float32) * a[:, None]).to(HS.dtype.element_ty), mask=m2)
 
@@ -436,8 +439,8 @@ def _dh_rows_kernel(T, A, U, COLSUM, DH, Y, W, SCALE, SMOOTH, n, D, stride_t, st
         t = tl.load(T + rows[:, None].to(tl.int64) * stride_t + cols[None, :], mask=m2, other=0.0)
         g = a[:, None] * t - u[:, None] * tl.load(COLSUM + cols, mask=mask_d, other=0.0)[None, :]
         if TARGET:
-            w_y = tl.load(W + y_row[:, None] + cols[None, :].to(tl.int64) * stride_wd, mask=has_y[:, None] & mask_d[None, :],
-                          other=0.0)
+            w_y = tl.load(W + y_row[:, None] + cols[None, :].to(tl.int64) * stride_wd,
+                          mask=has_y[:, None] & mask_d[None, :], other=0.0)
             g -= tw[:, None] * w_y.to(tl.float32)
         tl.store(DH + rows[:, None].to(tl.int64) * stride_dh + cols[None, :], g.to(DH.dtype.element_ty), mask=m2)
 

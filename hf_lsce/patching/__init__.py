@@ -125,7 +125,7 @@ def apply_lsce_patch(model=None, *, model_type: str | None = None, label_smoothi
     if not isinstance(liger_kernels, (bool, dict)):
         raise TypeError(f"liger_kernels must be True, False or a dict of Liger-Kernel's kernel switches, got "
                         f"{liger_kernels!r}.")
-    if liger_kernels:
+    if liger_kernels is not False:  # (True, or a dict of Liger's switches: {} its defaults)
         from .versions import installed_version
 
         if installed_version("liger-kernel") is None:
@@ -154,7 +154,7 @@ def apply_lsce_patch(model=None, *, model_type: str | None = None, label_smoothi
             target._lsce_explicit_smoothing = b
         target._lsce_fused_eval_loss = fused_eval_loss
         target._lsce_memory = memory
-        if liger_kernels:
+        if liger_kernels is not False:
             apply_liger_kernels(target, config=liger_kernels if isinstance(liger_kernels, dict) else None,
                                 where="apply_lsce_patch(liger_kernels=...)")
     else:
@@ -171,7 +171,7 @@ def apply_lsce_patch(model=None, *, model_type: str | None = None, label_smoothi
                     cls._lsce_fused_eval_loss = True
                 if memory != "auto":
                     cls._lsce_memory = memory
-        if liger_kernels:
+        if liger_kernels is not False:
             apply_liger_kernels(model_types=[mt for mt in types_ if family_classes(mt, missing_ok=True)],
                                 config=liger_kernels if isinstance(liger_kernels, dict) else None,
                                 where="apply_lsce_patch(liger_kernels=...)")

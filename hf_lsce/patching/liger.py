@@ -102,10 +102,10 @@ def apply_liger_kernels(model=None, *, model_types=(), config: dict | None = Non
 
 
 def trainer_args(args, where: str = "use_liger_kernel"):
-    """The Trainer's arguments for a patched model: ``args`` itself unless it sets ``use_liger_kernel`` with liger-kernel
-    installed; then a shallow copy whose ``liger_kernel_config`` turns Liger's loss kernels off (the user's object is
-    not changed), which the Trainer hands to Liger when it applies its kernels. Without liger-kernel the Trainer
-    raises its own ImportError, unchanged."""
+    """The Trainer's arguments for a patched model: ``args`` itself unless it sets ``use_liger_kernel`` with
+    liger-kernel installed; then a shallow copy whose ``liger_kernel_config`` turns Liger's loss kernels off (the
+    user's object is not changed), which the Trainer hands to Liger when it applies its kernels. Without liger-kernel
+    the Trainer raises its own ImportError, unchanged."""
     if not getattr(args, "use_liger_kernel", False) or installed_version("liger-kernel") is None:
         return args
     current = getattr(args, "liger_kernel_config", None)

@@ -275,8 +275,8 @@ def _compile_extras(kernels: dict, job: str) -> None:
     if job == "ptx":
         for arch in (75, 80):
             flags = dict(HAS_BIAS=False, DOT_PRECISION="tf32", UPCAST=False, STATS=False, FIXUP=False, STORE=True,
-                         SOFTCAP=False, ONLINE=True, GRAD=False, TMA=False, BLOCK_N=128, BLOCK_V=128, BLOCK_D=64, EVEN_D=True,
-                         num_warps=8,
+                         SOFTCAP=False, ONLINE=True, GRAD=False, TMA=False, BLOCK_N=128, BLOCK_V=128, BLOCK_D=64,
+                         EVEN_D=True, num_warps=8,
                          num_stages=2)
             result, _, ptx = _compile(fn, exp_tiles_args(half), flags, arch)
             print(json.dumps(dict(ptx_arch=arch, result=result,
