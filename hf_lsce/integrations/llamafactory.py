@@ -72,9 +72,11 @@ def check_config(cfg: dict, model_type: str | None = None) -> None:
         if installed_version("liger-kernel") is None:
             raise ValueError("enable_liger_kernel: true asks for Liger-Kernel's kernels, and liger-kernel is not "
                              "installed: pip install liger-kernel, or remove enable_liger_kernel.")
-        from ..patching.liger import without_its_loss
+        from ..patching.liger import liger_problem
 
-        without_its_loss(None, "enable_liger_kernel")  # (a liger-kernel outside the tested range: one line)
+        problem = liger_problem()
+        if problem is not None:
+            raise ValueError(f"enable_liger_kernel: {problem}")
     if cfg.get("quantization_bit") is not None and cfg.get("quantization_method", "bnb") == "bnb":
         problem = quantization_problem(f"quantization_bit: {cfg['quantization_bit']}")
         if problem is not None:

@@ -125,7 +125,8 @@ def apply_lsce_patch(model=None, *, model_type: str | None = None, label_smoothi
     if not isinstance(liger_kernels, (bool, dict)):
         raise TypeError(f"liger_kernels must be True, False or a dict of Liger-Kernel's kernel switches, got "
                         f"{liger_kernels!r}.")
-    if liger_kernels is not False:  # (True, or a dict of Liger's switches: {} its defaults)
+    liger_config = liger_kernels if isinstance(liger_kernels, dict) else None  # (Liger's switches; {}: its defaults)
+    if liger_kernels is not False:
         from .versions import installed_version
 
         if installed_version("liger-kernel") is None:
@@ -155,8 +156,7 @@ def apply_lsce_patch(model=None, *, model_type: str | None = None, label_smoothi
         target._lsce_fused_eval_loss = fused_eval_loss
         target._lsce_memory = memory
         if liger_kernels is not False:
-            apply_liger_kernels(target, config=liger_kernels if isinstance(liger_kernels, dict) else None,
-                                where="apply_lsce_patch(liger_kernels=...)")
+            apply_liger_kernels(target, config=liger_config, where="apply_lsce_patch(liger_kernels=...)")
     else:
         types_ = [model_type] if model_type is not None else list(MODEL_TABLE)
         for mt in types_:
@@ -173,8 +173,7 @@ def apply_lsce_patch(model=None, *, model_type: str | None = None, label_smoothi
                     cls._lsce_memory = memory
         if liger_kernels is not False:
             apply_liger_kernels(model_types=[mt for mt in types_ if family_classes(mt, missing_ok=True)],
-                                config=liger_kernels if isinstance(liger_kernels, dict) else None,
-                                where="apply_lsce_patch(liger_kernels=...)")
+                                config=liger_config, where="apply_lsce_patch(liger_kernels=...)")
     install_trainer_hooks()
     return model
 

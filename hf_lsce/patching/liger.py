@@ -15,11 +15,10 @@ from __future__ import annotations
 import copy
 import inspect
 import logging
-import os
 
 from packaging.version import Version
 
-from .versions import installed_version
+from .versions import installed_version, untested_ceiling
 
 logger = logging.getLogger("hf_lsce")
 
@@ -41,10 +40,10 @@ def liger_problem() -> str | None:
     if Version(found) < Version(low):
         return (f"hf_lsce runs beside liger-kernel {low} to {high}, found {found}: pip install -U "
                 f"'liger-kernel>={low}'")
-    if Version(found).release[:2] > Version(high).release[:2] and os.environ.get("HF_LSCE_UNTESTED_FRAMEWORK") != "1":
-        major, minor = Version(high).release[:2]
+    ceiling = untested_ceiling(found, high)
+    if ceiling is not None:
         return (f"hf_lsce runs beside liger-kernel {low} to {high}, found {found}: pip install "
-                f"'liger-kernel<{major}.{minor + 1}', or set HF_LSCE_UNTESTED_FRAMEWORK=1 to try it untested")
+                f"'liger-kernel<{ceiling}', or set HF_LSCE_UNTESTED_FRAMEWORK=1 to try it untested")
     return None
 
 

@@ -38,6 +38,15 @@ def version_problem(name: str, found: str | None, floor: str | None = None) -> s
     return None
 
 
+def untested_ceiling(found: str, newest: str) -> str | None:
+    """The release to stay below (``"0.9"``) where ``found`` is a newer minor release than ``newest``, the newest run
+    with, and ``HF_LSCE_UNTESTED_FRAMEWORK=1`` does not ask to try it; else None."""
+    if Version(found).release[:2] <= Version(newest).release[:2] or os.environ.get("HF_LSCE_UNTESTED_FRAMEWORK") == "1":
+        return None
+    major, minor = Version(newest).release[:2]
+    return f"{major}.{minor + 1}"
+
+
 def environment_problem(framework: str | None = None, floor: str | None = None,
                         newest: str | None = None) -> str | None:
     """The first version problem (one line) of ``framework`` (an integration's, at least ``floor``, and no newer
@@ -48,9 +57,8 @@ def environment_problem(framework: str | None = None, floor: str | None = None,
         problem = version_problem(framework, found, floor)
         if problem is not None:
             return problem
-        if newest is not None and Version(found).release[:2] > Version(newest).release[:2] and os.environ.get(
-                "HF_LSCE_UNTESTED_FRAMEWORK") != "1":
-            ceiling = ".".join(map(str, (*Version(newest).release[:1], Version(newest).release[1] + 1)))
+        ceiling = untested_ceiling(found, newest) if newest is not None else None
+        if ceiling is not None:
             return (f"hf_lsce's {framework} integration is tested with {framework} {floor} to {newest}, found {found}: "
                     f"pip install '{framework}<{ceiling}', or set HF_LSCE_UNTESTED_FRAMEWORK=1 to try it untested")
     return next((p for name in MIN_VERSIONS if (p := version_problem(name, installed_version(name))) is not None),
