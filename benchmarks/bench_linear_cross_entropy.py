@@ -131,14 +131,9 @@ def method_fns():
 
 
 def _cpu_bench(fn, warmup=1, rep=3, return_mode="median"):
-    for _ in range(warmup):
-        fn()
-    ts = []
-    for _ in range(rep):
-        t0 = time.perf_counter()
-        fn()
-        ts.append((time.perf_counter() - t0) * 1e3)
-    return sorted(ts)[len(ts) // 2]
+    """``do_bench``'s median on the CPU (``--smoke``): ``rep`` timed calls after ``warmup``."""
+    times = [(time.perf_counter(), fn(), time.perf_counter()) for _ in range(warmup + rep)][warmup:]
+    return sorted((end - start) * 1e3 for start, _, end in times)[rep // 2]
 
 
 def measure(fn, h, w, y, b, cap, head, do_bench, cuda):
@@ -216,7 +211,7 @@ def errors(fn, h, w, y, b, cap, frozen, ref):
 
 
 def run_config(rows, fns, shape, head, b, cap, methods, with_errors, cuda, do_bench, dtype=torch.bfloat16,
-               tokens=None):
+               tokens=None, repeat=1):
     from real_inputs import fitted_params, realistic_batch
 
     n, d, v = SHAPES[shape]
@@ -242,11 +237,15 @@ def run_config(rows, fns, shape, head, b, cap, methods, with_errors, cuda, do_be
             if name == "floor":
                 if not cuda:
                     continue
-                row["fwdbwd_ms"] = floor_ms(h, w, head, do_bench)
+                runs = [dict(fwdbwd_ms=floor_ms(h, w, head, do_bench)) for _ in range(repeat)]
             elif isinstance(fn, str):
                 row["error"] = fn
             else:
-                row.update(measure(fn, h, w, y, b, cap, head, do_bench, cuda))
+                runs = [measure(fn, h, w, y, b, cap, head, do_bench, cuda) for _ in range(repeat)]
+            if "error" not in row:  # (the median of ``repeat`` runs, each run's time beside it)
+                ms = sorted(r["fwdbwd_ms"] for r in runs)
+                row.update(runs[-1], fwdbwd_ms=ms[len(ms) // 2], runs_ms=[r["fwdbwd_ms"] for r in runs])
+            if name != "floor" and "error" not in row:
                 measured[name] = row.get("extra_mb")
                 if ref is not None:
                     row.update(errors(fn, h, w, y, b, cap, frozen, ref))
@@ -368,6 +367,7 @@ def main():
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="the inputs' dtype")
     ap.add_argument("--tokens", type=int, default=None, help="N for every shape (default: each shape's 8,192)")
     ap.add_argument("--sweep", action="store_true", help="also hf_lsce over budgets from the smallest to unlimited")
+    ap.add_argument("--repeat", type=int, default=1, help="runs of each method; its time is their median")
     args = ap.parse_args()
     dtype = dict(bf16=torch.bfloat16, fp16=torch.float16, fp32=torch.float32)[args.dtype]
     cuda = not args.smoke
@@ -397,7 +397,7 @@ def main():
                     if args.sweep and head != "eval":
                         ms += sweep_budgets(shape, head, args.tokens, cap, dtype)
                     run_config(rows, fns, shape, head, b, cap, ms, args.errors or args.smoke, cuda, do_bench,
-                               dtype, args.tokens)
+                               dtype, args.tokens, args.repeat)
     os.makedirs(args.out_dir, exist_ok=True)
     meta = dict(device=torch.cuda.get_device_name() if cuda else "cpu (smoke)", torch=torch.__version__,
                 triton=triton.__version__, inputs="realistic (real_inputs.fitted_params)", timing="do_bench median")

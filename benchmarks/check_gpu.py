@@ -424,19 +424,18 @@ def strides_section(emit):
 
 def budget_section(emit):
     """The measured peak of a training call (forward and backward) beyond its inputs and gradients, against its
-    budget and its plan's byte count, from the smallest budget to unlimited."""
+    budget and its plan's byte count, from the smallest budget to unlimited (fp32, the torch computation: 1 GB, "low"
+    and "auto")."""
     from real_inputs import fitted_params, realistic_batch
 
-    for shape, (n, d, v) in (("gemma3-270m", (8192, 640, 262144)), ("llama3-8b", (8192, 4096, 128256))):
-        h, w, y = realistic_batch(n, d, v, seed=4, device=DEV, **fitted_params())
+    for (shape, (n, d, v)), dt in [(x, dt) for x in (("gemma3-270m", (8192, 640, 262144)), ("llama3-8b",
+                                   (8192, 4096, 128256))) for dt in (torch.bfloat16, torch.float32)]:
+        h, w, y = realistic_batch(n, d, v, seed=4, device=DEV, dtype=dt, **fitted_params())
         for frozen in (False, True):
             s = bud.Shape(n, v, d, not frozen, False, half=False, soft=False)
             least, top = bud.smallest(s, "fused"), bud.best(s, None, "fused").nbytes
-            budgets, x = [], least
-            while x < top:
-                budgets.append(x)
-                x *= 3
-            for budget in budgets + [top, "low", "auto"]:
+            budgets = [least * 3 ** k for k in range(40) if least * 3 ** k < top]
+            for budget in (budgets + [top] if dt == torch.bfloat16 else [10 ** 9]) + ["low", "auto"]:
                 plans, real = [], paths.plan_for
                 paths.plan_for = lambda *a, **k: plans.append(real(*a, **k)) or plans[-1]
                 hh, ww = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_(not frozen)
@@ -455,9 +454,9 @@ def budget_section(emit):
                 extra = torch.cuda.max_memory_allocated() - base - grads
                 plan = plans[-1]
                 limit = budget if isinstance(budget, int) else plan.nbytes
-                emit(dict(section="budget", shape=shape, head="frozen" if frozen else "trainable", budget=budget,
-                          plan=bud.describe_plan(plan),
-                          plan_bytes=plan.nbytes, measured_extra=extra, ok=extra <= limit + bud.SLACK_BYTES))
+                emit(dict(section="budget", shape=shape, dtype=str(dt)[6:], head="frozen" if frozen else "trainable",
+                          budget=budget, plan=bud.describe_plan(plan), plan_bytes=plan.nbytes, measured_extra=extra,
+                          ok=extra <= limit + bud.SLACK_BYTES))
                 del hh, ww
         del h, w, y
         torch.cuda.empty_cache()

@@ -165,16 +165,21 @@ def test_auto_reads_free_memory_only_for_large_plans_and_refuses_what_does_not_f
         paths.plan_for(big, "fused", "9000000000", cuda)
 
 
-def test_torch_computation_chunks_within_the_budget():
-    """The torch computation (CPU here) takes as many rows a chunk as the budget holds: results equal at every
-    budget, down to one row a chunk."""
+def test_torch_computation_chunks_within_the_budget(monkeypatch):
+    """The torch computation (CPU here) takes as many rows a chunk as the budget holds, beyond the default chunk
+    (two rows here) where the budget allows: results equal at every budget, down to one row a chunk."""
+    from hf_lsce.ops import reference
+
+    monkeypatch.setattr(reference, "_CHUNK_ELEMENTS", 2 * 700)
     g = torch.Generator().manual_seed(1)
     h, w = torch.randn(30, 16, generator=g), torch.randn(700, 16, generator=g) / 4
     y = torch.randint(0, 700, (30,), generator=g)
     s = bud.Shape(30, 700, 16, True, False, half=False, soft=False)
+    assert bud.best(s, None, "torch").rows == 2 and bud.best(s, 10 ** 9, "torch").rows == 30
     grads = []
-    for memory in ("auto", bud.torch_bytes(s, 7), bud.torch_bytes(s, 1)):
-        assert memory == "auto" or bud.best(s, memory, "torch").rows == (7 if memory > bud.torch_bytes(s, 1) else 1)
+    for memory in ("auto", bud.torch_bytes(s, 20), bud.torch_bytes(s, 7), bud.torch_bytes(s, 1)):
+        rows = {bud.torch_bytes(s, 20): 20, bud.torch_bytes(s, 7): 7, bud.torch_bytes(s, 1): 1}.get(memory)
+        assert memory == "auto" or bud.best(s, memory, "torch").rows == rows
         hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
         linear_cross_entropy(hh, ww, y, label_smoothing=0.1, memory=memory).backward()
         grads.append((hh.grad, ww.grad))

@@ -114,7 +114,7 @@ def frozen_bytes(s: Shape, cols: int) -> int:
 def torch_bytes(s: Shape, rows: int) -> int:
     """The torch computation: two chunks of logits, the statistics; half-precision inputs also the upcast weight, dW
     and dh in fp32 and a chunk's rows of h."""
-    b = 2 * rows * s.v * s.item + 8 * s.n * s.item + (2 * s.v * s.item if s.need_db else 0)
+    b = 2 * rows * s.v * s.item + 10 * s.n * s.item + s.d * s.item + (2 * s.v * s.item if s.need_db else 0)
     if s.cast:
         b += rows * s.d * s.item + s.v * s.d * s.item * (2 if s.need_dw else 1) + s.n * s.d * s.item
     return b
@@ -180,13 +180,15 @@ def fused_plans(s: Shape, budget: int | None) -> list[Plan]:
 
 
 def torch_plan(s: Shape, budget: int | None) -> Plan | None:
-    """The torch computation within ``budget`` (None: ``reference``'s default chunk)."""
+    """The torch computation within ``budget``: chunks as large as it holds (fewer passes over dW, and matmuls of more
+    rows: fp32 on an H200 took 1.4-1.5 x longer in chunks of 64 MiB, docs/limitations.md); None: ``reference``'s
+    default chunk."""
     from .reference import chunk_rows
 
     rows = chunk_rows(s.n, s.v)
     if budget is not None:
         base = torch_bytes(s, 0)
-        rows = min(rows, max(0, (budget - base) // max(1, torch_bytes(s, 1) - base)))
+        rows = min(s.n, max(0, (budget - base) // max(1, torch_bytes(s, 1) - base)))
         if rows < 1:
             return None
     return Plan("torch", "rows", rows=rows, nbytes=torch_bytes(s, rows), cost=0.0)

@@ -36,7 +36,6 @@ class Options:
     need_stats: bool = False
     reduce: bool = False  # the first output is the reduced loss (sum / denom), not per-token losses
     smoothed: bool = True  # False: b = 0 for every token (a float 0), so the fused pass skips dW's rank-one term
-    memory: str = "auto"
 
 
 # Functions called with the smoothing factor (a float; None when per-token) by every call of the op that trains
@@ -166,7 +165,7 @@ def options(hidden, weight, bias, softcap, backend, z_loss, memory, training: bo
         s = shape_of(hidden, weight, bias, softcap, comp, need_dw and training, need_db and training)
         plan = plan_for(s, comp, memory, hidden.device)
     return Options(softcap=softcap, backend=backend, computation=comp, plan=plan, z_loss=float(z_loss),
-                   need_stats=need_stats, reduce=reduce, smoothed=smoothed, memory=memory)
+                   need_stats=need_stats, reduce=reduce, smoothed=smoothed)
 
 
 def _config(hidden):
@@ -183,7 +182,8 @@ def statistics(hidden, weight, bias, targets, opts, smoothing=None):
 
         return fused_statistics(hidden, weight, bias, targets, opts.softcap, _config(hidden), opts.need_stats,
                                 smoothing, opts.z_loss)
-    return torch_pass(hidden, weight, bias, targets, opts.softcap, opts.plan.rows if opts.plan else None)[0]
+    return torch_pass(hidden, weight, bias, targets, opts.softcap, opts.plan.rows if opts.plan else None,
+                      need_stats=opts.need_stats)[0]
 
 
 def statistics_and_gradients(hidden, weight, bias, targets, smoothing, token_weight, opts, need_dh, need_dw,
@@ -200,7 +200,7 @@ def statistics_and_gradients(hidden, weight, bias, targets, smoothing, token_wei
         return stats, tuple(grads)
     stats, dh, dw, db = torch_pass(hidden, weight, bias, targets, opts.softcap, opts.plan.rows, grad=token_weight,
                                    smoothing=smoothing, z_loss=opts.z_loss, need_dh=need_dh, need_dw=need_dw,
-                                   need_db=need_db)
+                                   need_db=need_db, need_stats=opts.need_stats)
     return stats, (dh, dw, db, None)
 
 

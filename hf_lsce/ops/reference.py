@@ -29,14 +29,14 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 def torch_pass(hidden, weight, bias, targets, softcap, rows: int | None = None, *, lse=None, grad=None,
                smoothing=None, z_loss: float = 0.0, extra=None, need_dh=True, need_dw=True, need_db=True,
-               vocab: int | None = None):
+               vocab: int | None = None, need_stats=True):
     """Per-token statistics ``(lse, target logit, sum of logits, argmax, entropy)`` of 2-D ``hidden`` (N, D) (not
     computed where ``lse`` is given: None), and with ``grad`` (N,) the gradients ``(dh, dw, db)`` of
     ``sum_n grad_n loss_n + extra_n lse_n`` (the z-loss ``z_loss lse^2`` in the loss; ``smoothing`` per token);
     ``rows`` rows at a time (None: ``chunk_rows``). ``targets`` (N,) int64 may hold any value outside [0, V) for
     ignored tokens (target logit 0, no target term); ``vocab``: the whole vocabulary where ``weight`` is a shard of it
     (the uniform term's ``V``). Float outputs in the compute dtype (fp32, fp64 for fp64);
-    dh, dw, db None where not needed."""
+    dh, dw, db None where not needed; the entropy zeros unless ``need_stats``."""
     n, v = hidden.shape[0], weight.shape[0]
     cd = compute_dtype(hidden)
     dev = hidden.device
@@ -45,18 +45,22 @@ def torch_pass(hidden, weight, bias, targets, softcap, rows: int | None = None, 
     stats = None
     if lse is None:
         lse = torch.empty(n, dtype=cd, device=dev)
-        zy, sz, ent = torch.empty(3, n, dtype=cd, device=dev)
+        zy, sz, ent = torch.zeros(3, n, dtype=cd, device=dev)
         am = torch.empty(n, dtype=torch.int64, device=dev)
         stats = (lse, zy, sz, am, ent)
+        if softcap is None:  # sum_v z_nv = h_n . sum_v W_v (+ sum_v bias_v): one product for every row
+            sz.copy_(hidden.to(cd) @ w.sum(0) + (b.sum() if b is not None else 0.0))
     train = grad is not None
     dh = torch.empty(n, weight.shape[1], dtype=cd, device=dev) if train and need_dh else None
     dw = torch.zeros(weight.shape, dtype=cd, device=dev) if train and need_dw else None
     db = torch.zeros(v, dtype=cd, device=dev) if train and need_db and bias is not None else None
-    step = rows or chunk_rows(n, v)
+    step = min(n, rows or chunk_rows(n, v))
+    # the two chunks of logits (z, then exp(z - m) and the gradient G in p): allocated once, reused by every chunk
+    zbuf, pbuf = torch.empty(2, step, v, dtype=cd, device=dev)
     for s in range(0, n, step):
         e = min(n, s + step)
         h = hidden[s:e].to(cd)
-        z = h @ w.T
+        z = torch.mm(h, w.T, out=zbuf[:e - s])
         if b is not None:
             z += b
         if softcap is not None:
@@ -64,31 +68,34 @@ def torch_pass(hidden, weight, bias, targets, softcap, rows: int | None = None, 
         y = targets[s:e]
         valid = (y >= 0) & (y < v)
         yc = y.clamp(0, v - 1)[:, None]
+        p = pbuf[:e - s]
         if stats is not None:
             # everything from the logits shifted by the row maximum: entropy = log s - sum e (z - m) / s with
             # e = exp(z - m), s = sum e (through lse = m + log s instead, large logits lose digits)
             zmax, am[s:e] = z.max(-1)
             zy[s:e] = torch.where(valid, z.gather(1, yc)[:, 0], 0.0)
-            sz[s:e] = z.sum(-1)
+            if softcap is not None:
+                sz[s:e] = z.sum(-1)
             z -= zmax[:, None]
-            p = torch.exp(z)
+            torch.exp(z, out=p)
             s_c = p.sum(-1)
             lse[s:e] = zmax + torch.log(s_c)
-            ent[s:e] = torch.log(s_c) - (p[:, None, :] @ z[:, :, None])[:, 0, 0] / s_c
+            if need_stats:
+                ent[s:e] = torch.log(s_c) - (p[:, None, :] @ z[:, :, None])[:, 0, 0] / s_c
             if not train:
                 continue
-            p /= s_c[:, None]
-            z += zmax[:, None]  # (the capped logits back, for the cap's derivative)
+            if softcap is not None:
+                z += zmax[:, None]  # (the capped logits back, for the cap's derivative)
         elif train:
-            p = z - lse[s:e, None].to(cd)
-            p.exp_()
+            torch.sub(z, lse[s:e, None].to(cd), out=p).exp_()
         g_n = grad[s:e].to(cd)
         bs = smoothing[s:e].to(cd)
         pm = g_n * (1.0 + 2.0 * z_loss * lse[s:e].to(cd)) if z_loss else g_n
         if extra is not None:
             pm = pm + extra[s:e].to(cd)
-        p *= pm[:, None]
-        p -= (g_n * bs / (vocab or v))[:, None]
+        if stats is not None:
+            pm = pm / s_c  # (p holds exp(z - m): the softmax's division folded into the weighting)
+        torch.addcmul((-g_n * bs / (vocab or v))[:, None], p, pm[:, None], out=p)  # G = pm p - g b / V, one pass
         p.scatter_add_(1, yc, torch.where(valid, -g_n * (1.0 - bs), 0.0)[:, None])
         if softcap is not None:  # the cap's derivative 1 - tanh^2, from the capped logits
             z.div_(softcap)
