@@ -69,9 +69,11 @@ def _pad8(x: int) -> int:
 
 
 def _row_state(s: Shape, rows: int) -> int:
-    """Per-row outputs and scratch, one launch's split buffers, the column sums and a row of ones."""
+    """Per-row outputs and scratch, one launch's split buffers, the column sums, a row of ones and the rank-one
+    term's partial sums (``fused_pass._rank_one_rows``: at most 64 fp32 columns a program)."""
     splits_rows = max(s.programs * s.block_n, 2 * rows)
-    return 56 * s.n + 8 * rows + 20 * min(splits_rows, rows * max(1, -(-s.v // s.block_v))) + 8 * s.d + 2 * s.v + 4096
+    return (56 * s.n + 8 * rows + 20 * min(splits_rows, rows * max(1, -(-s.v // s.block_v))) + 8 * s.d + 2 * s.v
+            + 256 * s.programs + 4096)
 
 
 def _fp16_kept(s: Shape) -> int:

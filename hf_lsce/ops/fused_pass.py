@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .config import interpreting
+from .config import fused_config, interpreting
 from .matmul import MM_OUT_DTYPE, addmm_f32, fp16_weights, kept_dtype, mm_f32
 from .tiles import _dot, _finish_logits, _init_state, _logit_acc, _split_bounds, _tanh, tma_ready
 
@@ -500,31 +500,45 @@ class _ExactBf16Reduction:
         m.allow_bf16_reduced_precision_reduction, m.allow_fp16_reduced_precision_reduction = self.saved
 
 
-@triton.jit(do_not_specialize=["n"])  # (batch-dependent counts: one variant for all)
-def _rank_one_rows_kernel(U, H, HI, LO, n, D, stride_h, stride_hd, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The rows HI and LO: the hi and lo halves, in hs's dtype, of ``-sum_r u_r h_r`` (fp32)."""
+@triton.jit(do_not_specialize=["n", "splits"])  # (batch-dependent counts: one variant for all)
+def _rank_one_rows_kernel(U, H, PART, HI, LO, n, D, splits, stride_h, stride_hd, FINISH: tl.constexpr,
+                          BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``-sum_r u_r h_r`` (fp32) by ``splits`` row ranges: each split's partial sum into its row of PART; FINISH: the
+    partial sums added in order (bitwise repeatable), the hi and lo halves in hs's dtype into the rows HI and LO."""
     cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask_d = cols < D
     acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    for r0 in range(0, n, BLOCK_R):
-        rows = r0 + tl.arange(0, BLOCK_R)
-        mask_r = rows < n
-        h = tl.load(H + rows[:, None].to(tl.int64) * stride_h + cols[None, :].to(tl.int64) * stride_hd,
-                    mask=mask_r[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(h * tl.load(U + rows, mask=mask_r, other=0.0)[:, None], axis=0)
-    acc = -acc
-    hi = acc.to(HI.dtype.element_ty)
-    tl.store(HI + cols, hi, mask=mask_d)
-    tl.store(LO + cols, (acc - hi.to(tl.float32)).to(LO.dtype.element_ty), mask=mask_d)
+    if FINISH:
+        for k in range(0, splits):
+            acc -= tl.load(PART + k * D + cols, mask=mask_d, other=0.0)
+        hi = acc.to(HI.dtype.element_ty)
+        tl.store(HI + cols, hi, mask=mask_d)
+        tl.store(LO + cols, (acc - hi.to(tl.float32)).to(LO.dtype.element_ty), mask=mask_d)
+    else:
+        per = tl.cdiv(tl.cdiv(n, splits), BLOCK_R) * BLOCK_R
+        r_start = tl.program_id(1) * per
+        for r0 in range(r_start, tl.minimum(n, r_start + per), BLOCK_R):
+            rows = r0 + tl.arange(0, BLOCK_R)
+            mask_r = rows < n
+            h = tl.load(H + rows[:, None].to(tl.int64) * stride_h + cols[None, :].to(tl.int64) * stride_hd,
+                        mask=mask_r[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+            acc += tl.sum(h * tl.load(U + rows, mask=mask_r, other=0.0)[:, None], axis=0)
+        tl.store(PART + tl.program_id(1) * D + cols, acc, mask=mask_d)
 
 
 def _rank_one_rows(r_buf, hs, u_all, hidden, at: int, v: int, ones: bool = False) -> None:
     """R's rows ``at``, ``at + 1`` made ones (unless ``ones``) and hs's the hi and lo halves of ``-u^T h``: a matmul
-    over rows ``[0, at + 2)`` then adds dW's rank-one term in its fp32 accumulation."""
-    block_d = 16 if interpreting() else 64
-    _rank_one_rows_kernel[(triton.cdiv(hs.shape[1], block_d),)](
-        u_all, hidden, hs[at], hs[at + 1], hidden.shape[0], hs.shape[1], *hidden.stride(),
-        BLOCK_R=8 if interpreting() else 64, BLOCK_D=block_d, num_warps=1 if interpreting() else 4)
+    over rows ``[0, at + 2)`` then adds dW's rank-one term in its fp32 accumulation. The rows are split over about the
+    logits kernel's count of programs (one program a column block took 0.25 ms at Gemma-3's D = 640, N = 8,192)."""
+    (n, d), interp = hidden.shape, interpreting()
+    br, bd = (8, 16) if interp else (64, 64)
+    blocks = triton.cdiv(d, bd)
+    splits = max(1, min(triton.cdiv(n, br), fused_config(hidden.dtype, hidden.device).min_programs // blocks))
+    part = torch.empty(splits, d, dtype=torch.float32, device=hidden.device)
+    for finish in (False, True):
+        _rank_one_rows_kernel[(blocks, 1 if finish else splits)](
+            u_all, hidden, part, hs[at], hs[at + 1], n, d, splits, *hidden.stride(), FINISH=finish, BLOCK_R=br,
+            BLOCK_D=bd, num_warps=1 if interp else 4)
     if not ones:
         r_buf[at:at + 2, :v].fill_(1.0)
 
