@@ -183,7 +183,7 @@ def fused_plans(s: Shape, budget: int | None) -> list[Plan]:
 
 def torch_plan(s: Shape, budget: int | None) -> Plan | None:
     """The torch computation within ``budget``: chunks as large as it holds (fewer passes over dW, and matmuls of more
-    rows: fp32 on an H200 took 1.4-1.5 x longer in chunks of 64 MiB, docs/limitations.md); None: ``reference``'s
+    rows: fp32 on an H200 took 1.6-1.7 x longer in chunks of 64 MiB, docs/benchmarks.md); None: ``reference``'s
     default chunk."""
     from .reference import chunk_rows
 

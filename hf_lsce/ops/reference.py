@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-# Target size of one chunk of logits (elements): 2**24, 64 MiB in fp32.
+# Target size of one chunk of logits (elements) where no budget sets it (the CPU): 2**24, 64 MiB in fp32.
 _CHUNK_ELEMENTS = 1 << 24
 
 
