@@ -66,7 +66,7 @@ def torch_loss(h, w, y, b, cap):
     return F.cross_entropy(z, y, label_smoothing=b)
 
 
-PLANS: list = []  # the plans the op took (paths.plan_for spied), for the rows' "plan"
+PLANS: list = []  # the plans the op took (budget.plan_for spied), for the rows' "plan"
 
 
 def _ours(memory="auto", pointers=False):
@@ -263,7 +263,7 @@ def run_config(rows, fns, shape, head, b, cap, methods, with_errors, cuda, do_be
 def budget_for(what: str, measured: dict, h, w, cap, head) -> int | None:
     """The budget of ``hf_lsce@what``: bytes (``1.1e9``), or a peer's measured extra memory at this configuration,
     raised to the smallest budget that holds exact gradients where the peer keeps less (None: the peer did not run)."""
-    from hf_lsce.ops.paths import computation, shape_of
+    from hf_lsce.ops.budget import computation, shape_of
 
     try:
         return int(float(what))
@@ -379,10 +379,8 @@ def main():
         if name not in known:
             raise SystemExit(f"--shapes / --heads: unknown {name!r}; known: {', '.join(known)}")
     do_bench = triton.testing.do_bench if cuda else _cpu_bench
-    import hf_lsce.ops.paths as paths
-
-    real_plan = paths.plan_for
-    paths.plan_for = lambda *a, **k: PLANS.append(real_plan(*a, **k)) or PLANS[-1]
+    real_plan = bud.plan_for
+    bud.plan_for = lambda *a, **k: PLANS.append(real_plan(*a, **k)) or PLANS[-1]
     fns = method_fns()
     methods = args.methods.split(",")
     rows = []

@@ -239,13 +239,12 @@ def run_one(name, method, b, batch, seq, steps, out_dir, device, warmup=2, check
     before = ENGAGEMENT.fused_calls
     import hf_lsce.ops.fused_pass as fp
 
-    import hf_lsce.ops.paths as paths
     from hf_lsce.ops import budget as bud
 
     real_pass, pass_dtypes = fp.triton_fused_pass, set()  # which dtype the fused path ran in (not under compile)
     fp.triton_fused_pass = lambda h, *a, **k: pass_dtypes.add(str(h.dtype)[6:]) or real_pass(h, *a, **k)
-    real_plan, plans = paths.plan_for, []  # the plan memory="auto" gave each training call
-    paths.plan_for = lambda *a, **k: plans.append(real_plan(*a, **k)) or plans[-1]
+    real_plan, plans = bud.plan_for, []  # the plan memory="auto" gave each training call
+    bud.plan_for = lambda *a, **k: plans.append(real_plan(*a, **k)) or plans[-1]
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     if compiled:
@@ -254,7 +253,7 @@ def run_one(name, method, b, batch, seq, steps, out_dir, device, warmup=2, check
     try:
         trainer.train()
     finally:
-        fp.triton_fused_pass, paths.plan_for = real_pass, real_plan
+        fp.triton_fused_pass, bud.plan_for = real_pass, real_plan
     dt = (timer.t1 - timer.t0) / steps
     row = dict(model=name, method=method, label_smoothing=b, batch=batch, seq=seq, tokens_per_s=batch * seq / dt,
                step_s=dt, peak_gib=torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None,

@@ -29,7 +29,6 @@ import triton
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import hf_lsce.ops.paths as paths  # noqa: E402
 from hf_lsce import linear_cross_entropy  # noqa: E402
 from hf_lsce.ops import budget as bud  # noqa: E402
 from hf_lsce.ops import checks  # noqa: E402
@@ -110,15 +109,15 @@ def paths_section(emit):
                     got = run_op(h, w, bias, y, b, cap, items, frozen, z_loss=zl, memory=mem)
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
-                    paths.plan_for = real_plan
+                    bud.plan_for = real_plan
                 emit(dict(base, path=path, sync_free=sync_free, **errors(got, ref)))
 
 
 def forced(plan):
-    """Every call of the op takes ``plan`` (None: the budget's) until the returned real ``paths.plan_for`` is back."""
-    real = paths.plan_for
+    """Every call of the op takes ``plan`` (None: the budget's) until the returned real ``bud.plan_for`` is back."""
+    real = bud.plan_for
     if plan is not None:
-        paths.plan_for = lambda *a, **k: plan
+        bud.plan_for = lambda *a, **k: plan
     return real
 
 
@@ -126,8 +125,8 @@ def layouts(h, w, bias, cap, frozen):
     """(name, memory, a plan forced or None) for every layout the fused computation has at this shape, and the
     budgets "auto", "low" and the smallest."""
     n, v = h.shape[0], w.shape[0]
-    comp = paths.computation(h, w, cap, "triton")
-    least = bud.smallest(paths.shape_of(h, w, bias, cap, comp, not frozen, bias is not None), comp)  # (run_op: db)
+    comp = bud.computation(h, w, cap, "triton")
+    least = bud.smallest(bud.shape_of(h, w, bias, cap, comp, not frozen, bias is not None), comp)  # (run_op: db)
     out = [("auto", "auto", None), ("low", "low", None), ("smallest budget", least, None)]
     if comp == "fused":
         out += [("rows, every row", "auto", bud.Plan("fused", "rows", rows=n)),
@@ -414,7 +413,7 @@ def strides_section(emit):
                         same(dict(base, view=name, path=path, head="frozen" if frozen else "trainable"),
                              run_op(*args, None, items, frozen, memory=mem), dense)
                 finally:
-                    paths.plan_for = real_plan
+                    bud.plan_for = real_plan
         torch._dynamo.reset()  # (per shape: a second compiled function in one process failed to trace without it)
         _, ht, wt, bt, yt, st = _views(h, w, bias, y, b)[-1]
         same(dict(base, view="all together", path="torch.compile", head="trainable"),
@@ -436,8 +435,8 @@ def budget_section(emit):
             least, top = bud.smallest(s, "fused"), bud.best(s, None, "fused").nbytes
             budgets = [least * 3 ** k for k in range(40) if least * 3 ** k < top]
             for budget in (budgets + [top] if dt == torch.bfloat16 else [10 ** 9]) + ["low", "auto"]:
-                plans, real = [], paths.plan_for
-                paths.plan_for = lambda *a, **k: plans.append(real(*a, **k)) or plans[-1]
+                plans, real = [], bud.plan_for
+                bud.plan_for = lambda *a, **k: plans.append(real(*a, **k)) or plans[-1]
                 hh, ww = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_(not frozen)
                 try:
                     linear_cross_entropy(hh, ww, y, label_smoothing=0.1, memory=budget).backward()  # (warm)
@@ -449,7 +448,7 @@ def budget_section(emit):
                     linear_cross_entropy(hh, ww, y, label_smoothing=0.1, memory=budget).backward()
                     torch.cuda.synchronize()
                 finally:
-                    paths.plan_for = real
+                    bud.plan_for = real
                 grads = sum(t.grad.numel() * t.grad.element_size() for t in (hh, ww) if t.grad is not None)
                 extra = torch.cuda.max_memory_allocated() - base - grads
                 plan = plans[-1]

@@ -86,7 +86,7 @@ def gpus(count: int) -> list[dict]:
 
 def routes(device: torch.device, tokens: int, head: tuple[int, int]) -> list[dict]:
     """The computation, layout and loads the op takes on ``device`` for each dtype with a trainable and a frozen head
-    of ``head`` = (D, V) over ``tokens`` rows, ``memory="auto"`` (the op's own plan: ``paths.options`` against this
+    of ``head`` = (D, V) over ``tokens`` rows, ``memory="auto"`` (the op's own plan: ``budget.options`` against this
     device's free memory)."""
     from .ops.linear_cross_entropy import _resolve_backend
 
@@ -102,8 +102,7 @@ def routes(device: torch.device, tokens: int, head: tuple[int, int]) -> list[dic
 
 
 def _route(device, dtype, frozen, n, d, v, backend) -> dict:
-    from .ops.budget import describe, describe_plan
-    from .ops.paths import options
+    from .ops.budget import describe, describe_plan, options
 
     if device.type == "cuda":  # (a meta tensor would do, but the free memory is what "auto" reads)
         try:
@@ -180,8 +179,7 @@ def _rel(a, r) -> float:
 
 def _train_check(device, dtype, frozen, memory) -> dict:
     from .ops import linear_cross_entropy
-    from .ops.budget import smallest
-    from .ops.paths import computation, shape_of
+    from .ops.budget import computation, shape_of, smallest
 
     h, w, y, b = _inputs(device, dtype)
     truth = _reference(h, w, y, b, frozen, torch.float64)

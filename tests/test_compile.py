@@ -13,6 +13,7 @@ from tests.tiny_models import tiny_model
 
 B = 0.1
 paths_module = importlib.import_module("hf_lsce.ops.paths")  # the recomputing backward lives there
+budget_module = importlib.import_module("hf_lsce.ops.budget")  # where each call's plan is decided
 
 
 # (backend, dtype, the plan forced; None: the op's own)
@@ -23,7 +24,7 @@ CASES = {"torch fp32": ("torch", torch.float32, None), "fused rows": ("triton", 
 def _case(monkeypatch, name):
     backend, dtype, plan = CASES[name]
     if plan is not None:
-        monkeypatch.setattr(paths_module, "plan_for", lambda *a, **k: plan)
+        monkeypatch.setattr(budget_module, "plan_for", lambda *a, **k: plan)
     return backend, dtype, 1e-5 if dtype == torch.float32 else 2e-2
 
 

@@ -89,13 +89,13 @@ class _HostReads(TorchDispatchMode):
 def test_a_training_call_reads_no_device_value_on_the_host(asynchronous, monkeypatch, upstream, case):
     """A training call (a reduced loss, a tensor num_items_in_batch as the Trainer passes, per-token b), by the torch
     computation and the fused layouts, reads nothing back: no .item(), bool(), .tolist() or data-dependent shape."""
-    import hf_lsce.ops.paths as paths
+    import hf_lsce.ops.budget as bud
     from hf_lsce.ops.budget import Plan
 
     dtype = torch.float32 if case == "torch fp32" else torch.bfloat16
     if case != "torch fp32":
         plan = Plan("fused", "rows", rows=1 << 20) if case == "fused rows" else Plan("fused", "columns", cols=64)
-        monkeypatch.setattr(paths, "plan_for", lambda *a, **k: plan)
+        monkeypatch.setattr(bud, "plan_for", lambda *a, **k: plan)
     tolists = []
     real_tolist = torch.Tensor.tolist
     monkeypatch.setattr(torch.Tensor, "tolist", lambda self: tolists.append(1) or real_tolist(self))

@@ -13,7 +13,7 @@ import torch
 
 import hf_lsce.ops.config as config
 import hf_lsce.ops.fused_pass as fp
-import hf_lsce.ops.paths as paths
+import hf_lsce.ops.budget as bud
 from hf_lsce import linear_cross_entropy
 from hf_lsce.ops.budget import Plan
 
@@ -50,7 +50,7 @@ def tma(monkeypatch, request):
 
 @pytest.fixture
 def layout(monkeypatch):
-    """``layout(name)``: every call of the op takes that plan (``paths.plan_for`` replaced); returns a record of the
+    """``layout(name)``: every call of the op takes that plan (``budget.plan_for`` replaced); returns a record of the
     fused pass's parts that ran."""
     ran = []
     for name in ("_r_pass", "fused_gradients", "triton_fused_columns"):
@@ -58,7 +58,7 @@ def layout(monkeypatch):
         monkeypatch.setattr(fp, name, lambda *a, _n=name, _f=real, **k: ran.append(_n) or _f(*a, **k))
 
     def force(name):
-        monkeypatch.setattr(paths, "plan_for", lambda *a, **k: LAYOUTS[name])
+        monkeypatch.setattr(bud, "plan_for", lambda *a, **k: LAYOUTS[name])
         return ran
     return force
 
@@ -416,16 +416,16 @@ def test_strided_inputs_under_torch_compile():
 
 def test_fused_computation_only_where_it_applies(tma):
     """bf16 and fp16, without a soft-cap or with one up to SOFTCAP_MAX: the fused computation; fp32, fp64 and larger
-    caps: the torch computation (``paths.computation``)."""
+    caps: the torch computation (``budget.computation``)."""
     h = torch.zeros(4, D, dtype=torch.bfloat16, requires_grad=True)
     w = torch.zeros(V, D, dtype=torch.bfloat16)
-    assert paths.computation(h, w, None, "triton") == "fused"
-    assert paths.computation(h, w, 30.0, "triton") == "fused"  # Gemma 2's cap
-    assert paths.computation(h, w, fp.SOFTCAP_MAX * 1.25, "triton") == "torch"
-    assert paths.computation(h.half(), w.half(), 30.0, "triton") == "fused"
-    assert paths.computation(h.float(), w.float(), None, "triton") == "torch"
-    assert paths.computation(h.double(), w.double(), None, "triton") == "torch"
-    assert paths.computation(h, w, None, "torch") == "torch"
+    assert bud.computation(h, w, None, "triton") == "fused"
+    assert bud.computation(h, w, 30.0, "triton") == "fused"  # Gemma 2's cap
+    assert bud.computation(h, w, fp.SOFTCAP_MAX * 1.25, "triton") == "torch"
+    assert bud.computation(h.half(), w.half(), 30.0, "triton") == "fused"
+    assert bud.computation(h.float(), w.float(), None, "triton") == "torch"
+    assert bud.computation(h.double(), w.double(), None, "triton") == "torch"
+    assert bud.computation(h, w, None, "torch") == "torch"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -436,9 +436,9 @@ def test_no_fused_computation_without_tensor_core_dots(monkeypatch, dtype):
     monkeypatch.setattr(config, "fused_config", lambda dt, dev: dataclasses.replace(real(dt, dev), mma_dot=False))
     h = torch.zeros(4, D, dtype=dtype, requires_grad=True)
     w = torch.zeros(V, D, dtype=dtype)
-    assert paths.computation(h, w, None, "triton") == "torch"
+    assert bud.computation(h, w, None, "triton") == "torch"
     monkeypatch.setattr(config, "fused_config", real)
-    assert paths.computation(h, w, None, "triton") == "fused"
+    assert bud.computation(h, w, None, "triton") == "fused"
 
 
 @pytest.mark.parametrize("name", ["every row", "columns kept"])

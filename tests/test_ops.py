@@ -414,7 +414,7 @@ def test_recomputing_backward_matches_fp64_by_column_chunks(dtype, softcap, bias
 
     import hf_lsce.ops.config as config
     from hf_lsce.ops import paths
-    from hf_lsce.ops.budget import Plan
+    from hf_lsce.ops.budget import Plan, options
     from hf_lsce.ops.matmul import times_gamma
 
     hh, ww, bb, t, lse, sm, grad, extra, ref = _columns_case(dtype, softcap, bias, seed=32, draws=7)
@@ -424,7 +424,7 @@ def test_recomputing_backward_matches_fp64_by_column_chunks(dtype, softcap, bias
         cfg = dataclasses.replace(config.fused_config(dtype, hh.device), tma=tma, min_splits=splits, min_programs=1)
         real, config.fused_config = config.fused_config, lambda dt, dev: cfg
         try:
-            opts = paths.options(hh, ww, bb, softcap, "triton", 0.0, "auto", True, True, bias)
+            opts = options(hh, ww, bb, softcap, "triton", 0.0, "auto", True, True, bias)
             plan = Plan(opts.computation, "columns", cols=64, nbytes=4 * 37 * 40 + 37 * 64 * 2)
             opts = dataclasses.replace(opts, plan=plan if opts.computation == "fused" else opts.plan)
             assert opts.computation == ("torch" if dtype == torch.float32 else "fused")

@@ -1,6 +1,6 @@
-"""The memory budget (``budget.py``: what each plan holds, the fastest within a budget), how a call picks its
-computation and plan (``paths.py``), and the options every computation serves (z-loss, a differentiable lse, fp16's
-scaled weights), against fp64 torch on materialised logits."""
+"""The memory budget (``budget.py``: what each plan holds, the fastest within a budget, how a call picks its
+computation and plan: ``budget.options``), and the options every computation serves (z-loss, a differentiable lse,
+fp16's scaled weights), against fp64 torch on materialised logits."""
 from __future__ import annotations
 
 import math
@@ -11,7 +11,6 @@ import torch.nn.functional as F
 
 import hf_lsce.ops.budget as bud
 import hf_lsce.ops.config as config
-import hf_lsce.ops.paths as paths
 from hf_lsce import linear_cross_entropy
 
 # (N, D, V) of the benchmark's heads at 8,192 tokens, and Llama-3-8B at 32,768
@@ -150,19 +149,19 @@ def test_auto_reads_free_memory_only_for_large_plans_and_refuses_what_does_not_f
     cuda = torch.device("cuda", 0)
     small = bud.Shape(256, 49152, 576, True, False, half=False, soft=False)
     big = bud.Shape(8192, 256000, 2304, True, False, half=False, soft=False)  # Gemma2-2B's head
-    assert paths.plan_for(small, "fused", "auto", cuda) == bud.best(small, None, "fused") and not reads
-    assert paths.plan_for(big, "fused", "auto", cuda) == bud.best(big, None, "fused") and reads == [1]
+    assert bud.plan_for(small, "fused", "auto", cuda) == bud.best(small, None, "fused") and not reads
+    assert bud.plan_for(big, "fused", "auto", cuda) == bud.best(big, None, "fused") and reads == [1]
     FREE[0] = 3 * 10 ** 9  # less than every row's R: the fastest plan within 3 GB / 1.25
-    plan = paths.plan_for(big, "fused", "auto", cuda)
+    plan = bud.plan_for(big, "fused", "auto", cuda)
     assert plan.layout == "columns" and plan.nbytes <= 3 * 10 ** 9 / bud.HEADROOM
     huge = bud.Shape(1 << 18, 262144, 5376, True, False, half=False, soft=False)  # Gemma-3-27B, 262k tokens
     FREE[0] = 80 * 10 ** 9  # past the automatic cap, the smallest plan that free memory holds
-    assert paths.plan_for(huge, "fused", "auto", cuda) == bud.best(huge, bud.smallest(huge, "fused"), "fused")
+    assert bud.plan_for(huge, "fused", "auto", cuda) == bud.best(huge, bud.smallest(huge, "fused"), "fused")
     FREE[0] = 10 ** 6
     with pytest.raises(ValueError, match="memory='auto': the GPU has 1 MB free"):
-        paths.plan_for(big, "fused", "auto", cuda)
+        bud.plan_for(big, "fused", "auto", cuda)
     with pytest.raises(ValueError, match=r"memory=9000000000: its plan takes .* but the GPU has 1 MB free"):
-        paths.plan_for(big, "fused", "9000000000", cuda)
+        bud.plan_for(big, "fused", "9000000000", cuda)
 
 
 def test_torch_computation_chunks_within_the_budget(monkeypatch):
@@ -242,9 +241,9 @@ LAYOUTS = {"rows": bud.Plan("fused", "rows", rows=48), "row chunks": bud.Plan("f
 
 def _force(monkeypatch, name):
     if name == "torch":
-        monkeypatch.setattr(paths, "computation", lambda *a, **k: "torch")
+        monkeypatch.setattr(bud, "computation", lambda *a, **k: "torch")
     else:
-        monkeypatch.setattr(paths, "plan_for", lambda *a, **k: LAYOUTS[name])
+        monkeypatch.setattr(bud, "plan_for", lambda *a, **k: LAYOUTS[name])
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS) + ["recomputing"])

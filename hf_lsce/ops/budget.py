@@ -7,11 +7,22 @@ of ``cols`` columns, the logits once), ``torch`` (chunks of ``rows`` rows of fp3
 The byte models count every buffer the code allocates, so a measured peak stays within its budget plus
 ``SLACK_BYTES`` (benchmarks/check_gpu.py's budget section). The cost model ranks plans in logits matmuls: it picks,
 it does not promise (docs/how_it_works.md has the measured times).
+
+Where ``memory`` is decided: ``options`` gives a call its computation (the fused one where ``fused_pass.supported``,
+else the torch one) and, for a training call or the torch computation, the fastest plan within the budget
+(``plan_for``): ``"auto"`` (CUDA's free memory over ``HEADROOM``, at most ``AUTO_MAX_BYTES``; read only where the
+fastest plan exceeds ``SMALL_BUFFER_FRACTION`` of the device, the query costing host time), ``"low"`` or bytes; one
+no plan fits, or the device cannot hold, is a ``ValueError`` before any kernel runs. ``linear_cross_entropy`` asks
+once per call and hands the ``Options`` down (``paths.py`` runs them); under ``torch.compile`` the operators ask when
+the graph runs, where the rows (symbolic while tracing) and the free memory of that step are known.
 """
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
+
+import torch
 
 # memory="low": at most this much, or the smallest plan with chunks of at least MIN_CHUNK_BYTES where that is more.
 LOW_BYTES = 180 << 20
@@ -247,3 +258,119 @@ def recompute_cols(s: Shape, nbytes: int | None) -> int:
     base = columns_bytes(s, 0, 0)
     room = base + 4 * MIN_CHUNK_BYTES if nbytes is None else nbytes
     return min(s.v, max(s.block_v, _largest(base, 2 * s.n, room, _pad8(s.v), s.block_v)))
+
+
+# ------------------------------------------------------------------------------------------------ a call's options
+
+MEMORY_MODES = ("auto", "low")
+# memory="auto" reads CUDA's free memory only where the fastest plan (times the headroom) exceeds this fraction of the
+# device's memory; below it the plan is taken to fit, as any other allocation of the step is
+SMALL_BUFFER_FRACTION = 1 / 32
+
+
+@dataclass(frozen=True)
+class Options:
+    """How a call runs (``options``)."""
+
+    softcap: float | None
+    backend: str
+    computation: str = "torch"  # "fused" or "torch"
+    plan: Plan | None = None  # the training plan, and the torch computation's chunk (None: the default chunk)
+    z_loss: float = 0.0
+    need_stats: bool = False
+    reduce: bool = False  # the first output is the reduced loss (sum / denom), not per-token losses
+    smoothed: bool = True  # False: b = 0 for every token (a float 0), so the fused pass skips dW's rank-one term
+
+
+def check_memory(memory) -> str:
+    """``memory`` validated (``"auto"``, ``"low"`` or a positive number of bytes), as the string the compiled
+    operators take; a ``ValueError`` / ``TypeError`` naming it otherwise."""
+    if isinstance(memory, str):
+        if memory in MEMORY_MODES:
+            return memory
+        if memory == "fast":
+            raise ValueError("memory='fast' was retired in 1.0: memory='auto' (the default) takes the fastest "
+                             "computation that fits the GPU's free memory; pass a number of bytes to cap it.")
+        raise ValueError(f"memory must be 'auto', 'low' or a number of bytes, got {memory!r}.")
+    if isinstance(memory, bool) or not isinstance(memory, numbers.Real):
+        raise TypeError(f"memory must be 'auto', 'low' or a number of bytes, got {memory!r} "
+                        f"({type(memory).__name__}).")
+    if not (memory == memory and memory not in (float("inf"), float("-inf")) and memory > 0):
+        raise ValueError(f"memory={memory!r}: a budget is a positive number of bytes (e.g. 2e9), 'auto' or 'low'.")
+    return str(int(memory))
+
+
+def computation(hidden, weight, softcap, backend) -> str:
+    """``"fused"`` where the fused computation runs these inputs (``fused_pass.supported``), else ``"torch"``."""
+    from .config import fused_config, interpreting
+
+    if backend != "triton" or not (hidden.is_cuda or interpreting()):
+        return "torch"
+    from .fused_pass import supported
+
+    return "fused" if supported(hidden, weight, softcap, fused_config(hidden.dtype, hidden.device)) else "torch"
+
+
+def shape_of(hidden, weight, bias, softcap, comp: str, need_dw: bool, need_db: bool) -> Shape:
+    """The planner's view of a call (``budget.Shape``), with the fused kernel's blocks on its device."""
+    kw = {}
+    if comp == "fused":
+        from .config import fused_config
+
+        cfg = fused_config(hidden.dtype, hidden.device)
+        kw = dict(block_n=cfg.block_n, block_v=cfg.block_v, programs=cfg.min_programs)
+    return Shape(hidden.shape[0], weight.shape[0], weight.shape[1], need_dw, need_db and bias is not None,
+                     half=hidden.dtype == torch.float16, soft=softcap is not None,
+                     item=8 if hidden.dtype == torch.float64 else 4,
+                     cast=hidden.dtype in (torch.float16, torch.bfloat16), **kw)
+
+
+def _head(s: Shape) -> str:
+    return f"{s.n} tokens, a {s.v:,} x {s.d} head{'' if s.need_dw else ' (frozen)'}"
+
+
+def plan_for(s: Shape, comp: str, memory: str, device: torch.device) -> Plan:
+    """The fastest plan of ``comp`` within the budget ``memory`` (``check_memory``'s string), or a ``ValueError``
+    naming ``memory``, the value and the smallest budget that works (also where the device cannot hold the plan)."""
+    from .config import device_memory, free_cuda_memory
+
+    cuda = device.type == "cuda"
+    if memory == "low":
+        return best(s, low_budget(s, comp), comp)
+    if memory == "auto":  # (the cap never below the smallest plan: a large step is limited by free memory only)
+        cap = max(AUTO_MAX_BYTES, smallest(s, comp)) if cuda else None
+        plan = best(s, cap, comp)
+        if not cuda or HEADROOM * plan.nbytes <= SMALL_BUFFER_FRACTION * device_memory(device):
+            return plan
+        free = free_cuda_memory(device)
+        plan = best(s, min(int(free / HEADROOM), cap), comp)
+        if plan is None:
+            least = smallest(s, comp)
+            raise ValueError(f"memory='auto': the GPU has {describe(free)} free, and the op needs at least "
+                             f"{least:,} bytes ({describe(least)}) beside it at {_head(s)}: free memory or lower "
+                             f"the batch.")
+        return plan
+    plan = best(s, int(memory), comp)
+    if plan is None:
+        least = smallest(s, comp)
+        raise ValueError(f"memory={memory}: below what the op needs at {_head(s)}; the smallest budget that works "
+                         f"is {least:,} bytes ({describe(least)}); pass at least that, or memory='low' "
+                         f"({describe(low_budget(s, comp))}).")
+    if cuda and plan.nbytes > SMALL_BUFFER_FRACTION * device_memory(device):
+        free = free_cuda_memory(device)
+        if plan.nbytes > free:
+            raise ValueError(f"memory={memory}: its plan takes {plan.nbytes:,} bytes ({describe(plan.nbytes)}) "
+                             f"but the GPU has {describe(free)} free; pass memory='auto' or at most {free:,}.")
+    return plan
+
+
+def options(hidden, weight, bias, softcap, backend, z_loss, memory, training: bool, need_dw: bool, need_db: bool,
+            need_stats=False, reduce=False, smoothed=True) -> Options:
+    """How a call runs: the computation and, for a training call (or the torch computation's chunks), the plan."""
+    comp = computation(hidden, weight, softcap, backend) if hidden.shape[0] else "torch"
+    plan = None
+    if hidden.shape[0] and (training or comp == "torch"):
+        s = shape_of(hidden, weight, bias, softcap, comp, need_dw and training, need_db and training)
+        plan = plan_for(s, comp, memory, hidden.device)
+    return Options(softcap=softcap, backend=backend, computation=comp, plan=plan, z_loss=float(z_loss),
+                   need_stats=need_stats, reduce=reduce, smoothed=smoothed)

@@ -21,7 +21,8 @@ from torch import Tensor
 
 from .checks import check_device_values
 from .matmul import kept_dtype, scale_by
-from .paths import (finish_gradients, loss_gradients, loss_terms, notify_training_call, options, statistics,
+from .budget import options
+from .paths import (finish_gradients, loss_gradients, loss_terms, notify_training_call, statistics,
                     statistics_and_gradients)
 
 

@@ -1,6 +1,6 @@
 """``linear_cross_entropy``: fused linear layer + label-smoothed cross-entropy, the one public entry point of
 ``hf_lsce.ops``. It validates every argument (the only place that does), normalises shapes, picks the computation
-and its plan within the memory budget (``paths.options``) and runs it; per token
+and its plan within the memory budget once (``budget.options``) and runs it; per token
 
     loss_n = (1 - b_n) (lse_n - z_{n,y_n}) + b_n (lse_n - mean_v z_nv),   z = h W^T + bias
 
@@ -19,8 +19,9 @@ import torch.nn.functional as F
 
 from .checks import _check_num_items, check_device_values, check_summary
 from .compiled import check_values, compiling, reduced_loss, token_losses
-from .paths import (Options, check_memory, finish_gradients, loss_gradients, loss_terms, notify_training_call,
-                    options, statistics, statistics_and_gradients)
+from .budget import Options, check_memory, options
+from .paths import (finish_gradients, loss_gradients, loss_terms, notify_training_call, statistics,
+                    statistics_and_gradients)
 
 _REDUCTIONS = ("mean", "sum", "none")
 _BACKENDS = ("auto", "triton", "torch")
@@ -304,7 +305,7 @@ def _uniform_ratio(grad: torch.Tensor, token_weight: torch.Tensor) -> float | No
 
 
 def _validate_options(z_loss, return_lse, memory, process_group) -> str:
-    """The options' checks; returns ``memory`` as ``paths.check_memory`` gives it."""
+    """The options' checks; returns ``memory`` as ``budget.check_memory`` gives it."""
     if isinstance(z_loss, bool) or not isinstance(z_loss, numbers.Real) or not (
             math.isfinite(float(z_loss)) and z_loss >= 0):
         raise ValueError(f"z_loss must be a finite number >= 0 (the coefficient of lse^2), got {z_loss!r}.")

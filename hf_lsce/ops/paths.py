@@ -1,42 +1,14 @@
-"""Which computation a call takes and what it runs: the statistics, a training call's statistics and gradients (in
-the forward), the recomputing backward. Shared by the eager op and the compiled one (``compiled.py``).
-
-Two computations, both exact: the fused one (``fused_pass.py``: bf16 and fp16 where Triton's dots are tensor-core MMA,
-torch >= 2.9, soft-caps up to ``fused_pass.SOFTCAP_MAX``; the interpreter), in the layout the memory budget allows
-(``budget.py``); the chunked torch computation (``reference.py``) for everything else. The budget (``memory=``):
-``"auto"`` (CUDA's free memory over ``budget.HEADROOM``, at most ``budget.AUTO_MAX_BYTES``; read only where the
-fastest plan exceeds ``SMALL_BUFFER_FRACTION`` of the device, the query costing host time), ``"low"`` or bytes; one
-no plan fits, or the device cannot hold, is a ``ValueError`` before any kernel runs.
+"""What a call runs, given the ``budget.Options`` decided for it once (``budget.options``): the statistics, a training
+call's statistics and gradients (in the forward), the recomputing backward. Shared by the eager op and the compiled
+one (``compiled.py``): the fused computation (``fused_pass.py``) in the plan's layout, or the chunked torch computation
+(``reference.py``) in the plan's chunks.
 """
 from __future__ import annotations
-
-import numbers
-from dataclasses import dataclass
 
 import torch
 
 from . import budget as bud
 from .reference import torch_pass
-
-MEMORY_MODES = ("auto", "low")
-# memory="auto" reads CUDA's free memory only where the fastest plan (times the headroom) exceeds this fraction of the
-# device's memory; below it the plan is taken to fit, as any other allocation of the step is
-SMALL_BUFFER_FRACTION = 1 / 32
-
-
-@dataclass(frozen=True)
-class Options:
-    """How a call runs (``options``)."""
-
-    softcap: float | None
-    backend: str
-    computation: str = "torch"  # "fused" or "torch"
-    plan: bud.Plan | None = None  # the training plan, and the torch computation's chunk (None: the default chunk)
-    z_loss: float = 0.0
-    need_stats: bool = False
-    reduce: bool = False  # the first output is the reduced loss (sum / denom), not per-token losses
-    smoothed: bool = True  # False: b = 0 for every token (a float 0), so the fused pass skips dW's rank-one term
-
 
 # Functions called with the smoothing factor (a float; None when per-token) by every call of the op that trains
 # (gradients wanted), when it runs: eagerly, and from the compiled graph's operator under torch.compile. The
@@ -72,100 +44,6 @@ def loss_terms(stats, smoothing, targets, vocab_size: int, z_loss: float):
         return stats[5], stats[6]
     lse, zy, sz = stats[:3]
     return token_loss_terms(lse, zy, sz, smoothing, targets >= 0, vocab_size, z_loss)
-
-
-def check_memory(memory) -> str:
-    """``memory`` validated (``"auto"``, ``"low"`` or a positive number of bytes), as the string the compiled
-    operators take; a ``ValueError`` / ``TypeError`` naming it otherwise."""
-    if isinstance(memory, str):
-        if memory in MEMORY_MODES:
-            return memory
-        if memory == "fast":
-            raise ValueError("memory='fast' was retired in 1.0: memory='auto' (the default) takes the fastest "
-                             "computation that fits the GPU's free memory; pass a number of bytes to cap it.")
-        raise ValueError(f"memory must be 'auto', 'low' or a number of bytes, got {memory!r}.")
-    if isinstance(memory, bool) or not isinstance(memory, numbers.Real):
-        raise TypeError(f"memory must be 'auto', 'low' or a number of bytes, got {memory!r} "
-                        f"({type(memory).__name__}).")
-    if not (memory == memory and memory not in (float("inf"), float("-inf")) and memory > 0):
-        raise ValueError(f"memory={memory!r}: a budget is a positive number of bytes (e.g. 2e9), 'auto' or 'low'.")
-    return str(int(memory))
-
-
-def computation(hidden, weight, softcap, backend) -> str:
-    """``"fused"`` where the fused computation runs these inputs (``fused_pass.supported``), else ``"torch"``."""
-    from .config import fused_config, interpreting
-
-    if backend != "triton" or not (hidden.is_cuda or interpreting()):
-        return "torch"
-    from .fused_pass import supported
-
-    return "fused" if supported(hidden, weight, softcap, fused_config(hidden.dtype, hidden.device)) else "torch"
-
-
-def shape_of(hidden, weight, bias, softcap, comp: str, need_dw: bool, need_db: bool) -> bud.Shape:
-    """The planner's view of a call (``budget.Shape``), with the fused kernel's blocks on its device."""
-    kw = {}
-    if comp == "fused":
-        from .config import fused_config
-
-        cfg = fused_config(hidden.dtype, hidden.device)
-        kw = dict(block_n=cfg.block_n, block_v=cfg.block_v, programs=cfg.min_programs)
-    return bud.Shape(hidden.shape[0], weight.shape[0], weight.shape[1], need_dw, need_db and bias is not None,
-                     half=hidden.dtype == torch.float16, soft=softcap is not None,
-                     item=8 if hidden.dtype == torch.float64 else 4,
-                     cast=hidden.dtype in (torch.float16, torch.bfloat16), **kw)
-
-
-def _head(s: bud.Shape) -> str:
-    return f"{s.n} tokens, a {s.v:,} x {s.d} head{'' if s.need_dw else ' (frozen)'}"
-
-
-def plan_for(s: bud.Shape, comp: str, memory: str, device: torch.device) -> bud.Plan:
-    """The fastest plan of ``comp`` within the budget ``memory`` (``check_memory``'s string), or a ``ValueError``
-    naming ``memory``, the value and the smallest budget that works (also where the device cannot hold the plan)."""
-    from .config import device_memory, free_cuda_memory
-
-    cuda = device.type == "cuda"
-    if memory == "low":
-        return bud.best(s, bud.low_budget(s, comp), comp)
-    if memory == "auto":  # (the cap never below the smallest plan: a large step is limited by free memory only)
-        cap = max(bud.AUTO_MAX_BYTES, bud.smallest(s, comp)) if cuda else None
-        plan = bud.best(s, cap, comp)
-        if not cuda or bud.HEADROOM * plan.nbytes <= SMALL_BUFFER_FRACTION * device_memory(device):
-            return plan
-        free = free_cuda_memory(device)
-        plan = bud.best(s, min(int(free / bud.HEADROOM), cap), comp)
-        if plan is None:
-            least = bud.smallest(s, comp)
-            raise ValueError(f"memory='auto': the GPU has {bud.describe(free)} free, and the op needs at least "
-                             f"{least:,} bytes ({bud.describe(least)}) beside it at {_head(s)}: free memory or lower "
-                             f"the batch.")
-        return plan
-    plan = bud.best(s, int(memory), comp)
-    if plan is None:
-        least = bud.smallest(s, comp)
-        raise ValueError(f"memory={memory}: below what the op needs at {_head(s)}; the smallest budget that works "
-                         f"is {least:,} bytes ({bud.describe(least)}); pass at least that, or memory='low' "
-                         f"({bud.describe(bud.low_budget(s, comp))}).")
-    if cuda and plan.nbytes > SMALL_BUFFER_FRACTION * device_memory(device):
-        free = free_cuda_memory(device)
-        if plan.nbytes > free:
-            raise ValueError(f"memory={memory}: its plan takes {plan.nbytes:,} bytes ({bud.describe(plan.nbytes)}) "
-                             f"but the GPU has {bud.describe(free)} free; pass memory='auto' or at most {free:,}.")
-    return plan
-
-
-def options(hidden, weight, bias, softcap, backend, z_loss, memory, training: bool, need_dw: bool, need_db: bool,
-            need_stats=False, reduce=False, smoothed=True) -> Options:
-    """How a call runs: the computation and, for a training call (or the torch computation's chunks), the plan."""
-    comp = computation(hidden, weight, softcap, backend) if hidden.shape[0] else "torch"
-    plan = None
-    if hidden.shape[0] and (training or comp == "torch"):
-        s = shape_of(hidden, weight, bias, softcap, comp, need_dw and training, need_db and training)
-        plan = plan_for(s, comp, memory, hidden.device)
-    return Options(softcap=softcap, backend=backend, computation=comp, plan=plan, z_loss=float(z_loss),
-                   need_stats=need_stats, reduce=reduce, smoothed=smoothed)
 
 
 def _config(hidden):
@@ -220,8 +98,8 @@ def dense_backward(hidden, weight, bias, targets, lse, grad, smoothing, opts, ne
 
     (n, d), v = hidden.shape, weight.shape[0]
     dev = hidden.device
-    s = shape_of(hidden, weight, bias, opts.softcap, "fused", need_dw, need_db)
-    cols = bud.recompute_cols(s, opts.plan.nbytes if opts.plan else None)
+    s = bud.shape_of(hidden, weight, bias, opts.softcap, "fused", need_dw, need_db)
+    cols = bud.recompute_cols(s, opts.plan.nbytes if opts.plan else None)  # (the plan's bytes, not a new budget)
     (grad, extra), gamma = fp16_weights(hidden.dtype, grad.float(), extra)
     terms = row_terms(lse, grad, smoothing.float(), opts.z_loss, vocab or v, extra)
     dh = torch.empty(n, d, dtype=torch.float32, device=dev) if need_dh else None
@@ -242,7 +120,7 @@ def loss_gradients(hidden, weight, bias, targets, lse, smoothing, grad, grad_lse
                           opts, need_dh, need_dw, need_db, extra=grad_lse.float().contiguous())
 
 
-def finish_gradients(grads, c, hidden, weight, bias, opts: Options | None = None) -> tuple:
+def finish_gradients(grads, c, hidden, weight, bias, opts: bud.Options | None = None) -> tuple:
     """Gradients ``(dh, dw, db, gamma)`` times the upstream factor ``c`` (a one-element tensor; None: 1) and gamma,
     in the inputs' dtypes, rounded once (``matmul.scale_by``; the torch computation's by torch)."""
     from .matmul import scale_by

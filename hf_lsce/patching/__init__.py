@@ -75,7 +75,7 @@ def validate_smoothing(value, name: str = "label_smoothing") -> float | None:
 def validate_memory(value, name: str = "memory") -> str:
     """``value`` as the op's memory budget (``"auto"``, ``"low"``, a number of bytes, or a string of one as a YAML or
     an environment variable gives it: ``2e9``), in the form the op takes; ValueError / TypeError naming ``name``."""
-    from ..ops.paths import check_memory
+    from ..ops.budget import check_memory
 
     if isinstance(value, str) and value not in ("auto", "low"):
         try:

@@ -69,13 +69,13 @@ def _record(target: str) -> list[dict]:
         return config.KernelConfig(bn, bv, bd, 8, stages, prec, 264, min_splits=2, upcast_dot=upcast, mma_dot=mma)
 
     config._fused_config = fused
-    import hf_lsce.ops.paths as paths
+    import hf_lsce.ops.budget as bud
     from hf_lsce.ops.budget import Plan
 
     plans = {"rows": Plan("fused", "rows", rows=40), "row chunks": Plan("fused", "rows", rows=16),
              "columns kept": Plan("fused", "columns", keep=96, cols=64), "columns": Plan("fused", "columns", cols=64),
              "frozen": Plan("fused", "frozen", cols=64)}
-    real_plan = paths.plan_for
+    real_plan = bud.plan_for
     launches: dict[str, dict] = {}
     original = InterpretedFunction.__getitem__
 
@@ -104,7 +104,7 @@ def _record(target: str) -> list[dict]:
     cases += [(dt, None, True, bias, cap, "eval") for dt in (bf16, fp16, fp32) for bias, cap in
               ((True, None), (False, 30.0), (False, 60.0))]
     for dtype, name, frozen, bias, softcap, call in cases:
-        paths.plan_for = (lambda *a, _p=plans[name], **k: _p) if name else real_plan
+        bud.plan_for = (lambda *a, _p=plans[name], **k: _p) if name else real_plan
         h = (torch.randn(n, d, generator=g) * 0.5).to(dtype).requires_grad_(call != "eval")
         w = (torch.randn(v, d, generator=g) * 0.5).to(dtype).requires_grad_(not frozen and call != "eval")
         b = (torch.randn(v, generator=g) * 0.1).to(dtype) if bias else None
@@ -127,7 +127,7 @@ def _record(target: str) -> list[dict]:
             launches[f"error {len(launches)}"] = dict(
                 error=f"{str(dtype)[6:]}, layout {name}, frozen {frozen}, bias {bias}, softcap {softcap}, {call}: "
                       f"{type(e).__name__}: {text[-1][:300] if text else ''}")
-    paths.plan_for = real_plan
+    bud.plan_for = real_plan
     return list(launches.values())
 
 
