@@ -320,9 +320,9 @@ def shape_of(hidden, weight, bias, softcap, comp: str, need_dw: bool, need_db: b
         cfg = fused_config(hidden.dtype, hidden.device)
         kw = dict(block_n=cfg.block_n, block_v=cfg.block_v, programs=cfg.min_programs)
     return Shape(hidden.shape[0], weight.shape[0], weight.shape[1], need_dw, need_db and bias is not None,
-                     half=hidden.dtype == torch.float16, soft=softcap is not None,
-                     item=8 if hidden.dtype == torch.float64 else 4,
-                     cast=hidden.dtype in (torch.float16, torch.bfloat16), **kw)
+                 half=hidden.dtype == torch.float16, soft=softcap is not None,
+                 item=8 if hidden.dtype == torch.float64 else 4, cast=hidden.dtype in (torch.float16, torch.bfloat16),
+                 **kw)
 
 
 def _head(s: Shape) -> str:

@@ -19,9 +19,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .budget import options
 from .checks import check_device_values
 from .matmul import kept_dtype, scale_by
-from .budget import options
 from .paths import (finish_gradients, loss_gradients, loss_terms, notify_training_call, statistics,
                     statistics_and_gradients)
 

@@ -17,9 +17,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from .budget import Options, check_memory, options
 from .checks import _check_num_items, check_device_values, check_summary
 from .compiled import check_values, compiling, reduced_loss, token_losses
-from .budget import Options, check_memory, options
 from .paths import (finish_gradients, loss_gradients, loss_terms, notify_training_call, statistics,
                     statistics_and_gradients)
 
