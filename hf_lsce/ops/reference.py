@@ -48,8 +48,9 @@ def torch_pass(hidden, weight, bias, targets, softcap, rows: int | None = None, 
         zy, sz, ent = torch.zeros(3, n, dtype=cd, device=dev)
         am = torch.empty(n, dtype=torch.int64, device=dev)
         stats = (lse, zy, sz, am, ent)
-        if softcap is None:  # sum_v z_nv = h_n . sum_v W_v (+ sum_v bias_v): one product for every row
-            sz.copy_(hidden.to(cd) @ w.sum(0) + (b.sum() if b is not None else 0.0))
+    # without a cap, sum_v z_nv = h_n . sum_v W_v (+ sum_v bias_v): a product per chunk, not a pass over its logits
+    w_sum = w.sum(0) if stats is not None and softcap is None else None
+    b_sum = b.sum() if w_sum is not None and b is not None else 0.0
     train = grad is not None
     dh = torch.empty(n, weight.shape[1], dtype=cd, device=dev) if train and need_dh else None
     dw = torch.zeros(weight.shape, dtype=cd, device=dev) if train and need_dw else None
@@ -74,8 +75,7 @@ def torch_pass(hidden, weight, bias, targets, softcap, rows: int | None = None, 
             # e = exp(z - m), s = sum e (through lse = m + log s instead, large logits lose digits)
             zmax, am[s:e] = z.max(-1)
             zy[s:e] = torch.where(valid, z.gather(1, yc)[:, 0], 0.0)
-            if softcap is not None:
-                sz[s:e] = z.sum(-1)
+            sz[s:e] = z.sum(-1) if w_sum is None else h @ w_sum + b_sum
             z -= zmax[:, None]
             torch.exp(z, out=p)
             s_c = p.sum(-1)
