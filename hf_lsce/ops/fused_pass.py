@@ -112,7 +112,6 @@ def _exp_tiles_kernel(
     HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, STATS: tl.constexpr,
     FIXUP: tl.constexpr, STORE: tl.constexpr, SOFTCAP: tl.constexpr, ONLINE: tl.constexpr, GRAD: tl.constexpr,
     TMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-    FLATTEN: tl.constexpr = False,
 ):
     """Per (vocabulary split, row block): R = exp(z - c) stored tile by tile (STORE) and, per row over the split, S
     = sum R, the max and (STATS) T = sum R (z - c) and the argmax. FIXUP: the second launch; a row whose max exceeds
@@ -160,24 +159,14 @@ def _exp_tiles_kernel(
                     acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
         else:  # pointer loads: a D loop per vocabulary tile (Triton's classic matmul loop: 1-13 % faster than the
             # flattened one with pointers, settled experiments: pointer_blocks.py)
-            if FLATTEN:
-                for v0 in tl.range(v_start, v_end, BLOCK_V, flatten=True):
-                    offs_w = v0 + tl.arange(0, BLOCK_V)
-                    acc = _logit_acc(H, W, offs_n.to(tl.int64), offs_w.to(tl.int64), mask_n, offs_w < V, D, stride_hn,
-                                     stride_hd, stride_wv, stride_wd, BLOCK_D, DOT_PRECISION, UPCAST, BLOCK_N, BLOCK_V,
-                                     EVEN_D)
-                    m, s, t_acc, sz, am = _exp_epilogue(acc, v0, v_end, v_store, B, R, stride_rn, offs_n, mask_n, c, c2,
-                                                        m, s, t_acc, sz, am, softcap, MT, stride_mt, pm, uu, ot, y,
-                                                        HAS_BIAS, STATS, STORE, SOFTCAP, ONLINE, GRAD, BLOCK_V)
-            else:
-                for v0 in range(v_start, v_end, BLOCK_V):
-                    offs_w = v0 + tl.arange(0, BLOCK_V)
-                    acc = _logit_acc(H, W, offs_n.to(tl.int64), offs_w.to(tl.int64), mask_n, offs_w < V, D, stride_hn,
-                                     stride_hd, stride_wv, stride_wd, BLOCK_D, DOT_PRECISION, UPCAST, BLOCK_N, BLOCK_V,
-                                     EVEN_D)
-                    m, s, t_acc, sz, am = _exp_epilogue(acc, v0, v_end, v_store, B, R, stride_rn, offs_n, mask_n, c, c2,
-                                                        m, s, t_acc, sz, am, softcap, MT, stride_mt, pm, uu, ot, y,
-                                                        HAS_BIAS, STATS, STORE, SOFTCAP, ONLINE, GRAD, BLOCK_V)
+            for v0 in range(v_start, v_end, BLOCK_V):
+                offs_w = v0 + tl.arange(0, BLOCK_V)
+                acc = _logit_acc(H, W, offs_n.to(tl.int64), offs_w.to(tl.int64), mask_n, offs_w < V, D, stride_hn,
+                                 stride_hd, stride_wv, stride_wd, BLOCK_D, DOT_PRECISION, UPCAST, BLOCK_N, BLOCK_V,
+                                 EVEN_D)
+                m, s, t_acc, sz, am = _exp_epilogue(acc, v0, v_end, v_store, B, R, stride_rn, offs_n, mask_n, c, c2,
+                                                    m, s, t_acc, sz, am, softcap, MT, stride_mt, pm, uu, ot, y,
+                                                    HAS_BIAS, STATS, STORE, SOFTCAP, ONLINE, GRAD, BLOCK_V)
         if not GRAD:
             out = tl.program_id(0) * N + offs_n
             tl.store(S_OUT + out, s, mask=mask_n)
@@ -234,8 +223,7 @@ def _exp_tiles(config, h, weight, bias, c, r, stats: bool, bufs=None, descs=None
         HAS_BIAS=bias is not None, DOT_PRECISION=config.dot_precision, UPCAST=config.upcast_dot,
         STATS=stats, FIXUP=fixup, STORE=store, SOFTCAP=softcap is not None, ONLINE=mt is not None,
         GRAD=grad is not None, TMA=use_tma, BLOCK_N=config.block_n,
-        BLOCK_V=config.block_v, BLOCK_D=config.block_d, EVEN_D=d % config.block_d == 0, FLATTEN=__import__('os').environ.get('HF_LSCE_FLATTEN') == '1',
-        num_warps=config.num_warps,
+        BLOCK_V=config.block_v, BLOCK_D=config.block_d, EVEN_D=d % config.block_d == 0, num_warps=config.num_warps,
         num_stages=config.num_stages)
     return bufs, descs
 
