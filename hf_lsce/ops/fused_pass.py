@@ -112,7 +112,6 @@ def _exp_tiles_kernel(
     HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, STATS: tl.constexpr,
     FIXUP: tl.constexpr, STORE: tl.constexpr, SOFTCAP: tl.constexpr, ONLINE: tl.constexpr, GRAD: tl.constexpr,
     TMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-    FLAT_POINTERS: tl.constexpr = False,
 ):
     """Per (vocabulary split, row block): R = exp(z - c) stored tile by tile (STORE) and, per row over the split, S
     = sum R, the max and (STATS) T = sum R (z - c) and the argmax. FIXUP: the second launch; a row whose max exceeds
@@ -152,25 +151,6 @@ def _exp_tiles_kernel(
                 k = it % k_steps
                 h = H.load([n0, k * BLOCK_D])
                 w = W.load([v0, k * BLOCK_D])
-                acc = _dot(h, tl.trans(w), acc, DOT_PRECISION, UPCAST)
-                if k == k_steps - 1:
-                    m, s, t_acc, sz, am = _exp_epilogue(acc, v0, v_end, v_store, B, R, stride_rn, offs_n, mask_n, c,
-                                                        c2, m, s, t_acc, sz, am, softcap, MT, stride_mt, pm, uu, ot,
-                                                        y, HAS_BIAS, STATS, STORE, SOFTCAP, ONLINE, GRAD, BLOCK_V)
-                    acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
-        elif FLAT_POINTERS and EVEN_D:  # (experiment) pointer loads in the TMA kernel's flattened loop
-            k_steps = tl.cdiv(D, BLOCK_D)
-            offs_d = tl.arange(0, BLOCK_D)
-            h_base = H + tl.where(mask_n, offs_n, 0).to(tl.int64)[:, None] * stride_hn
-            acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
-            for it in range(0, tl.cdiv(v_end - v_start, BLOCK_V) * k_steps):
-                v0 = v_start + (it // k_steps) * BLOCK_V
-                k = it % k_steps
-                offs_w = v0 + tl.arange(0, BLOCK_V)
-                cols = tl.where(offs_w < V, offs_w, 0).to(tl.int64)
-                d_at = (k * BLOCK_D + offs_d).to(tl.int64)[None, :]
-                h = tl.load(h_base + d_at * stride_hd)
-                w = tl.load(W + cols[:, None] * stride_wv + d_at * stride_wd)
                 acc = _dot(h, tl.trans(w), acc, DOT_PRECISION, UPCAST)
                 if k == k_steps - 1:
                     m, s, t_acc, sz, am = _exp_epilogue(acc, v0, v_end, v_store, B, R, stride_rn, offs_n, mask_n, c,
@@ -243,8 +223,7 @@ def _exp_tiles(config, h, weight, bias, c, r, stats: bool, bufs=None, descs=None
         HAS_BIAS=bias is not None, DOT_PRECISION=config.dot_precision, UPCAST=config.upcast_dot,
         STATS=stats, FIXUP=fixup, STORE=store, SOFTCAP=softcap is not None, ONLINE=mt is not None,
         GRAD=grad is not None, TMA=use_tma, BLOCK_N=config.block_n,
-        BLOCK_V=config.block_v, BLOCK_D=config.block_d, EVEN_D=d % config.block_d == 0,
-        FLAT_POINTERS=__import__('os').environ.get('HF_LSCE_FLAT_POINTERS') == '1', num_warps=config.num_warps,
+        BLOCK_V=config.block_v, BLOCK_D=config.block_d, EVEN_D=d % config.block_d == 0, num_warps=config.num_warps,
         num_stages=config.num_stages)
     return bufs, descs
 
