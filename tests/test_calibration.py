@@ -149,6 +149,27 @@ def test_reliability_diagram_png(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
 
 
+def test_reliability_diagram_into_the_callers_axes_leaves_its_layout(tmp_path):
+    """Drawn into axes of the caller's figure, a diagram leaves that figure's layout to the caller: each panel of a
+    grid re-laid the whole figure (half the time of the demo's grids). ``reliability_grid`` still lays its figure
+    out, once, and saves it."""
+    from matplotlib.figure import Figure
+
+    from hf_lsce.calibration import reliability_grid
+
+    res = calibration_metrics(*_random_probs(200, 4, 12))
+    fig = Figure(figsize=(8, 4))
+    axes = fig.subplots(1, 2)
+    before = vars(fig.subplotpars).copy()
+    for ax in axes:
+        reliability_diagram(res, ax=ax, title="random")
+    assert vars(fig.subplotpars) == before
+    path = tmp_path / "grid.png"
+    grid = reliability_grid({"a": res, "b": res}, str(path))
+    assert vars(grid.subplotpars) != vars(Figure().subplotpars)  # (laid out: not matplotlib's default margins)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 # --------------------------------------------------------------------------------------- tasks
 def test_mmlu_prompt_exact_text(shared_data):
     t = load_task("mmlu", shared_data, shots=5)

@@ -14,6 +14,8 @@ def reliability_diagram(result: CalibrationResult | ReliabilityData, path: str |
     Top panel: bars of per-bin accuracy, the gap to the bin's mean confidence (red), and the
     diagonal of perfect calibration; the ECE and RMS in the corner. Bottom panel: how many
     predictions fall in each bin (log scale), so a big gap over three samples reads as such.
+    ``ax``: draw into these axes (one, or a (top, bottom) pair) of the caller's figure, whose layout is left to the
+    caller (``fig.tight_layout()`` once every panel is drawn) unless ``path`` asks to save it.
     """
     from matplotlib.figure import Figure  # no pyplot: never switches the user's backend or leaks figures
 
@@ -57,7 +59,8 @@ def reliability_diagram(result: CalibrationResult | ReliabilityData, path: str |
         bottom.set_xlabel("confidence")
     else:
         top.set_xlabel("confidence")
-    fig.tight_layout()
+    if ax is None or path is not None:  # (axes of a figure the caller owns: its layout is the caller's, done once)
+        fig.tight_layout()
     if path is not None:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         fig.savefig(path, dpi=120)
