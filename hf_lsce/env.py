@@ -139,13 +139,13 @@ def self_test(device: torch.device, route_rows: list[dict]) -> list[dict]:
     """A small forward and backward per dtype and head, with ``memory="auto"`` and with the smallest budget (the
     layouts that reach it), and the evaluation statistics per dtype, against fp64: loss, dh and dW errors, each bounded
     by torch's own same-dtype error (logits in that dtype, as Hugging Face computes them) plus a slack."""
-    out = []
+    out, refs = [], {}  # (the references per dtype: every head and budget of a dtype runs on the same inputs)
     for row in route_rows:
         dtype = DTYPES[row["dtype"]]
         frozen = row["head"] == "frozen"
         for memory in ("auto", "smallest"):
             out.append(dict(check=f"{row['dtype']} {row['head']}, memory={memory}",
-                            **_train_check(device, dtype, frozen, memory)))
+                            **_train_check(device, dtype, frozen, memory, refs)))
     for name, dtype in DTYPES.items():
         out.append(dict(check=f"{name} evaluation statistics", **_eval_check(device, dtype)))
     return out
@@ -161,29 +161,32 @@ def _inputs(device, dtype, seed=0):
     return h, w, y.to(device), b
 
 
-def _reference(h, w, y, b, frozen, dtype):
+def _reference(h, w, y, b, dtype):
     """(loss, dh, dW) of the mean smoothed loss with the logits in ``dtype`` (fp64: the truth)."""
     hh = h.detach().to(dtype).requires_grad_()
-    ww = w.detach().to(dtype).requires_grad_(not frozen)
+    ww = w.detach().to(dtype).requires_grad_()
     logp = torch.log_softmax((hh @ ww.T).double(), -1)
     valid = y >= 0
     tok = -(1 - b.double()) * logp.gather(1, y.clamp(min=0)[:, None])[:, 0] - b.double() * logp.mean(-1)
     loss = torch.where(valid, tok, 0.0).sum() / valid.sum()
     loss.backward()
-    return loss.detach(), hh.grad, None if frozen else ww.grad
+    return loss.detach(), hh.grad, ww.grad
 
 
 def _rel(a, r) -> float:
     return float((a.double() - r.double()).norm() / r.double().norm().clamp_min(1e-300))
 
 
-def _train_check(device, dtype, frozen, memory) -> dict:
+def _train_check(device, dtype, frozen, memory, refs: dict) -> dict:
+    """One training check; ``refs``: the fp64 and same-dtype references by dtype, computed at its first check (a
+    trainable head's: a frozen one takes their loss and dh)."""
     from .ops import linear_cross_entropy
     from .ops.budget import computation, shape_of, smallest
 
     h, w, y, b = _inputs(device, dtype)
-    truth = _reference(h, w, y, b, frozen, torch.float64)
-    torch_own = _reference(h, w, y, b, frozen, dtype)
+    if dtype not in refs:
+        refs[dtype] = tuple(_reference(h, w, y, b, dt) for dt in (torch.float64, dtype))
+    truth, torch_own = refs[dtype]
     if memory == "smallest":
         comp = computation(h, w, None, "triton" if device.type == "cuda" else "torch")
         memory = smallest(shape_of(h, w, None, None, comp, not frozen, False), comp)
