@@ -263,8 +263,6 @@ def run_config(rows, fns, shape, head, b, cap, methods, with_errors, cuda, do_be
 def budget_for(what: str, measured: dict, h, w, cap, head) -> int | None:
     """The budget of ``hf_lsce@what``: bytes (``1.1e9``), or a peer's measured extra memory at this configuration,
     raised to the smallest budget that holds exact gradients where the peer keeps less (None: the peer did not run)."""
-    from hf_lsce.ops.budget import computation, shape_of
-
     try:
         return int(float(what))
     except ValueError:
@@ -273,8 +271,8 @@ def budget_for(what: str, measured: dict, h, w, cap, head) -> int | None:
     if mb is None:
         return None
     hh = h.detach().requires_grad_(head != "eval")
-    comp = computation(hh, w, cap, "triton")
-    least = bud.smallest(shape_of(hh, w, None, cap, comp, head == "trainable", False), comp)
+    comp = bud.computation(hh, w, cap, "triton")
+    least = bud.smallest(bud.shape_of(hh, w, None, cap, comp, head == "trainable", False), comp)
     return max(int(mb * 1e6), least)
 
 
@@ -341,8 +339,6 @@ def plot(rows, path):
 
 def sweep_budgets(shape, head, tokens, cap, dtype) -> list[str]:
     """``hf_lsce@B`` methods from the smallest budget to the fastest plan's, about a factor of two apart."""
-    from hf_lsce.ops import budget as bud
-
     n, d, v = SHAPES[shape]
     s = bud.Shape(tokens or n, v, d, head == "trainable", False, half=dtype == torch.float16, soft=cap is not None)
     least, top = bud.smallest(s, "fused"), bud.best(s, None, "fused").nbytes
